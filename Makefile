@@ -1,0 +1,20 @@
+# `make demo`: generate a criteo-profile dataset (once) and train one epoch on it.
+# `make test`: the test suite. Both set up .venv themselves.
+VENV := .venv/bin
+DEMO_DATA := data/criteo-250k
+
+.PHONY: setup demo test bench
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	@test -f $(DEMO_DATA)/dataset.json || $(VENV)/neorec data synth --profile criteo --rows 250000 --out $(DEMO_DATA)
+	$(VENV)/neorec train configs/demo.toml
+
+test: setup
+	$(VENV)/python -m pytest -q
+
+bench: setup
+	$(VENV)/neorec bench train --json bench-train.json
+	$(VENV)/neorec bench tbe --json bench-tbe.json

@@ -1,0 +1,16 @@
+"""Benchmarks run by ``neorec bench NAME``: ours and a baseline side by side, one process,
+same data, with the ratio printed (absolute times drift on shared machines; ratios hold)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def run_benchmark(name: str, quick: bool = False) -> dict[str, Any]:
+    if name == "train":
+        from benchmarks.train_bench import run
+    elif name == "tbe":
+        from benchmarks.tbe_bench import run
+    else:
+        raise ValueError(f"unknown benchmark {name!r}")
+    return run(quick=quick)

@@ -1,0 +1,74 @@
+"""DLRM training QPS: fused embeddings against one ``nn.EmbeddingBag(sparse=True)`` per
+table with ``torch.optim.Adagrad``, same model, same initial weights, same batches."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import torch
+
+from benchmarks.timing import interleaved_rates
+from ingest.reader import InProcessReader, ReaderConfig
+from ingest.schema import Dataset
+from ingest.synth import SynthSpec, generate
+from trainer.batch import Batch
+from trainer.build import build_model, decode_options, dense_optimizer, table_configs
+from trainer.config import TrainConfig
+from trainer.embedding_reference import EmbeddingBagCollectionReference
+from trainer.model import DLRM
+from trainer.train import set_threads, train_step
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    threads = set_threads(0)
+    batch_size = 512
+    steps, rounds = (5, 2) if quick else (40, 3)
+    with tempfile.TemporaryDirectory() as tmp:
+        dataset = generate(SynthSpec(rows=20_000 if quick else 120_000), tmp)
+        config = TrainConfig.from_dict({
+            "data": {"path": tmp},
+            "optimizer": {"sparse": "adagrad", "sparse_lr": 0.05, "sparse_eps": 1e-10},
+            "train": {"batch_size": batch_size},
+        })
+        batches = _load_batches(dataset, config)
+        fused = build_model(dataset, config)
+        fused_opt = dense_optimizer(fused, config)
+        baseline, baseline_opt = _baseline_model(dataset, config, fused)
+        candidates = {
+            "fused": lambda i: _step(fused, [fused_opt], batches[i % len(batches)]),
+            "baseline": lambda i: _step(baseline, baseline_opt, batches[i % len(batches)]),
+        }
+        rates = interleaved_rates(candidates, steps=steps, rounds=rounds)
+    return {
+        "benchmark": "train",
+        "model": "DLRM criteo profile, 26 tables x dim 16 (<= 200k rows), batch 512, Adagrad",
+        "threads": threads,
+        "fused_qps": rates["fused"],
+        "baseline_qps": rates["baseline"],
+        "ratio": rates["fused"] / rates["baseline"],
+    }
+
+
+def _load_batches(dataset: Dataset, config: TrainConfig) -> list[Batch]:
+    reader = InProcessReader(dataset, "train", decode_options(dataset.schema, config),
+                             ReaderConfig(batch_size=config.train.batch_size))
+    return [Batch.from_host(b) for b in reader.epoch(0)]
+
+
+def _baseline_model(dataset: Dataset, config: TrainConfig, fused: DLRM) -> tuple[DLRM, list[torch.optim.Optimizer]]:
+    tables = table_configs(dataset.schema, config)
+    weights = [fused.embeddings.table_weight(t.name).clone() for t in tables]
+    model = build_model(dataset, config)
+    model.embeddings = EmbeddingBagCollectionReference(tables, weights)  # MLPs: same seed, same init
+    sparse = torch.optim.Adagrad(model.embeddings.parameters(), lr=config.optimizer.sparse_lr, eps=1e-10)
+    return model, [dense_optimizer(model, config), sparse]
+
+
+def _step(model: DLRM, optimizers: list[torch.optim.Optimizer], batch: Batch) -> int:
+    for extra in optimizers[1:]:
+        extra.zero_grad(set_to_none=True)
+    train_step(model, optimizers[0], batch)
+    for extra in optimizers[1:]:
+        extra.step()
+    return batch.num_valid

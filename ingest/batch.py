@@ -1,0 +1,168 @@
+"""The host-side batch: numpy arrays in the keyed-jagged layout of the data contract.
+
+Sparse features are one keyed jagged block, lengths not offsets, all features
+concatenated feature-major: ``lengths[f * B + b]`` is the number of ids of sample ``b`` in
+feature ``keys[f]`` and ``values`` holds feature 0's ids (sample by sample), then
+feature 1's, and so on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RowRange:
+    """Rows ``[start, stop)`` of row group ``row_group`` of file ``file_index`` of a split."""
+
+    file_index: int
+    row_group: int
+    start: int
+    stop: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a batch comes from: its place in the epoch and the rows it holds, in order."""
+
+    epoch: int
+    step: int
+    rows: tuple[RowRange, ...]
+
+
+@dataclass
+class HostBatch:
+    """``B`` samples in numpy arrays.
+
+    Attributes:
+        dense: float32 ``[B, num_dense]``.
+        labels: float32 ``[B]``.
+        keys: feature names, in the order of the feature-major blocks.
+        lengths: int32 ``[F * B]``, feature-major.
+        values: int64 ``[sum(lengths)]``.
+        weights: optional float32 ``[sum(lengths)]`` per-id weights.
+        num_valid: samples ``[0, num_valid)`` are real, the rest padding (empty bags,
+            zero dense and label) that the loss and metrics ignore.
+        provenance: set on batches delivered by a reader.
+    """
+
+    dense: np.ndarray
+    labels: np.ndarray
+    keys: tuple[str, ...]
+    lengths: np.ndarray
+    values: np.ndarray
+    weights: np.ndarray | None = None
+    num_valid: int = -1
+    provenance: Provenance | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_valid < 0:
+            self.num_valid = self.batch_size
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def num_features(self) -> int:
+        return len(self.keys)
+
+    def feature_value_offsets(self) -> np.ndarray:
+        """int64 ``[F + 1]``: ``values[o[f]:o[f+1]]`` are feature ``f``'s ids."""
+        return np.concatenate([[0], self._value_offsets[:, -1]]).astype(np.int64)
+
+    @cached_property
+    def _value_offsets(self) -> np.ndarray:
+        """int64 ``[F, B + 1]``: bag ``b`` of feature ``f`` is ``values[o[f, b]:o[f, b+1]]``."""
+        num_f, size = self.num_features, self.batch_size
+        offsets = np.zeros((num_f, size + 1), dtype=np.int64)
+        np.cumsum(self.lengths.reshape(num_f, size), axis=1, out=offsets[:, 1:])
+        offsets[1:] += np.cumsum(offsets[:-1, -1])[:, None]
+        return offsets
+
+    def slice(self, start: int, stop: int) -> "HostBatch":
+        """Samples ``[start, stop)`` as a new batch (all samples count as valid)."""
+        num_f = self.num_features
+        offsets = self._value_offsets
+        pieces = [slice(a, b) for a, b in zip(offsets[:, start].tolist(), offsets[:, stop].tolist())]
+        values = np.concatenate([self.values[p] for p in pieces]) if num_f else self.values[:0]
+        weights = None
+        if self.weights is not None:
+            weights = np.concatenate([self.weights[p] for p in pieces]) if num_f else self.weights[:0]
+        lengths = self.lengths.reshape(num_f, self.batch_size)[:, start:stop]
+        return HostBatch(
+            dense=self.dense[start:stop],
+            labels=self.labels[start:stop],
+            keys=self.keys,
+            lengths=np.ascontiguousarray(lengths).reshape(-1),
+            values=values,
+            weights=weights,
+        )
+
+    @classmethod
+    def empty(cls, keys: tuple[str, ...], num_dense: int) -> "HostBatch":
+        """A batch of no samples."""
+        return cls(
+            dense=np.zeros((0, num_dense), dtype=np.float32),
+            labels=np.zeros(0, dtype=np.float32),
+            keys=keys,
+            lengths=np.zeros(0, dtype=np.int32),
+            values=np.zeros(0, dtype=np.int64),
+        )
+
+    @staticmethod
+    def concat(parts: list["HostBatch"]) -> "HostBatch":
+        """Samples of ``parts`` one after the other (keys must agree)."""
+        if len(parts) == 1:
+            return parts[0]
+        keys = parts[0].keys
+        num_f = len(keys)
+        lengths = np.concatenate([p.lengths.reshape(num_f, p.batch_size) for p in parts], axis=1)
+        offsets = [p.feature_value_offsets() for p in parts]
+        values = np.concatenate(
+            [p.values[o[f] : o[f + 1]] for f in range(num_f) for p, o in zip(parts, offsets)]
+        ) if num_f else parts[0].values[:0]
+        weights = None
+        if parts[0].weights is not None:
+            weights = np.concatenate(
+                [p.weights[o[f] : o[f + 1]] for f in range(num_f) for p, o in zip(parts, offsets)]
+            )
+        return HostBatch(
+            dense=np.concatenate([p.dense for p in parts]),
+            labels=np.concatenate([p.labels for p in parts]),
+            keys=keys,
+            lengths=lengths.reshape(-1),
+            values=values,
+            weights=weights,
+        )
+
+    def padded_to(self, size: int) -> "HostBatch":
+        """This batch followed by ``size - B`` padding samples; ``num_valid`` stays ``B``."""
+        extra = size - self.batch_size
+        if extra < 0:
+            raise ValueError(f"cannot pad a batch of {self.batch_size} samples to {size}")
+        if extra == 0:
+            return self
+        num_f = self.num_features
+        lengths = np.zeros((num_f, size), dtype=np.int32)
+        lengths[:, : self.batch_size] = self.lengths.reshape(num_f, self.batch_size)
+        dense = np.zeros((size, self.dense.shape[1]), dtype=np.float32)
+        dense[: self.batch_size] = self.dense
+        labels = np.zeros(size, dtype=np.float32)
+        labels[: self.batch_size] = self.labels
+        return HostBatch(
+            dense=dense,
+            labels=labels,
+            keys=self.keys,
+            lengths=lengths.reshape(-1),
+            values=self.values,
+            weights=self.weights,
+            num_valid=self.batch_size,
+        )

@@ -1,0 +1,266 @@
+"""Synthetic CTR datasets with a planted teacher, so the best possible AUC is known.
+
+Profiles:
+
+* ``criteo``: 13 dense count columns ``I1..I13`` (some missing) and 26 single-id columns
+  ``C1..C26`` whose cardinalities are those of Criteo Kaggle (from 3 to ~10M), with
+  Zipf-skewed ids and some missing values.
+* ``multihot``: 13 dense columns and 8 ``list<int64>`` columns ``M1..M8`` (100k-1M ids,
+  variable length with mean ~20).
+
+Labels come from a teacher: each id of each feature has its own 2-dim embedding (hashed
+from the seed, so no table is stored; its scale shrinks with the id's rarity, so the
+signal lies mostly in ids a student sees often), pooled by mean for multi-hot bags,
+concatenated with ``log1p`` of the dense columns and fed to a small random MLP whose output
+is rescaled to a fixed logit spread; ``label ~ Bernoulli(sigmoid(logit))``. The AUC, log
+loss and NE of the teacher's true probabilities on the eval split (the oracle) are stored
+in ``dataset.json``.
+
+Everything is vectorized per row group; the same spec and seed give the same files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ingest.metrics import binary_metrics
+from ingest.schema import Dataset, DatasetSchema, SparseFeature
+
+CRITEO_KAGGLE_CARDINALITIES = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)
+# Fraction of rows with a missing value, per column (shaped like Criteo's missingness).
+CRITEO_DENSE_MISSING = (0.45, 0.0, 0.2, 0.2, 0.03, 0.22, 0.04, 0.0, 0.04, 0.45, 0.04, 0.76, 0.2)
+CRITEO_SPARSE_MISSING = (0.0,) * 18 + (0.44, 0.44, 0.0, 0.76, 0.0, 0.0, 0.44, 0.44)
+MULTIHOT_CARDINALITIES = (100_000, 200_000, 300_000, 500_000, 500_000, 800_000, 1_000_000, 1_000_000)
+
+PROFILES = ("criteo", "multihot")
+TEACHER_DIM = 2
+TEACHER_HIDDEN = 32
+LOGIT_SCALE = 1.9
+LOGIT_BIAS = -1.55
+RARITY_RANK = 20.0
+PILOT_ROWS = 16384
+
+ProgressFn = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class SynthSpec:
+    """What to generate. ``rows`` counts train and eval rows together."""
+
+    profile: str = "criteo"
+    rows: int = 250_000
+    eval_fraction: float = 0.2
+    seed: int = 0
+    zipf_alpha: float = 1.2
+    row_group_rows: int = 65_536
+    file_rows: int = 1_048_576
+    mean_pooling: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.profile not in PROFILES:
+            raise ValueError(f"profile must be one of {PROFILES}, got {self.profile!r}")
+        if self.rows < 2:
+            raise ValueError("rows must be at least 2")
+        if not 0 < self.eval_fraction < 1:
+            raise ValueError("eval_fraction must lie in (0, 1)")
+        if self.zipf_alpha <= 1.0:
+            raise ValueError("zipf_alpha must be > 1")
+
+
+def profile_schema(profile: str) -> DatasetSchema:
+    dense = tuple(f"I{i}" for i in range(1, 14))
+    if profile == "criteo":
+        sparse = tuple(SparseFeature(f"C{i + 1}", c) for i, c in enumerate(CRITEO_KAGGLE_CARDINALITIES))
+    elif profile == "multihot":
+        sparse = tuple(SparseFeature(f"M{i + 1}", c, multi_hot=True) for i, c in enumerate(MULTIHOT_CARDINALITIES))
+    else:
+        raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
+    return DatasetSchema(label="label", dense=dense, sparse=sparse)
+
+
+def generate(spec: SynthSpec, out_dir: str | Path, progress: ProgressFn | None = None) -> Dataset:
+    """Write ``spec``'s dataset into ``out_dir`` and return its description."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    schema = profile_schema(spec.profile)
+    teacher = _Teacher(spec, schema)
+    eval_rows = max(1, int(round(spec.rows * spec.eval_fraction)))
+    split_rows = {"train": spec.rows - eval_rows, "eval": eval_rows}
+    splits: dict[str, list[str]] = {}
+    oracle = None
+    for split_id, (split, rows) in enumerate(split_rows.items()):
+        labels, probabilities, files = _write_split(spec, schema, teacher, out, split, split_id, rows, progress)
+        splits[split] = files
+        if split == "eval":
+            metrics = binary_metrics(labels, probabilities)
+            oracle = {f"eval_{k}": v for k, v in metrics.items() if k != "calibration"}
+            oracle["eval_label_rate"] = float(labels.mean())
+    dataset = Dataset(
+        root=out,
+        schema=schema,
+        splits=splits,
+        rows=split_rows,
+        profile=spec.profile,
+        oracle=oracle,
+        generator={"kind": "neorec-synth", **asdict(spec)},
+    )
+    dataset.save()
+    return dataset
+
+
+def _write_split(
+    spec: SynthSpec,
+    schema: DatasetSchema,
+    teacher: "_Teacher",
+    out: Path,
+    split: str,
+    split_id: int,
+    rows: int,
+    progress: ProgressFn | None,
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    arrow_schema = _arrow_schema(schema)
+    labels, probabilities, files = [], [], []
+    done = 0
+    file_index = 0
+    while done < rows:
+        name = f"{split}-{file_index:05d}.parquet"
+        files.append(name)
+        file_end = min(rows, done + spec.file_rows)
+        with pq.ParquetWriter(out / name, arrow_schema, compression="zstd") as writer:
+            while done < file_end:
+                n = min(spec.row_group_rows, file_end - done)
+                rng = np.random.default_rng([spec.seed, split_id, done])
+                table, raw = _rows(spec, schema, teacher, rng, n, arrow_schema)
+                p = teacher.probability(raw)
+                y = (rng.random(n) < p).astype(np.float32)
+                table = table.set_column(0, arrow_schema.field(0), pa.array(y))
+                writer.write_table(table, row_group_size=spec.row_group_rows)
+                labels.append(y)
+                probabilities.append(p)
+                done += n
+                if progress is not None:
+                    progress(n)
+        file_index += 1
+    return np.concatenate(labels), np.concatenate(probabilities), files
+
+
+def _arrow_schema(schema: DatasetSchema) -> pa.Schema:
+    fields = [pa.field(schema.label, pa.float32(), nullable=False)]
+    fields += [pa.field(name, pa.float32()) for name in schema.dense]
+    fields += [pa.field(f.name, pa.list_(pa.int64()) if f.multi_hot else pa.int64()) for f in schema.sparse]
+    return pa.schema(fields)
+
+
+def _rows(
+    spec: SynthSpec,
+    schema: DatasetSchema,
+    teacher: "_Teacher",
+    rng: np.random.Generator,
+    n: int,
+    arrow_schema: pa.Schema,
+) -> tuple[pa.Table, np.ndarray]:
+    """``n`` rows (label column left empty) and the teacher's raw outputs for them."""
+    columns: list[pa.Array] = [pa.nulls(n, pa.float32())]
+    dense_seen = np.empty((n, len(schema.dense)), dtype=np.float32)
+    for j, name in enumerate(schema.dense):
+        counts = np.floor(np.expm1(np.maximum(0.0, rng.normal(1.0 + 0.15 * j, 1.2, n)))).astype(np.float32)
+        missing = rng.random(n) < (CRITEO_DENSE_MISSING[j] if spec.profile == "criteo" else 0.0)
+        columns.append(pa.array(counts, mask=missing))
+        dense_seen[:, j] = np.where(missing, 0.0, counts)
+    pooled = []
+    for f, feature in enumerate(schema.sparse):
+        if feature.multi_hot:
+            lengths = rng.poisson(spec.mean_pooling, n).astype(np.int32)
+            ranks = _zipf_ranks(rng, feature.cardinality, spec.zipf_alpha, int(lengths.sum()))
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            ids = _rank_to_id(ranks, feature.cardinality, f)
+            columns.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids)))
+            pooled.append(teacher.pooled_mean(f, ranks, lengths))
+        else:
+            ranks = _zipf_ranks(rng, feature.cardinality, spec.zipf_alpha, n)
+            missing = rng.random(n) < (CRITEO_SPARSE_MISSING[f] if spec.profile == "criteo" else 0.0)
+            columns.append(pa.array(_rank_to_id(ranks, feature.cardinality, f), mask=missing))
+            emb = teacher.embedding(f, ranks)
+            emb[missing] = 0.0
+            pooled.append(emb)
+    raw = teacher.raw_output(np.log1p(dense_seen), np.concatenate(pooled, axis=1))
+    table = pa.Table.from_arrays(columns, schema=arrow_schema)
+    return table, raw
+
+
+def _zipf_ranks(rng: np.random.Generator, cardinality: int, alpha: float, size: int) -> np.ndarray:
+    """Ranks in ``[0, cardinality)`` with ``P(rank r) ~ (r + 1)^-alpha`` (continuous inverse CDF)."""
+    u = rng.random(size)
+    top = float(cardinality) ** (1.0 - alpha)
+    ranks = np.floor((1.0 + u * (top - 1.0)) ** (1.0 / (1.0 - alpha))).astype(np.int64) - 1
+    return np.clip(ranks, 0, cardinality - 1)
+
+
+_MULTIPLIERS = (2654435761, 2246822519, 3266489917, 668265263, 374761393, 1181783497, 2870177450, 1597334677)
+
+
+def _rank_to_id(ranks: np.ndarray, cardinality: int, feature: int) -> np.ndarray:
+    """A fixed bijection of ``[0, cardinality)`` so that popular ids are not the small ones."""
+    multiplier = _MULTIPLIERS[feature % len(_MULTIPLIERS)]
+    while np.gcd(multiplier, cardinality) != 1:
+        multiplier += 1
+    return (ranks * (multiplier % cardinality) + 7919 * feature) % cardinality
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class _Teacher:
+    """The planted model; see the module docstring."""
+
+    def __init__(self, spec: SynthSpec, schema: DatasetSchema) -> None:
+        self.salt = spec.seed * 1_000_003 + 17
+        rng = np.random.default_rng([spec.seed, 7919])
+        width = len(schema.dense) + TEACHER_DIM * len(schema.sparse)
+        self.w1 = rng.normal(0.0, 1.0 / np.sqrt(width), (width, TEACHER_HIDDEN))
+        self.b1 = rng.normal(0.0, 0.5, TEACHER_HIDDEN)
+        self.w2 = rng.normal(0.0, 1.0 / np.sqrt(TEACHER_HIDDEN), TEACHER_HIDDEN)
+        pilot_rng = np.random.default_rng([spec.seed, 104729])
+        _, raw = _rows(spec, schema, self, pilot_rng, PILOT_ROWS, _arrow_schema(schema))
+        self.center, self.spread = float(raw.mean()), float(raw.std() + 1e-12)
+
+    def embedding(self, feature: int, ranks: np.ndarray) -> np.ndarray:
+        """float64 ``[len(ranks), TEACHER_DIM]``: the teacher's vector of each id."""
+        keys = (ranks.astype(np.uint64)[:, None] * np.uint64(TEACHER_DIM) + np.arange(TEACHER_DIM, dtype=np.uint64))
+        salt = np.uint64((self.salt + feature * 0x632BE59BD9B4E019) % (1 << 64))
+        h = _splitmix64(keys ^ salt)
+        mask = np.uint64(0xFFFF)
+        total = sum(((h >> np.uint64(s)) & mask).astype(np.float64) for s in (0, 16, 32, 48))
+        gaussian = (total / 65535.0 - 2.0) * np.sqrt(3.0)
+        rarity = 1.0 / (1.0 + ranks / RARITY_RANK)
+        return gaussian * rarity[:, None]
+
+    def pooled_mean(self, feature: int, ranks: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Mean of the bag's vectors (zeros for an empty bag): float64 ``[B, TEACHER_DIM]``."""
+        emb = self.embedding(feature, ranks)
+        bag = np.repeat(np.arange(lengths.size), lengths)
+        pooled = np.stack([np.bincount(bag, emb[:, d], minlength=lengths.size) for d in range(TEACHER_DIM)], axis=1)
+        return pooled / np.maximum(lengths, 1)[:, None]
+
+    def raw_output(self, dense_log1p: np.ndarray, pooled: np.ndarray) -> np.ndarray:
+        """The MLP's output before rescaling: float64 ``[B]``."""
+        x = np.concatenate([dense_log1p - 1.5, pooled * 2.0], axis=1)
+        return np.maximum(x @ self.w1 + self.b1, 0.0) @ self.w2
+
+    def probability(self, raw: np.ndarray) -> np.ndarray:
+        """Click probability: raw outputs rescaled to the fixed logit spread and bias."""
+        logits = LOGIT_SCALE * (raw - self.center) / self.spread + LOGIT_BIAS
+        return 1.0 / (1.0 + np.exp(-logits))

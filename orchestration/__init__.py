@@ -1,0 +1,1 @@
+"""The ``neorec`` command line and configuration loading."""

@@ -1,0 +1,134 @@
+"""The ``neorec`` command: data generation and conversion, training, evaluation, benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from tqdm import tqdm
+
+from ingest.errors import DataError
+from trainer.config import ConfigError
+
+log = logging.getLogger("neorec")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return args.run(args)
+    except (ConfigError, DataError, FileNotFoundError) as err:
+        print(f"neorec: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="neorec", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    data = commands.add_parser("data", help="generate or convert datasets").add_subparsers(dest="data", required=True)
+    synth = data.add_parser("synth", help="write a synthetic dataset with a planted teacher")
+    synth.add_argument("--profile", choices=("criteo", "multihot"), default="criteo")
+    synth.add_argument("--rows", type=int, required=True, help="train + eval rows")
+    synth.add_argument("--out", required=True)
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--eval-fraction", type=float, default=0.2)
+    synth.set_defaults(run=_synth)
+    convert = data.add_parser("convert", help="convert public dataset files you downloaded")
+    convert.add_argument("format", choices=("criteo",))
+    convert.add_argument("files", nargs="+", help="Criteo Kaggle/Terabyte TSV files")
+    convert.add_argument("--out", required=True)
+    convert.add_argument("--eval-every", type=int, default=10, help="every N-th row goes to the eval split")
+    convert.set_defaults(run=_convert)
+
+    train = commands.add_parser("train", help="train a DLRM as a config says")
+    train.add_argument("config")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    train.set_defaults(run=_train)
+
+    evaluate = commands.add_parser("eval", help="evaluate a checkpoint on the config's eval split")
+    evaluate.add_argument("config")
+    evaluate.add_argument("--checkpoint", required=True)
+    evaluate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    evaluate.set_defaults(run=_eval)
+
+    bench = commands.add_parser("bench", help="benchmarks: ours against a baseline, side by side")
+    bench.add_argument("name", choices=("train", "tbe"))
+    bench.add_argument("--json", help="write the results to this file")
+    bench.add_argument("--quick", action="store_true", help="a small, fast configuration (for smoke tests)")
+    bench.set_defaults(run=_bench)
+    return parser
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from ingest.synth import SynthSpec, generate
+
+    spec = SynthSpec(profile=args.profile, rows=args.rows, seed=args.seed, eval_fraction=args.eval_fraction)
+    with tqdm(total=spec.rows, unit="rows", desc=f"synth {spec.profile}") as bar:
+        dataset = generate(spec, args.out, progress=bar.update)
+    print(json.dumps({"out": str(dataset.root), "rows": dataset.rows, "oracle": dataset.oracle}, indent=2))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from ingest.convert_criteo import ConvertOptions, convert
+
+    with tqdm(unit="rows", desc="convert criteo") as bar:
+        dataset = convert(args.files, args.out, ConvertOptions(eval_every=args.eval_every), progress=bar.update)
+    print(json.dumps({"out": str(dataset.root), "rows": dataset.rows}, indent=2))
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from orchestration.config import load_config
+    from trainer.train import StepReport, train
+
+    config = load_config(args.config, args.set)
+    bar = tqdm(unit="step", desc="train")
+
+    def progress(report: StepReport) -> None:
+        if bar.total != report.total_steps:
+            bar.total = report.total_steps
+        bar.update(1)
+        bar.set_postfix(epoch=report.epoch, loss=f"{report.loss:.4f}", qps=f"{report.qps:,.0f}")
+
+    try:
+        summary = train(config, progress=progress)
+    finally:
+        bar.close()
+    print(json.dumps(summary, indent=2, sort_keys=True))
+    line = f"eval AUC {summary['eval_auc']:.4f}"
+    if summary.get("oracle_auc") is not None:
+        line += f" (oracle {summary['oracle_auc']:.4f}, gap {summary['oracle_auc'] - summary['eval_auc']:.4f})"
+    print(f"{line}; run directory {config.run.dir}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from orchestration.config import load_config
+    from trainer.train import evaluate_checkpoint
+
+    config = load_config(args.config, args.set)
+    print(json.dumps(evaluate_checkpoint(config, args.checkpoint), indent=2, sort_keys=True))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from benchmarks import run_benchmark
+
+    results = run_benchmark(args.name, quick=args.quick)
+    text = json.dumps(results, indent=2, sort_keys=True)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Load a training configuration from TOML with ``key=value`` overrides."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Sequence
+
+from trainer.config import ConfigError, TrainConfig
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read ``path``, apply ``section.key=value`` overrides (values in TOML syntax; a bare
+    word is a string) and validate. Errors name the file or override and the key."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    for override in overrides:
+        _apply_override(raw, override)
+    try:
+        return TrainConfig.from_dict(raw)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    key, sep, text = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {override!r}: expected section.key=value")
+    parts = key.strip().split(".")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {override!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value

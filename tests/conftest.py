@@ -1,0 +1,26 @@
+"""Shared fixtures: small synthetic datasets generated once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ingest.schema import Dataset
+from ingest.synth import SynthSpec, generate
+
+
+@pytest.fixture(scope="session")
+def criteo_dataset(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
+    """6,000 criteo-profile rows in row groups of 700 (several groups, ragged ends)."""
+    return generate(SynthSpec(rows=6_000, row_group_rows=700, file_rows=2_100, seed=3),
+                    tmp_path_factory.mktemp("criteo"))
+
+
+@pytest.fixture(scope="session")
+def multihot_dataset(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
+    return generate(SynthSpec(profile="multihot", rows=2_000, row_group_rows=500, seed=5),
+                    tmp_path_factory.mktemp("multihot"))
+
+
+FIXTURES = Path(__file__).parent / "fixtures"

@@ -1,0 +1,167 @@
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ingest.batch import HostBatch
+from ingest.decoder import DecodeOptions, decode_table
+from ingest.errors import DataError
+from ingest.reader import InProcessReader, ReaderConfig
+from ingest.schema import Dataset
+
+
+def _samples(batch: HostBatch) -> list[tuple]:
+    """Each valid sample as a hashable tuple (label, dense values, ids per feature)."""
+    num_f, size = batch.num_features, batch.batch_size
+    lengths = batch.lengths.reshape(num_f, size)
+    offsets = batch._value_offsets
+    out = []
+    for b in range(batch.num_valid):
+        ids = tuple(tuple(batch.values[offsets[f, b] : offsets[f, b + 1]].tolist()) for f in range(num_f))
+        assert all(len(i) == lengths[f, b] for f, i in enumerate(ids))
+        out.append((float(batch.labels[b]), batch.dense[b].tobytes(), ids))
+    return out
+
+
+def _reference_rows(dataset: Dataset, split: str, options: DecodeOptions) -> dict[tuple[int, int, int], tuple]:
+    rows = {}
+    for file_index, path in enumerate(dataset.files(split)):
+        parquet_file = pq.ParquetFile(path)
+        for rg in range(parquet_file.num_row_groups):
+            table = parquet_file.read_row_group(rg)
+            for i, sample in enumerate(_samples(decode_table(table, dataset.schema, options))):
+                rows[(file_index, rg, i)] = sample
+    return rows
+
+
+@pytest.mark.parametrize("world_size,remainder", [(1, "drop"), (2, "drop"), (3, "pad"), (4, "pad")])
+def test_every_row_exactly_once_with_provenance(criteo_dataset, world_size, remainder):
+    options = DecodeOptions.for_schema(criteo_dataset.schema)
+    reference = _reference_rows(criteo_dataset, "train", options)
+    seen = []
+    for rank in range(world_size):
+        reader = InProcessReader(criteo_dataset, "train", options,
+                                 ReaderConfig(batch_size=256, seed=11, rank=rank, world_size=world_size,
+                                              remainder=remainder))
+        plan = reader.plan(0)
+        batches = list(reader.epoch(0))
+        assert len(batches) == plan.num_batches
+        for step, batch in enumerate(batches):
+            assert batch.batch_size == 256
+            assert batch.provenance.step == step and batch.provenance.epoch == 0
+            named = [(r.file_index, r.row_group, i) for r in batch.provenance.rows for i in range(r.start, r.stop)]
+            assert len(named) == batch.num_valid
+            assert _samples(batch) == [reference[k] for k in named]
+            seen.extend(named)
+    assert len(seen) == len(set(seen))
+    dropped = reader.plan(0).dropped_rows
+    assert len(seen) + dropped == len(reference) == criteo_dataset.rows["train"]
+    if remainder == "pad":
+        assert dropped == 0
+
+
+def test_epoch_order_changes_with_seed(criteo_dataset):
+    options = DecodeOptions.for_schema(criteo_dataset.schema)
+
+    def first_labels(seed, epoch):
+        reader = InProcessReader(criteo_dataset, "train", options, ReaderConfig(batch_size=512, seed=seed))
+        return [b.provenance.rows[0] for b in reader.epoch(epoch)]
+
+    assert first_labels(1, 0) == first_labels(1, 0)
+    assert first_labels(1, 0) != first_labels(2, 0)
+    assert first_labels(1, 0) != first_labels(1, 1)
+
+
+def test_multihot_batches_match_direct_decode(multihot_dataset):
+    options = DecodeOptions.for_schema(multihot_dataset.schema)
+    reference = _reference_rows(multihot_dataset, "train", options)
+    reader = InProcessReader(multihot_dataset, "train", options, ReaderConfig(batch_size=300, remainder="pad"))
+    count = 0
+    for batch in reader.epoch(0):
+        named = [(r.file_index, r.row_group, i) for r in batch.provenance.rows for i in range(r.start, r.stop)]
+        assert _samples(batch) == [reference[k] for k in named]
+        count += len(named)
+    assert count == multihot_dataset.rows["train"]
+
+
+def _write(path, columns: dict, schema_of: Dataset) -> None:
+    pq.write_table(pa.table(columns), path)
+
+
+def _good_columns(dataset: Dataset, n: int = 4) -> dict:
+    columns = {"label": pa.array(np.zeros(n, np.float32))}
+    for name in dataset.schema.dense:
+        columns[name] = pa.array(np.ones(n, np.float32))
+    for f in dataset.schema.sparse:
+        columns[f.name] = pa.array(np.arange(n, dtype=np.int64) % f.cardinality)
+    return columns
+
+
+def _dataset_with(tmp_path, base: Dataset, columns: dict | None, raw_bytes: bytes | None = None) -> Dataset:
+    path = tmp_path / "bad.parquet"
+    if raw_bytes is not None:
+        path.write_bytes(raw_bytes)
+    else:
+        pq.write_table(pa.table(columns), path)
+    dataset = Dataset(root=tmp_path, schema=base.schema, splits={"train": ["bad.parquet"]})
+    return dataset
+
+
+def _read_all(dataset: Dataset, **option_kwargs):
+    options = DecodeOptions(table_rows=tuple(f.cardinality for f in dataset.schema.sparse), **option_kwargs)
+    reader = InProcessReader(dataset, "train", options, ReaderConfig(batch_size=2, remainder="pad"))
+    return list(reader.epoch(0))
+
+
+def test_unreadable_file_is_named(tmp_path, criteo_dataset):
+    dataset = _dataset_with(tmp_path, criteo_dataset, None, raw_bytes=b"PAR1 this is not parquet")
+    with pytest.raises(DataError, match="bad.parquet"):
+        _read_all(dataset)
+
+
+def test_missing_column_is_named(tmp_path, criteo_dataset):
+    columns = _good_columns(criteo_dataset)
+    del columns["C7"]
+    with pytest.raises(DataError, match=r"bad.parquet.*column 'C7'.*missing"):
+        _read_all(_dataset_with(tmp_path, criteo_dataset, columns))
+
+
+def test_wrong_type_is_named(tmp_path, criteo_dataset):
+    columns = _good_columns(criteo_dataset)
+    columns["C2"] = pa.array(["a", "b", "c", "d"])
+    with pytest.raises(DataError, match=r"column 'C2'.*expected int64"):
+        _read_all(_dataset_with(tmp_path, criteo_dataset, columns))
+
+
+def test_negative_id_names_row_group_column_and_row(tmp_path, criteo_dataset):
+    columns = _good_columns(criteo_dataset)
+    columns["C5"] = pa.array([0, 1, -3, 2], type=pa.int64())
+    with pytest.raises(DataError, match=r"row group 0, column 'C5', row 2: negative id -3"):
+        _read_all(_dataset_with(tmp_path, criteo_dataset, columns))
+
+
+def test_nan_and_inf_dense_values_are_named(tmp_path, criteo_dataset):
+    for bad in (np.nan, np.inf):
+        columns = _good_columns(criteo_dataset)
+        columns["I4"] = pa.array(np.array([1, 2, 3, bad], np.float32))
+        with pytest.raises(DataError, match=r"column 'I4', row 3: non-finite"):
+            _read_all(_dataset_with(tmp_path, criteo_dataset, columns))
+
+
+def test_out_of_range_id_with_strict_mapping(tmp_path, criteo_dataset):
+    columns = _good_columns(criteo_dataset)
+    columns["C9"] = pa.array([0, 1, 2, 3], type=pa.int64())  # C9 has 3 ids
+    with pytest.raises(DataError, match=r"column 'C9', row 3: id 3 is out of range"):
+        _read_all(_dataset_with(tmp_path, criteo_dataset, columns), id_mapping="strict")
+    batches = _read_all(_dataset_with(tmp_path, criteo_dataset, columns), id_mapping="modulo")
+    assert sum(b.num_valid for b in batches) == 4
+
+
+def test_missing_single_id_is_an_empty_bag(tmp_path, criteo_dataset):
+    columns = _good_columns(criteo_dataset)
+    columns["C1"] = pa.array([5, None, 7, None], type=pa.int64())
+    batch = HostBatch.concat(_read_all(_dataset_with(tmp_path, criteo_dataset, columns)))
+    order = [i for b in _read_all(_dataset_with(tmp_path, criteo_dataset, columns))
+             for r in b.provenance.rows for i in range(r.start, r.stop)]
+    lengths = batch.lengths.reshape(batch.num_features, -1)[0]
+    assert [int(lengths[order.index(i)]) for i in range(4)] == [1, 0, 1, 0]

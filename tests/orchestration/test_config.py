@@ -1,0 +1,40 @@
+import pytest
+
+from orchestration.config import load_config
+from trainer.config import ConfigError
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_demo_config_loads_with_overrides():
+    config = load_config("configs/demo.toml", ["train.batch_size=128", "optimizer.sparse=adagrad",
+                                               "model.top_mlp=[8, 4]"])
+    assert config.train.batch_size == 128
+    assert config.optimizer.sparse == "adagrad"
+    assert config.model.top_mlp == [8, 4]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[train]\nbach_size = 3\n", "unknown key 'train.bach_size'"),
+    ("[trian]\n", "unknown key 'trian'"),
+    ("[train]\nbatch_size = 'x'\n", "train.batch_size: expected an integer"),
+    ("[train]\nbatch_size = 0\n", "train.batch_size: must be positive"),
+    ("[model]\ntop_mlp = [1, 'a']\n", r"model.top_mlp\[1\]: expected an integer"),
+    ("[optimizer]\nsparse = 'lamb'\n", "optimizer.sparse: must be one of"),
+    ("[data]\nremainder = 'keep'\n", "data.remainder: must be one of"),
+    ("[train\n", "not valid TOML"),
+])
+def test_bad_config_names_the_key(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(_write(tmp_path, text))
+
+
+def test_bad_override_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="train.epochs: expected an integer"):
+        load_config(_write(tmp_path, ""), ["train.epochs=1.5"])
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        load_config(_write(tmp_path, ""), ["train.epochs"])

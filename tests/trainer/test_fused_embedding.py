@@ -1,0 +1,130 @@
+import numba
+import numpy as np
+import pytest
+import torch
+
+from tests.trainer.reference import ReferenceOptimizer, random_kjt, reference_pooled, touched_rows
+from trainer.embedding_config import SparseOptimizer, TableConfig
+from trainer.fused_embedding import FusedEmbeddingBagCollection
+
+
+def _tables(rng: np.random.Generator, pooling: str) -> list[TableConfig]:
+    """Tables of different dims and sizes; one table is shared by two features."""
+    return [
+        TableConfig("t0", int(rng.integers(5, 40)), 8, ("a", "b"), pooling=pooling),
+        TableConfig("t1", int(rng.integers(50, 200)), int(rng.choice([4, 16])), ("c",), pooling=pooling,
+                    learning_rate=0.03),
+        TableConfig("t2", 3, 5, ("d",), pooling=pooling),
+    ]
+
+
+OPTIMIZERS = [
+    SparseOptimizer("sgd", 0.1),
+    SparseOptimizer("sgd", 0.1, weight_decay=0.01),
+    SparseOptimizer("adagrad", 0.1, eps=1e-10),
+    SparseOptimizer("rowwise_adagrad", 0.1),
+    SparseOptimizer("adam", 0.05, weight_decay=0.001),
+]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: f"{o.kind}-wd{o.weight_decay}")
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matches_pytorch_reference_over_steps(optimizer, pooling, weighted, seed):
+    rng = np.random.default_rng(seed)
+    tables = _tables(rng, pooling)
+    module = FusedEmbeddingBagCollection(tables, optimizer, seed=seed)
+    weights = {t.name: module.table_weight(t.name).clone() for t in tables}
+    reference = ReferenceOptimizer(tables, optimizer)
+    for _ in range(3):
+        kjt = random_kjt(tables, int(rng.integers(1, 12)), rng, weighted=weighted)
+        out = module(kjt)
+        leaves = {n: w.clone().requires_grad_(True) for n, w in weights.items()}
+        expected = reference_pooled(tables, leaves, kjt)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+        upstream = torch.from_numpy(rng.standard_normal(out.shape).astype(np.float32))
+        (out * upstream).sum().backward()
+        (expected * upstream).sum().backward()
+        reference.apply(weights, {n: leaves[n].grad for n in leaves}, touched_rows(tables, kjt))
+        for t in tables:
+            torch.testing.assert_close(module.table_weight(t.name), weights[t.name], rtol=1e-6, atol=1e-7)
+
+
+def test_adagrad_and_adam_match_torch_optimizers():
+    rng = np.random.default_rng(5)
+    tables = _tables(rng, "sum")
+    tables[1] = TableConfig("t1", tables[1].num_embeddings, tables[1].embedding_dim, ("c",))
+    for kind, make in (("adagrad", lambda p: torch.optim.Adagrad(p, lr=0.1, eps=1e-10)),
+                       ("adam", lambda p: torch.optim.SparseAdam(p, lr=0.05, eps=1e-8))):
+        module = FusedEmbeddingBagCollection(tables, SparseOptimizer(kind, 0.1 if kind == "adagrad" else 0.05,
+                                                                     eps=1e-10 if kind == "adagrad" else 1e-8))
+        bags = {t.name: torch.nn.EmbeddingBag.from_pretrained(module.table_weight(t.name).clone(), freeze=False,
+                                                              mode="sum", sparse=True) for t in tables}
+        optimizer = make([b.weight for b in bags.values()])
+        for _ in range(3):
+            kjt = random_kjt(tables, 9, rng)
+            out = module(kjt)
+            expected = reference_pooled(tables, {n: b.weight for n, b in bags.items()}, kjt)
+            upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+            (out * upstream).sum().backward()
+            optimizer.zero_grad()
+            # functional embedding_bag gives dense grads; make them sparse as EmbeddingBag(sparse=True) would
+            (expected * upstream).sum().backward()
+            for b in bags.values():
+                b.weight.grad = b.weight.grad.to_sparse()
+            optimizer.step()
+            for t in tables:
+                torch.testing.assert_close(module.table_weight(t.name), bags[t.name].weight.detach(),
+                                           rtol=1e-6, atol=1e-7)
+
+
+def test_bit_identical_with_one_and_two_threads():
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs two cores")
+    tables = [TableConfig("big", 500, 16, ("a", "b")), TableConfig("small", 20, 8, ("c",))]
+
+    def run(threads: int) -> torch.Tensor:
+        numba.set_num_threads(threads)
+        rng = np.random.default_rng(9)
+        module = FusedEmbeddingBagCollection(tables, SparseOptimizer("adam", 0.05), seed=2)
+        for _ in range(4):
+            kjt = random_kjt(tables, 256, rng, max_len=8, weighted=True)
+            out = module(kjt)
+            (out * torch.from_numpy(rng.standard_normal(out.shape).astype(np.float32))).sum().backward()
+        return torch.cat([module.weights, module.state1, module.state2])
+
+    try:
+        one, two = run(1), run(2)
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    assert torch.equal(one, two)
+
+
+def test_touched_rows_and_eval_mode_do_not_update():
+    tables = [TableConfig("t", 10, 4, ("a",))]
+    module = FusedEmbeddingBagCollection(tables, SparseOptimizer("sgd", 0.1))
+    kjt = random_kjt(tables, 1, np.random.default_rng(0))
+    kjt.lengths[:] = 2
+    kjt.values = torch.tensor([3, 7])
+    before = module.weights.clone()
+    module.eval()
+    module(kjt).sum()
+    assert torch.equal(before, module.weights)
+    module.train()
+    module(kjt).sum().backward()
+    assert module.table_touched("t").nonzero().flatten().tolist() == [3, 7]
+    changed = (module.table_weight("t") != before.view(10, 4)).any(dim=1).nonzero().flatten().tolist()
+    assert changed == [3, 7]
+    module.clear_touched()
+    assert not module.table_touched("t").any()
+
+
+def test_out_of_range_ids_raise():
+    tables = [TableConfig("t", 10, 4, ("a",))]
+    module = FusedEmbeddingBagCollection(tables, SparseOptimizer("sgd", 0.1))
+    kjt = random_kjt(tables, 2, np.random.default_rng(0))
+    kjt.lengths[:] = 1
+    kjt.values = torch.tensor([3, 10])
+    with pytest.raises(IndexError, match=r"t: \[0, 10\)"):
+        module(kjt)

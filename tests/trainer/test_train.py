@@ -1,0 +1,72 @@
+import json
+
+import torch
+
+from ingest.schema import Dataset
+from trainer import checkpoint
+from trainer.build import build_model
+from trainer.config import TrainConfig
+from trainer.train import evaluate_checkpoint, train
+
+
+def _config(dataset: Dataset, run_dir, **train_overrides) -> TrainConfig:
+    return TrainConfig.from_dict({
+        "data": {"path": str(dataset.root)},
+        "model": {"max_table_rows": 5000, "embedding_dim": 8, "bottom_mlp": [16], "top_mlp": [32]},
+        "train": {"batch_size": 256, "eval_batch_size": 1000, "log_every": 5, **train_overrides},
+        "run": {"dir": str(run_dir)},
+    })
+
+
+def _final_state(run_dir):
+    state = torch.load(run_dir / "checkpoint" / checkpoint.STATE_FILE, weights_only=True)
+    return state["model"]
+
+
+def test_same_config_and_seed_give_bit_identical_runs(criteo_dataset, tmp_path):
+    summaries = [train(_config(criteo_dataset, tmp_path / f"run{i}", epochs=2)) for i in range(2)]
+    a, b = _final_state(tmp_path / "run0"), _final_state(tmp_path / "run1")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    drop_timing = lambda s: {k: v for k, v in s.items() if "qps" not in k and "wait" not in k}
+    assert drop_timing(summaries[0]) == drop_timing(summaries[1])
+    other = train(_config(criteo_dataset, tmp_path / "run2", epochs=2, seed=1))
+    assert other["eval_auc"] != summaries[0]["eval_auc"]
+
+
+def test_run_directory_contents_and_checkpoint_eval(criteo_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    config = _config(criteo_dataset, run_dir)
+    summary = train(config)
+    assert summary["steps"] == criteo_dataset.rows["train"] // 256
+    assert summary["oracle_auc"] == criteo_dataset.oracle["eval_auc"]
+    assert summary["eval_rows"] == criteo_dataset.rows["eval"]
+    assert json.loads((run_dir / "config.json").read_text()) == config.to_dict()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if r["split"] == "train"]
+    eval_records = [r for r in records if r["split"] == "eval"]
+    assert [r["step"] for r in train_records] == [5, 10, 15, summary["steps"]]
+    assert all({"step", "epoch", "loss", "qps"} <= r.keys() for r in train_records)
+    assert all({"auc", "logloss", "ne"} <= r.keys() for r in eval_records)
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    restored = evaluate_checkpoint(config, run_dir / "checkpoint")
+    assert restored["auc"] == summary["eval_auc"]
+    assert restored["logloss"] == summary["eval_logloss"]
+
+
+def test_training_learns(criteo_dataset, tmp_path):
+    summary = train(_config(criteo_dataset, tmp_path / "run", epochs=1))
+    assert summary["eval_auc"] > 0.65
+    assert summary["eval_ne"] < 1.0
+
+
+def test_incomplete_checkpoint_is_refused(criteo_dataset, tmp_path):
+    config = _config(criteo_dataset, tmp_path / "run")
+    model = build_model(criteo_dataset, config)
+    (tmp_path / "partial").mkdir()
+    try:
+        checkpoint.load(tmp_path / "partial", model)
+    except FileNotFoundError as err:
+        assert "no complete checkpoint" in str(err)
+    else:
+        raise AssertionError("loading a directory without a manifest must fail")

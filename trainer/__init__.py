@@ -1,0 +1,1 @@
+"""Training: batches, fused embedding kernels, the DLRM model, the train loop, metrics."""

@@ -1,0 +1,70 @@
+"""The trainer's batch: dense features, labels and a keyed jagged block of sparse ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ingest.batch import HostBatch, Provenance
+
+
+@dataclass
+class KeyedJaggedTensor:
+    """Sparse ids of ``F`` features for ``B`` samples, lengths not offsets, feature-major.
+
+    Attributes:
+        keys: feature names, in block order.
+        lengths: int32 ``[F * B]``: ``lengths[f * B + b]`` ids for sample ``b`` of feature ``f``.
+        values: int64 ``[sum(lengths)]``.
+        weights: optional float32 ``[sum(lengths)]`` per-id weights.
+    """
+
+    keys: tuple[str, ...]
+    lengths: torch.Tensor
+    values: torch.Tensor
+    weights: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.lengths.dtype != torch.int32 or self.values.dtype != torch.int64:
+            raise TypeError("lengths must be int32 and values int64")
+        if len(self.keys) and self.lengths.numel() % len(self.keys):
+            raise ValueError(f"{self.lengths.numel()} lengths do not split into {len(self.keys)} features")
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.numel() // len(self.keys) if self.keys else 0
+
+    def offsets(self) -> torch.Tensor:
+        """int64 ``[F * B + 1]``: bag ``i`` is ``values[offsets[i]:offsets[i+1]]``."""
+        offsets = torch.zeros(self.lengths.numel() + 1, dtype=torch.int64)
+        torch.cumsum(self.lengths, dim=0, out=offsets[1:])
+        return offsets
+
+
+@dataclass
+class Batch:
+    """``B`` samples: ``dense`` float32 ``[B, num_dense]``, ``labels`` float32 ``[B]``,
+    ``sparse`` ids; samples ``[num_valid, B)`` are padding."""
+
+    dense: torch.Tensor
+    sparse: KeyedJaggedTensor
+    labels: torch.Tensor
+    num_valid: int
+    provenance: Provenance | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.labels.shape[0])
+
+    @classmethod
+    def from_host(cls, host: HostBatch) -> "Batch":
+        """Wrap a host batch's arrays without copying."""
+        weights = None if host.weights is None else torch.from_numpy(host.weights)
+        return cls(
+            dense=torch.from_numpy(host.dense),
+            sparse=KeyedJaggedTensor(host.keys, torch.from_numpy(host.lengths), torch.from_numpy(host.values), weights),
+            labels=torch.from_numpy(host.labels),
+            num_valid=host.num_valid,
+            provenance=host.provenance,
+        )

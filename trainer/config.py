@@ -1,0 +1,171 @@
+"""The training configuration: typed sections, built from a plain dict with errors that
+name the bad key (``train.batch_size: expected an integer, got 'x'``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
+from ingest.plan import REMAINDER_POLICIES
+from trainer.embedding_config import POOLINGS, SPARSE_OPTIMIZERS
+
+DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or invalid; the message names the key."""
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/criteo-synth"
+    train_split: str = "train"
+    eval_split: str = "eval"
+    dense_transform: str = "log1p"
+    id_mapping: str = "modulo"
+    remainder: str = "drop"
+    shuffle: bool = True
+
+    def validate(self) -> None:
+        _one_of("data.dense_transform", self.dense_transform, DENSE_TRANSFORMS)
+        _one_of("data.id_mapping", self.id_mapping, ID_MAPPINGS)
+        _one_of("data.remainder", self.remainder, REMAINDER_POLICIES)
+
+
+@dataclass
+class ModelConfig:
+    embedding_dim: int = 16
+    bottom_mlp: list[int] = field(default_factory=lambda: [64, 32])
+    top_mlp: list[int] = field(default_factory=lambda: [128, 64])
+    max_table_rows: int = 200_000
+    pooling: str = "sum"
+
+    def validate(self) -> None:
+        _positive("model.embedding_dim", self.embedding_dim)
+        _positive("model.max_table_rows", self.max_table_rows)
+        for name, sizes in (("model.bottom_mlp", self.bottom_mlp), ("model.top_mlp", self.top_mlp)):
+            if any(s <= 0 for s in sizes):
+                raise ConfigError(f"{name}: layer sizes must be positive, got {sizes}")
+        _one_of("model.pooling", self.pooling, POOLINGS)
+
+
+@dataclass
+class OptimizerConfig:
+    sparse: str = "rowwise_adagrad"
+    sparse_lr: float = 0.05
+    sparse_eps: float = 1e-8
+    sparse_weight_decay: float = 0.0
+    dense: str = "adam"
+    dense_lr: float = 1e-3
+
+    def validate(self) -> None:
+        _one_of("optimizer.sparse", self.sparse, SPARSE_OPTIMIZERS)
+        _one_of("optimizer.dense", self.dense, DENSE_OPTIMIZERS)
+        _positive("optimizer.sparse_lr", self.sparse_lr)
+        _positive("optimizer.dense_lr", self.dense_lr)
+
+
+@dataclass
+class TrainLoopConfig:
+    batch_size: int = 512
+    eval_batch_size: int = 4096
+    epochs: int = 1
+    max_steps: int = 0
+    seed: int = 0
+    log_every: int = 50
+    eval_every: int = 0
+    threads: int = 0
+    prefetch: int = 2
+
+    def validate(self) -> None:
+        for key in ("batch_size", "eval_batch_size", "epochs", "log_every"):
+            _positive(f"train.{key}", getattr(self, key))
+        for key in ("max_steps", "eval_every", "threads", "prefetch"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key}: must be >= 0, got {getattr(self, key)}")
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/latest"
+    checkpoint: bool = True
+
+
+@dataclass
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def validate(self) -> None:
+        for section in (self.data, self.model, self.optimizer, self.train):
+            section.validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> "TrainConfig":
+        config = _build(cls, obj, "")
+        config.validate()
+        return config
+
+
+def _build(kind: type, obj: Any, where: str) -> Any:
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where or 'config'}: expected a table of keys, got {obj!r}")
+    hints = typing.get_type_hints(kind)
+    known = {f.name for f in dataclasses.fields(kind)}
+    for key in obj:
+        if key not in known:
+            raise ConfigError(f"unknown key '{where}{key}'; known keys: {', '.join(sorted(known))}")
+    values = {}
+    for key, raw in obj.items():
+        values[key] = _convert(hints[key], raw, f"{where}{key}")
+    return kind(**values)
+
+
+def _convert(hint: Any, raw: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, raw, key + ".")
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(raw, list):
+            raise ConfigError(f"{key}: expected a list, got {raw!r}")
+        return [_convert(item, x, f"{key}[{i}]") for i, x in enumerate(raw)]
+    if origin in (typing.Union, types.UnionType):
+        raise ConfigError(f"{key}: unsupported config type {hint}")
+    if hint is bool:
+        if not isinstance(raw, bool):
+            raise ConfigError(f"{key}: expected true or false, got {raw!r}")
+        return raw
+    if hint is int:
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise ConfigError(f"{key}: expected an integer, got {raw!r}")
+        return raw
+    if hint is float:
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {raw!r}")
+        return float(raw)
+    if hint is str:
+        if not isinstance(raw, str):
+            raise ConfigError(f"{key}: expected a string, got {raw!r}")
+        return raw
+    raise ConfigError(f"{key}: unsupported config type {hint}")
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key}: must be positive, got {value}")

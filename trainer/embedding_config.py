@@ -1,0 +1,65 @@
+"""Configuration of embedding tables and of the sparse optimizer fused into their backward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POOLINGS = ("sum", "mean")
+SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One embedding table: ``num_embeddings`` rows of ``embedding_dim`` floats.
+
+    ``feature_names`` are the batch keys whose ids look this table up (each feature gives
+    one pooled output of ``embedding_dim`` columns). ``learning_rate`` overrides the
+    optimizer's for this table.
+    """
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: tuple[str, ...]
+    pooling: str = "sum"
+    learning_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_embeddings <= 0 or self.embedding_dim <= 0:
+            raise ValueError(f"table {self.name!r}: num_embeddings and embedding_dim must be positive")
+        if not self.feature_names:
+            raise ValueError(f"table {self.name!r}: no feature looks it up")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"table {self.name!r}: pooling must be one of {POOLINGS}, got {self.pooling!r}")
+
+
+@dataclass(frozen=True)
+class SparseOptimizer:
+    """The optimizer applied to embedding rows inside the backward pass.
+
+    State per row: ``sgd`` none; ``adagrad`` a sum of squares per element;
+    ``rowwise_adagrad`` one mean of squares per row; ``adam`` first and second moments per
+    element (bias-corrected with the module's step count, as ``torch.optim.SparseAdam``).
+    ``weight_decay`` adds ``weight_decay * w`` to the gradient of each updated row.
+    """
+
+    kind: str = "rowwise_adagrad"
+    learning_rate: float = 0.01
+    eps: float = 1e-8
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in SPARSE_OPTIMIZERS:
+            raise ValueError(f"sparse optimizer must be one of {SPARSE_OPTIMIZERS}, got {self.kind!r}")
+        if self.learning_rate <= 0:
+            raise ValueError("sparse optimizer learning_rate must be positive")
+
+    def state_width(self, dim: int) -> int:
+        """State floats per row in each state array."""
+        return {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": dim}[self.kind]
+
+    @property
+    def num_states(self) -> int:
+        return {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 1, "adam": 2}[self.kind]

@@ -1,0 +1,238 @@
+"""Table-batched embedding bags: every table of the module looked up in one kernel call,
+backward fused with the sparse optimizer.
+
+All tables' weights live in one flat float32 buffer (``weights``), their optimizer state in
+``state1``/``state2``. The forward pools every bag of every feature in one parallel Numba
+kernel; the backward never builds a weight gradient: it groups the batch's ids by row and
+updates each touched row (and its optimizer state) in place, deterministically.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from trainer.batch import KeyedJaggedTensor
+from trainer.embedding_config import SparseOptimizer, TableConfig
+from trainer.kernels import backward as backward_kernels
+from trainer.kernels.forward import pooled_forward
+
+_OPTIMIZER_CODES = {
+    "sgd": backward_kernels.SGD,
+    "adagrad": backward_kernels.ADAGRAD,
+    "rowwise_adagrad": backward_kernels.ROWWISE_ADAGRAD,
+    "adam": backward_kernels.ADAM,
+}
+
+
+class FusedEmbeddingBagCollection(nn.Module):
+    """Pooled embeddings of all ``tables`` for a :class:`KeyedJaggedTensor`.
+
+    The output is float32 ``[B, sum of the dims of every feature]``: for each table in
+    order, for each of its features in order, that feature's pooled ``[B, dim]`` block
+    (see :attr:`feature_names` and :meth:`feature_columns`).
+
+    In training mode (with grad enabled) ``loss.backward()`` updates the weights with
+    ``optimizer``; there is no separate optimizer step. Rows updated since the last
+    :meth:`clear_touched` are marked in :attr:`touched`.
+    """
+
+    def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimizer, *, seed: int = 0) -> None:
+        super().__init__()
+        if not tables:
+            raise ValueError("a fused embedding module needs at least one table")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"table names repeat: {names}")
+        self.tables = tuple(tables)
+        self.optimizer = optimizer
+        self.feature_names = tuple(f for t in tables for f in t.feature_names)
+        if len(set(self.feature_names)) != len(self.feature_names):
+            raise ValueError(f"a feature looks up more than one table: {self.feature_names}")
+
+        rows = np.array([t.num_embeddings for t in tables], dtype=np.int64)
+        dims = np.array([t.embedding_dim for t in tables], dtype=np.int64)
+        widths = np.array([optimizer.state_width(t.embedding_dim) for t in tables], dtype=np.int64)
+        self._rows, self._dims, self._state_width = rows, dims, widths
+        self._table_offsets = _exclusive_cumsum(rows * dims)
+        self._state_offsets = _exclusive_cumsum(rows * widths)
+        self._row_offsets = _exclusive_cumsum(rows)
+        self._feature_table = np.array(
+            [i for i, t in enumerate(tables) for _ in t.feature_names], dtype=np.int64
+        )
+        feature_dims = dims[self._feature_table]
+        self._out_columns = _exclusive_cumsum(feature_dims)
+        self.output_dim = int(feature_dims.sum())
+        self._mean_pooling = np.array([t.pooling == "mean" for t in tables], dtype=np.bool_)
+        self._learning_rates = np.array(
+            [optimizer.learning_rate if t.learning_rate is None else t.learning_rate for t in tables],
+            dtype=np.float32,
+        )
+
+        state_size = int((rows * widths).sum())
+        self.register_buffer("weights", _uniform_init(rows, dims, seed))
+        self.register_buffer("state1", torch.zeros(state_size if optimizer.num_states >= 1 else 0))
+        self.register_buffer("state2", torch.zeros(state_size if optimizer.num_states >= 2 else 0))
+        self.register_buffer("optimizer_step", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("touched", torch.zeros(int(rows.sum()), dtype=torch.uint8), persistent=False)
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._source_cache: dict[tuple[str, ...], np.ndarray] = {}
+
+    # ----------------------------------------------------------------------------- layout
+    def feature_columns(self, feature: str) -> slice:
+        """Output columns of ``feature``'s pooled embedding."""
+        f = self.feature_names.index(feature)
+        start = int(self._out_columns[f])
+        return slice(start, start + int(self._dims[self._feature_table[f]]))
+
+    def table_weight(self, name: str) -> torch.Tensor:
+        """View ``[rows, dim]`` of table ``name``'s weights (shares storage)."""
+        t = self._table_index(name)
+        start = int(self._table_offsets[t])
+        size = int(self._rows[t] * self._dims[t])
+        return self.weights[start : start + size].view(int(self._rows[t]), int(self._dims[t]))
+
+    def table_state(self, name: str) -> list[torch.Tensor]:
+        """Views ``[rows, width]`` of table ``name``'s optimizer state arrays."""
+        t = self._table_index(name)
+        start, width = int(self._state_offsets[t]), int(self._state_width[t])
+        size = int(self._rows[t]) * width
+        states = [self.state1, self.state2][: self.optimizer.num_states]
+        return [s[start : start + size].view(int(self._rows[t]), width) for s in states]
+
+    def table_touched(self, name: str) -> torch.Tensor:
+        """bool ``[rows]``: rows of table ``name`` updated since :meth:`clear_touched`."""
+        t = self._table_index(name)
+        start = int(self._row_offsets[t])
+        return self.touched[start : start + int(self._rows[t])].bool()
+
+    def clear_touched(self) -> None:
+        self.touched.zero_()
+
+    def _table_index(self, name: str) -> int:
+        for i, t in enumerate(self.tables):
+            if t.name == name:
+                return i
+        raise KeyError(f"no table named {name!r}")
+
+    # ---------------------------------------------------------------------------- compute
+    def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            return _FusedLookup.apply(self._anchor, self, sparse)
+        return self._lookup(sparse)[0]
+
+    def _feature_source(self, keys: tuple[str, ...]) -> np.ndarray:
+        source = self._source_cache.get(keys)
+        if source is None:
+            missing = [f for f in self.feature_names if f not in keys]
+            if missing:
+                raise KeyError(f"the batch has no feature {missing[0]!r} (it has {list(keys)})")
+            source = np.array([keys.index(f) for f in self.feature_names], dtype=np.int64)
+            self._source_cache[keys] = source
+        return source
+
+    def _lookup(self, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, "_LookupContext"]:
+        batch_size = sparse.batch_size
+        ctx = _LookupContext(
+            source=self._feature_source(sparse.keys),
+            bag_offsets=sparse.offsets().numpy(),
+            values=sparse.values.numpy(),
+            id_weights=_empty_f32() if sparse.weights is None else sparse.weights.numpy(),
+            batch_size=batch_size,
+            bag_of_id=np.empty(sparse.values.numel(), dtype=np.int32),
+        )
+        out = torch.empty(batch_size, self.output_dim, dtype=torch.float32)
+        bad = pooled_forward(
+            self.weights.numpy(), self._table_offsets, self._dims, self._rows, self._feature_table,
+            ctx.source, self._out_columns, self._mean_pooling, ctx.bag_offsets, ctx.values,
+            ctx.id_weights, batch_size, out.numpy(), ctx.bag_of_id,
+        )
+        if bad:
+            raise IndexError(f"{bad} ids are outside their table's rows {self._describe_ranges()}")
+        return out, ctx
+
+    def _describe_ranges(self) -> str:
+        return ", ".join(f"{t.name}: [0, {t.num_embeddings})" for t in self.tables)
+
+    def _backward_update(self, ctx: "_LookupContext", grad_out: torch.Tensor) -> None:
+        positions, table_starts = self._positions_by_table(ctx)
+        sorted_positions = np.empty_like(positions)
+        run_start = np.empty(positions.shape[0], dtype=np.bool_)
+        backward_kernels.group_by_row(ctx.values, positions, table_starts, sorted_positions, run_start)
+        runs = np.flatnonzero(run_start)
+        run_table = np.searchsorted(table_starts, runs, side="right") - 1
+        runs = np.append(runs, positions.shape[0])
+        self.optimizer_step += 1
+        opt = self.optimizer
+        backward_kernels.apply_updates(
+            self.weights.numpy(), self.state1.numpy(), self.state2.numpy(),
+            self._table_offsets, self._state_offsets, self._state_width, self._row_offsets,
+            self._dims, self._feature_table, self._out_columns, self._mean_pooling,
+            ctx.bag_offsets, ctx.source, ctx.values, ctx.id_weights, ctx.bag_of_id,
+            sorted_positions, runs, run_table.astype(np.int64),
+            grad_out.numpy(), ctx.batch_size, _OPTIMIZER_CODES[opt.kind], self._learning_rates,
+            opt.eps, opt.beta1, opt.beta2, opt.weight_decay, int(self.optimizer_step), self.touched.numpy(),
+        )
+
+    def _positions_by_table(self, ctx: "_LookupContext") -> tuple[np.ndarray, np.ndarray]:
+        """Positions (into ``values``) of every id of the module's features, table by table,
+        and int64 ``[T + 1]`` table boundaries in that array."""
+        b = ctx.batch_size
+        pieces = []
+        table_starts = np.zeros(len(self.tables) + 1, dtype=np.int64)
+        total = 0
+        for f, source in enumerate(ctx.source.tolist()):
+            lo, hi = int(ctx.bag_offsets[source * b]), int(ctx.bag_offsets[(source + 1) * b])
+            pieces.append(np.arange(lo, hi, dtype=np.int64))
+            total += hi - lo
+            table_starts[self._feature_table[f] + 1] = total
+        return np.concatenate(pieces), np.maximum.accumulate(table_starts)
+
+
+class _LookupContext:
+    """Arrays of one forward call that its backward reuses."""
+
+    __slots__ = ("source", "bag_offsets", "values", "id_weights", "batch_size", "bag_of_id")
+
+    def __init__(self, source, bag_offsets, values, id_weights, batch_size, bag_of_id) -> None:
+        self.source = source
+        self.bag_offsets = bag_offsets
+        self.values = values
+        self.id_weights = id_weights
+        self.batch_size = batch_size
+        self.bag_of_id = bag_of_id
+
+
+class _FusedLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, module: FusedEmbeddingBagCollection, sparse: KeyedJaggedTensor):
+        out, lookup = module._lookup(sparse)
+        ctx.module = module
+        ctx.lookup = lookup
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        ctx.module._backward_update(ctx.lookup, grad_out.contiguous().float())
+        return None, None, None
+
+
+def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(x)[:-1]]).astype(np.int64)
+
+
+def _empty_f32() -> np.ndarray:
+    return np.zeros(0, dtype=np.float32)
+
+
+def _uniform_init(rows: np.ndarray, dims: np.ndarray, seed: int) -> torch.Tensor:
+    """Each table uniform in ``±sqrt(1 / rows)`` (DLRM's init), from ``(seed, table index)``."""
+    parts = []
+    for t, (n, d) in enumerate(zip(rows.tolist(), dims.tolist())):
+        generator = torch.Generator().manual_seed(seed * 100_003 + t)
+        bound = float(np.sqrt(1.0 / n))
+        parts.append(torch.rand(n * d, generator=generator).mul_(2 * bound).sub_(bound))
+    return torch.cat(parts)

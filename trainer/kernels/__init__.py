@@ -1,0 +1,6 @@
+"""Numba CPU kernels of the fused embedding module, one file per concern.
+
+* ``forward``: pooled lookups of every table in one call.
+* ``backward``: grouping of gradient contributions by row (deterministic order) and the
+  fused optimizer update.
+"""

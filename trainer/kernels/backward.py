@@ -1,0 +1,134 @@
+"""Backward fused with the sparse optimizer: no dense weight gradient is ever formed.
+
+Two phases:
+
+1. :func:`group_by_row` sorts, table by table, the positions of the batch's ids by row
+   (stable, so a row's contributions stay in (feature, sample, position) order) and marks
+   where each row's run starts.
+2. :func:`apply_updates` gives every distinct row to one thread, which sums the row's
+   gradient contributions in that fixed order and applies the optimizer to the row.
+
+So the result is bit-identical whatever the number of threads.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+SGD = 0
+ADAGRAD = 1
+ROWWISE_ADAGRAD = 2
+ADAM = 3
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def group_by_row(
+    values: np.ndarray,        # int64 [N]
+    positions: np.ndarray,     # int64 [M]: positions into values, grouped by table
+    table_starts: np.ndarray,  # int64 [T + 1]: table t owns positions[table_starts[t]:table_starts[t+1]]
+    sorted_positions: np.ndarray,  # int64 [M], written
+    run_start: np.ndarray,     # bool [M], written: True where a new row's run begins
+) -> None:
+    for t in numba.prange(table_starts.shape[0] - 1):
+        lo = table_starts[t]
+        hi = table_starts[t + 1]
+        if hi == lo:
+            continue
+        mine = positions[lo:hi]
+        keys = values[mine]
+        order = np.argsort(keys, kind="mergesort")
+        previous = -1
+        for i in range(hi - lo):
+            p = mine[order[i]]
+            sorted_positions[lo + i] = p
+            key = values[p]
+            run_start[lo + i] = i == 0 or key != previous
+            previous = key
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def apply_updates(
+    weights: np.ndarray,        # float32 [sum(rows * dims)], updated in place
+    state1: np.ndarray,         # float32 optimizer state (see SparseOptimizer), updated
+    state2: np.ndarray,         # float32 second optimizer state (Adam), same layout as state1
+    table_offsets: np.ndarray,  # int64 [T]
+    state_offsets: np.ndarray,  # int64 [T]: first state element of each table
+    state_width: np.ndarray,    # int64 [T]: state floats per row (dim, 1 or 0)
+    row_offsets: np.ndarray,    # int64 [T]: first global row of each table (for `touched`)
+    dims: np.ndarray,           # int64 [T]
+    feature_table: np.ndarray,  # int64 [F]
+    out_columns: np.ndarray,    # int64 [F]
+    mean_pooling: np.ndarray,   # bool [T]
+    bag_offsets: np.ndarray,    # int64 [F_batch * B + 1]
+    feature_source: np.ndarray, # int64 [F]
+    values: np.ndarray,         # int64 [N]
+    id_weights: np.ndarray,     # float32 [N] or [0]
+    bag_of_id: np.ndarray,      # int32 [N] (from the forward)
+    sorted_positions: np.ndarray,  # int64 [M]
+    runs: np.ndarray,           # int64 [R + 1]: run r is sorted_positions[runs[r]:runs[r+1]]
+    run_table: np.ndarray,      # int64 [R]
+    grad_out: np.ndarray,       # float32 [B, sum(dims of features)]
+    batch_size: int,
+    optimizer: int,
+    learning_rates: np.ndarray,  # float32 [T]
+    eps: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    step: int,                  # 1-based optimizer step (Adam bias correction)
+    touched: np.ndarray,        # uint8 [total rows], set to 1 for every updated row
+) -> None:
+    weighted = id_weights.shape[0] > 0
+    max_dim = 0
+    for t in range(dims.shape[0]):
+        max_dim = max(max_dim, dims[t])
+    adam_step_size = np.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)
+    for r in numba.prange(runs.shape[0] - 1):
+        t = run_table[r]
+        dim = dims[t]
+        grad = np.zeros(max_dim, dtype=np.float32)
+        row = values[sorted_positions[runs[r]]]
+        for k in range(runs[r], runs[r + 1]):
+            p = sorted_positions[k]
+            bag = bag_of_id[p]
+            f = bag // batch_size
+            b = bag - f * batch_size
+            scale = np.float32(1.0)
+            if weighted:
+                scale = id_weights[p]
+            if mean_pooling[t]:
+                source_bag = feature_source[f] * batch_size + b
+                scale = scale / np.float32(bag_offsets[source_bag + 1] - bag_offsets[source_bag])
+            col = out_columns[f]
+            for d in range(dim):
+                grad[d] += scale * grad_out[b, col + d]
+        touched[row_offsets[t] + row] = 1
+        w0 = table_offsets[t] + row * dim
+        s0 = state_offsets[t] + row * state_width[t]
+        lr = learning_rates[t]
+        if weight_decay != 0.0:
+            for d in range(dim):
+                grad[d] += np.float32(weight_decay) * weights[w0 + d]
+        if optimizer == SGD:
+            for d in range(dim):
+                weights[w0 + d] -= lr * grad[d]
+        elif optimizer == ADAGRAD:
+            for d in range(dim):
+                state1[s0 + d] += grad[d] * grad[d]
+                weights[w0 + d] -= lr * grad[d] / (np.sqrt(state1[s0 + d]) + np.float32(eps))
+        elif optimizer == ROWWISE_ADAGRAD:
+            square_sum = np.float32(0.0)
+            for d in range(dim):
+                square_sum += grad[d] * grad[d]
+            state1[s0] += square_sum / np.float32(dim)
+            multiplier = lr / (np.sqrt(state1[s0]) + np.float32(eps))
+            for d in range(dim):
+                weights[w0 + d] -= multiplier * grad[d]
+        else:  # ADAM
+            for d in range(dim):
+                m = np.float32(beta1) * state1[s0 + d] + np.float32(1.0 - beta1) * grad[d]
+                v = np.float32(beta2) * state2[s0 + d] + np.float32(1.0 - beta2) * grad[d] * grad[d]
+                state1[s0 + d] = m
+                state2[s0 + d] = v
+                weights[w0 + d] -= lr * np.float32(adam_step_size) * m / (np.sqrt(v) + np.float32(eps))

@@ -1,0 +1,65 @@
+"""Pooled forward over all tables of a fused module in one parallel kernel.
+
+Weights of all tables live in one flat float32 array; table ``t`` occupies
+``weights[table_offsets[t] : table_offsets[t] + rows[t] * dims[t]]`` row-major.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def pooled_forward(
+    weights: np.ndarray,         # float32 [sum(rows * dims)]
+    table_offsets: np.ndarray,   # int64 [T]
+    dims: np.ndarray,            # int64 [T]
+    rows: np.ndarray,            # int64 [T]
+    feature_table: np.ndarray,   # int64 [F]: table of each module feature
+    feature_source: np.ndarray,  # int64 [F]: index of the feature in the batch's keys
+    out_columns: np.ndarray,     # int64 [F]: first output column of each feature
+    mean_pooling: np.ndarray,    # bool [T]
+    bag_offsets: np.ndarray,     # int64 [F_batch * B + 1]
+    values: np.ndarray,          # int64 [N]
+    id_weights: np.ndarray,      # float32 [N] or [0] when unweighted
+    batch_size: int,
+    out: np.ndarray,             # float32 [B, sum(dims of features)], written
+    bag_of_id: np.ndarray,       # int32 [N], written: module bag (f * B + b) of each id
+                                 # of the module's features (others untouched)
+) -> int:
+    """Sum (or mean) of each bag's rows; returns the number of out-of-range ids (0 if valid)."""
+    num_bags = feature_table.shape[0] * batch_size
+    weighted = id_weights.shape[0] > 0
+    bad = np.zeros(num_bags, dtype=np.int64)
+    for bag in numba.prange(num_bags):
+        f = bag // batch_size
+        b = bag - f * batch_size
+        t = feature_table[f]
+        dim = dims[t]
+        base = table_offsets[t]
+        col = out_columns[f]
+        source_bag = feature_source[f] * batch_size + b
+        start = bag_offsets[source_bag]
+        end = bag_offsets[source_bag + 1]
+        for d in range(dim):
+            out[b, col + d] = 0.0
+        for p in range(start, end):
+            idx = values[p]
+            bag_of_id[p] = bag
+            if idx < 0 or idx >= rows[t]:
+                bad[bag] += 1
+                continue
+            row = base + idx * dim
+            if weighted:
+                w = id_weights[p]
+                for d in range(dim):
+                    out[b, col + d] += w * weights[row + d]
+            else:
+                for d in range(dim):
+                    out[b, col + d] += weights[row + d]
+        if mean_pooling[t] and end > start:
+            count = np.float32(end - start)
+            for d in range(dim):
+                out[b, col + d] /= count
+    return int(bad.sum())

@@ -1,0 +1,193 @@
+"""The single-process training loop and the evaluation entry point."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numba
+import torch
+import torch.nn.functional as F
+
+from ingest.reader import InProcessReader, ReaderConfig
+from ingest.schema import Dataset
+from trainer import checkpoint
+from trainer.batch import Batch
+from trainer.build import build_model, decode_options, dense_optimizer
+from trainer.config import TrainConfig
+from trainer.metrics import MetricsLog, evaluate
+from trainer.model import DLRM
+from trainer.prefetch import Prefetcher
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """Handed to the progress callback after every step."""
+
+    global_step: int
+    epoch: int
+    loss: float
+    qps: float
+    total_steps: int
+
+
+ProgressFn = Callable[[StepReport], None]
+
+
+def set_threads(threads: int) -> int:
+    """Use ``threads`` threads in torch and the Numba kernels (0: all cores); returns it."""
+    count = numba.config.NUMBA_NUM_THREADS if threads == 0 else min(threads, numba.config.NUMBA_NUM_THREADS)
+    torch.set_num_threads(count)
+    numba.set_num_threads(count)
+    return count
+
+
+def train_step(model: DLRM, optimizer: torch.optim.Optimizer, batch: Batch) -> torch.Tensor:
+    """One step: forward, BCE loss over the valid samples, backward (which also updates the
+    fused embeddings), dense optimizer step. Returns the loss (a scalar tensor)."""
+    logits = model(batch)
+    valid = batch.num_valid
+    loss = F.binary_cross_entropy_with_logits(logits[:valid], batch.labels[:valid])
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def batches(reader: InProcessReader, epoch: int) -> Iterator[Batch]:
+    return (Batch.from_host(b) for b in reader.epoch(epoch))
+
+
+def train(config: TrainConfig, progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Train as ``config`` says and write the run directory; returns the summary."""
+    loop = config.train
+    set_threads(loop.threads)
+    torch.manual_seed(loop.seed)
+    dataset = Dataset.load(config.data.path)
+    model = build_model(dataset, config)
+    optimizer = dense_optimizer(model, config)
+    options = decode_options(dataset.schema, config)
+    train_reader = InProcessReader(
+        dataset, config.data.train_split, options,
+        ReaderConfig(batch_size=loop.batch_size, seed=loop.seed, remainder=config.data.remainder,
+                     shuffle=config.data.shuffle),
+    )
+    eval_reader = InProcessReader(
+        dataset, config.data.eval_split, options,
+        ReaderConfig(batch_size=loop.eval_batch_size, seed=loop.seed, remainder="pad", shuffle=False),
+    )
+    run_dir = Path(config.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    log = MetricsLog(run_dir / "metrics.jsonl")
+
+    steps_per_epoch = train_reader.plan(0).num_batches
+    total_steps = steps_per_epoch * loop.epochs
+    if loop.max_steps:
+        total_steps = min(total_steps, loop.max_steps)
+    global_step = 0
+    train_seconds = 0.0
+    wait_seconds = 0.0
+    samples = 0
+    eval_metrics: dict[str, float] = {}
+    try:
+        for epoch in range(loop.epochs):
+            if global_step >= total_steps:
+                break
+            source = Prefetcher(batches(train_reader, epoch), loop.prefetch) if loop.prefetch else None
+            stream = source if source is not None else batches(train_reader, epoch)
+            interval = _Interval()
+            try:
+                for batch in stream:
+                    loss = float(train_step(model, optimizer, batch))
+                    global_step += 1
+                    interval.add(loss, batch.num_valid)
+                    if progress is not None:
+                        progress(StepReport(global_step, epoch, loss, interval.qps(), total_steps))
+                    if global_step % loop.log_every == 0 or global_step == total_steps:
+                        log.write({"split": "train", "step": global_step, "epoch": epoch, **interval.report()})
+                        train_seconds += interval.seconds()
+                        samples += interval.samples
+                        interval = _Interval()
+                    if loop.eval_every and global_step % loop.eval_every == 0:
+                        _log_eval(log, model, eval_reader, global_step, epoch)
+                    if global_step >= total_steps:
+                        break
+                train_seconds += interval.seconds()
+                samples += interval.samples
+            finally:
+                if source is not None:
+                    wait_seconds += source.wait_seconds
+                    source.close()
+            eval_metrics = _log_eval(log, model, eval_reader, global_step, epoch)
+        if not eval_metrics:
+            eval_metrics = _log_eval(log, model, eval_reader, global_step, 0)
+    finally:
+        log.close()
+
+    if config.run.checkpoint:
+        checkpoint.save(run_dir / "checkpoint", model, optimizer,
+                        checkpoint.Position(epoch=loop.epochs, global_step=global_step), config.to_dict())
+    summary = {
+        "steps": global_step,
+        "train_samples": samples,
+        "train_qps": samples / train_seconds if train_seconds else 0.0,
+        "input_wait_frac": wait_seconds / train_seconds if train_seconds else 0.0,
+        **{f"eval_{k}": v for k, v in eval_metrics.items()},
+    }
+    if dataset.oracle:
+        summary["oracle_auc"] = dataset.oracle.get("eval_auc")
+        summary["oracle_logloss"] = dataset.oracle.get("eval_logloss")
+        summary["oracle_ne"] = dataset.oracle.get("eval_ne")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return summary
+
+
+def evaluate_checkpoint(config: TrainConfig, checkpoint_dir: str | Path) -> dict[str, float]:
+    """Metrics of a saved model on the config's eval split."""
+    set_threads(config.train.threads)
+    dataset = Dataset.load(config.data.path)
+    model = build_model(dataset, config)
+    checkpoint.load(checkpoint_dir, model)
+    reader = InProcessReader(
+        dataset, config.data.eval_split, decode_options(dataset.schema, config),
+        ReaderConfig(batch_size=config.train.eval_batch_size, remainder="pad", shuffle=False),
+    )
+    return evaluate(model, batches(reader, 0))
+
+
+def _log_eval(log: MetricsLog, model: DLRM, reader: InProcessReader, step: int, epoch: int) -> dict[str, float]:
+    started = time.perf_counter()
+    metrics = evaluate(model, batches(reader, 0))
+    seconds = time.perf_counter() - started
+    log.write({"split": "eval", "step": step, "epoch": epoch, "loss": metrics["logloss"],
+               "qps": metrics["rows"] / seconds if seconds else 0.0, **metrics})
+    return metrics
+
+
+class _Interval:
+    """Loss and throughput since the last log line."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.loss_sum = 0.0
+        self.steps = 0
+        self.samples = 0
+
+    def add(self, loss: float, samples: int) -> None:
+        self.loss_sum += loss
+        self.steps += 1
+        self.samples += samples
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+    def qps(self) -> float:
+        elapsed = self.seconds()
+        return self.samples / elapsed if elapsed else 0.0
+
+    def report(self) -> dict[str, float]:
+        return {"loss": self.loss_sum / max(self.steps, 1), "qps": self.qps(), "samples": self.samples}
