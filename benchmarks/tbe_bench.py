@@ -79,7 +79,7 @@ def _run_config(config: TBEConfig, steps: int, rounds: int) -> dict[str, Any]:
         naive_opt.step()
         return config.batch_size
 
-    matrix = torch.empty(config.num_tables * config.rows, config.dim)
+    matrix = torch.empty(config.num_tables * config.rows, config.dim).uniform_()  # real pages, not the zero page
     random_rows = [torch.randint(0, matrix.shape[0], (ids_per_step,), generator=torch.Generator().manual_seed(i))
                    for i in range(NUM_BATCHES)]
 

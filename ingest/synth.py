@@ -11,8 +11,9 @@ Profiles:
 Labels come from a teacher: each id of each feature has its own 2-dim embedding (hashed
 from the seed, so no table is stored; its scale shrinks with the id's rarity, so the
 signal lies mostly in ids a student sees often), pooled by mean for multi-hot bags,
-concatenated with ``log1p`` of the dense columns and fed to a small random MLP whose output
-is rescaled to a fixed logit spread; ``label ~ Bernoulli(sigmoid(logit))``. The AUC, log
+concatenated with ``log1p`` of the dense columns and fed to a random linear term plus a
+small random MLP (first-order effects dominate, as in real CTR data); the output is
+rescaled to a fixed logit spread and ``label ~ Bernoulli(sigmoid(logit))``. The AUC, log
 loss and NE of the teacher's true probabilities on the eval split (the oracle) are stored
 in ``dataset.json``.
 
@@ -48,6 +49,7 @@ LOGIT_SCALE = 1.9
 LOGIT_BIAS = -1.55
 RARITY_RANK = 20.0
 PILOT_ROWS = 16384
+LINEAR_WEIGHT = 2.0
 
 ProgressFn = Callable[[int], None]
 
@@ -233,6 +235,7 @@ class _Teacher:
         self.w1 = rng.normal(0.0, 1.0 / np.sqrt(width), (width, TEACHER_HIDDEN))
         self.b1 = rng.normal(0.0, 0.5, TEACHER_HIDDEN)
         self.w2 = rng.normal(0.0, 1.0 / np.sqrt(TEACHER_HIDDEN), TEACHER_HIDDEN)
+        self.w_linear = rng.normal(0.0, LINEAR_WEIGHT / np.sqrt(width), width)
         pilot_rng = np.random.default_rng([spec.seed, 104729])
         _, raw = _rows(spec, schema, self, pilot_rng, PILOT_ROWS, _arrow_schema(schema))
         self.center, self.spread = float(raw.mean()), float(raw.std() + 1e-12)
@@ -258,7 +261,7 @@ class _Teacher:
     def raw_output(self, dense_log1p: np.ndarray, pooled: np.ndarray) -> np.ndarray:
         """The MLP's output before rescaling: float64 ``[B]``."""
         x = np.concatenate([dense_log1p - 1.5, pooled * 2.0], axis=1)
-        return np.maximum(x @ self.w1 + self.b1, 0.0) @ self.w2
+        return x @ self.w_linear + np.maximum(x @ self.w1 + self.b1, 0.0) @ self.w2
 
     def probability(self, raw: np.ndarray) -> np.ndarray:
         """Click probability: raw outputs rescaled to the fixed logit spread and bias."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numba
 import numpy as np
 import torch
 from torch import nn
@@ -148,7 +149,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         bad = pooled_forward(
             self.weights.numpy(), self._table_offsets, self._dims, self._rows, self._feature_table,
             ctx.source, self._out_columns, self._mean_pooling, ctx.bag_offsets, ctx.values,
-            ctx.id_weights, batch_size, out.numpy(), ctx.bag_of_id,
+            ctx.id_weights, batch_size, out.view(-1).numpy(), ctx.bag_of_id, _max_chunks(),
         )
         if bad:
             raise IndexError(f"{bad} ids are outside their table's rows {self._describe_ranges()}")
@@ -173,8 +174,9 @@ class FusedEmbeddingBagCollection(nn.Module):
             self._dims, self._feature_table, self._out_columns, self._mean_pooling,
             ctx.bag_offsets, ctx.source, ctx.values, ctx.id_weights, ctx.bag_of_id,
             sorted_positions, runs, run_table.astype(np.int64),
-            grad_out.numpy(), ctx.batch_size, _OPTIMIZER_CODES[opt.kind], self._learning_rates,
+            grad_out.view(-1).numpy(), ctx.batch_size, _OPTIMIZER_CODES[opt.kind], self._learning_rates,
             opt.eps, opt.beta1, opt.beta2, opt.weight_decay, int(self.optimizer_step), self.touched.numpy(),
+            _max_chunks(),
         )
 
     def _positions_by_table(self, ctx: "_LookupContext") -> tuple[np.ndarray, np.ndarray]:
@@ -222,6 +224,11 @@ class _FusedLookup(torch.autograd.Function):
 
 def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(x)[:-1]]).astype(np.int64)
+
+
+def _max_chunks() -> int:
+    """Chunks of work per kernel call: a few per thread, for load balance."""
+    return 16 * numba.get_num_threads()
 
 
 def _empty_f32() -> np.ndarray:

@@ -68,7 +68,7 @@ def apply_updates(
     sorted_positions: np.ndarray,  # int64 [M]
     runs: np.ndarray,           # int64 [R + 1]: run r is sorted_positions[runs[r]:runs[r+1]]
     run_table: np.ndarray,      # int64 [R]
-    grad_out: np.ndarray,       # float32 [B, sum(dims of features)]
+    grad_out: np.ndarray,       # float32 [B * sum(dims of features)] (row-major [B, C])
     batch_size: int,
     optimizer: int,
     learning_rates: np.ndarray,  # float32 [T]
@@ -78,57 +78,70 @@ def apply_updates(
     weight_decay: float,
     step: int,                  # 1-based optimizer step (Adam bias correction)
     touched: np.ndarray,        # uint8 [total rows], set to 1 for every updated row
+    max_chunks: int,            # work is split into at most this many chunks (a few per thread)
 ) -> None:
     weighted = id_weights.shape[0] > 0
+    width = grad_out.shape[0] // max(batch_size, 1)
     max_dim = 0
     for t in range(dims.shape[0]):
         max_dim = max(max_dim, dims[t])
-    adam_step_size = np.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)
-    for r in numba.prange(runs.shape[0] - 1):
-        t = run_table[r]
-        dim = dims[t]
-        grad = np.zeros(max_dim, dtype=np.float32)
-        row = values[sorted_positions[runs[r]]]
-        for k in range(runs[r], runs[r + 1]):
-            p = sorted_positions[k]
-            bag = bag_of_id[p]
-            f = bag // batch_size
-            b = bag - f * batch_size
-            scale = np.float32(1.0)
-            if weighted:
-                scale = id_weights[p]
-            if mean_pooling[t]:
-                source_bag = feature_source[f] * batch_size + b
-                scale = scale / np.float32(bag_offsets[source_bag + 1] - bag_offsets[source_bag])
-            col = out_columns[f]
+    adam_step_size = np.float32(np.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step))
+    num_runs = runs.shape[0] - 1
+    chunks = min(num_runs, max_chunks)
+    for c in numba.prange(chunks):
+        grad = np.empty(max_dim, dtype=np.float32)
+        for r in range(c * num_runs // chunks, (c + 1) * num_runs // chunks):
+            t = run_table[r]
+            dim = dims[t]
             for d in range(dim):
-                grad[d] += scale * grad_out[b, col + d]
-        touched[row_offsets[t] + row] = 1
-        w0 = table_offsets[t] + row * dim
-        s0 = state_offsets[t] + row * state_width[t]
-        lr = learning_rates[t]
-        if weight_decay != 0.0:
-            for d in range(dim):
-                grad[d] += np.float32(weight_decay) * weights[w0 + d]
-        if optimizer == SGD:
-            for d in range(dim):
-                weights[w0 + d] -= lr * grad[d]
-        elif optimizer == ADAGRAD:
-            for d in range(dim):
-                state1[s0 + d] += grad[d] * grad[d]
-                weights[w0 + d] -= lr * grad[d] / (np.sqrt(state1[s0 + d]) + np.float32(eps))
-        elif optimizer == ROWWISE_ADAGRAD:
-            square_sum = np.float32(0.0)
-            for d in range(dim):
-                square_sum += grad[d] * grad[d]
-            state1[s0] += square_sum / np.float32(dim)
-            multiplier = lr / (np.sqrt(state1[s0]) + np.float32(eps))
-            for d in range(dim):
-                weights[w0 + d] -= multiplier * grad[d]
-        else:  # ADAM
-            for d in range(dim):
-                m = np.float32(beta1) * state1[s0 + d] + np.float32(1.0 - beta1) * grad[d]
-                v = np.float32(beta2) * state2[s0 + d] + np.float32(1.0 - beta2) * grad[d] * grad[d]
-                state1[s0 + d] = m
-                state2[s0 + d] = v
-                weights[w0 + d] -= lr * np.float32(adam_step_size) * m / (np.sqrt(v) + np.float32(eps))
+                grad[d] = 0.0
+            row = values[sorted_positions[runs[r]]]
+            for k in range(runs[r], runs[r + 1]):
+                p = sorted_positions[k]
+                bag = bag_of_id[p]
+                f = bag // batch_size
+                b = bag - f * batch_size
+                scale = id_weights[p] if weighted else np.float32(1.0)
+                if mean_pooling[t]:
+                    source_bag = feature_source[f] * batch_size + b
+                    scale = scale / np.float32(bag_offsets[source_bag + 1] - bag_offsets[source_bag])
+                o = b * width + out_columns[f]
+                for d in range(dim):
+                    grad[d] += scale * grad_out[o + d]
+            touched[row_offsets[t] + row] = 1
+            _update_row(weights, state1, state2, table_offsets[t] + row * dim,
+                        state_offsets[t] + row * state_width[t], grad, dim, optimizer, learning_rates[t],
+                        np.float32(eps), beta1, beta2, np.float32(weight_decay), adam_step_size)
+
+
+@numba.njit(inline="always")
+def _update_row(weights, state1, state2, w0, s0, grad, dim, optimizer, lr, eps, beta1, beta2, weight_decay,
+                adam_step_size):
+    """Apply ``optimizer`` to one row given its summed gradient ``grad[:dim]``."""
+    if weight_decay != 0.0:
+        for d in range(dim):
+            grad[d] += weight_decay * weights[w0 + d]
+    if optimizer == SGD:
+        for d in range(dim):
+            weights[w0 + d] -= lr * grad[d]
+    elif optimizer == ADAGRAD:
+        for d in range(dim):
+            state1[s0 + d] += grad[d] * grad[d]
+            weights[w0 + d] -= lr * grad[d] / (np.sqrt(state1[s0 + d]) + eps)
+    elif optimizer == ROWWISE_ADAGRAD:
+        square_sum = np.float32(0.0)
+        for d in range(dim):
+            square_sum += grad[d] * grad[d]
+        state1[s0] += square_sum / np.float32(dim)
+        multiplier = lr / (np.sqrt(state1[s0]) + eps)
+        for d in range(dim):
+            weights[w0 + d] -= multiplier * grad[d]
+    else:  # ADAM; (1 - beta) is formed in float64, as torch does with its Python scalars
+        b1, b2 = np.float32(beta1), np.float32(beta2)
+        c1, c2 = np.float32(1.0 - beta1), np.float32(1.0 - beta2)
+        for d in range(dim):
+            m = b1 * state1[s0 + d] + c1 * grad[d]
+            v = b2 * state2[s0 + d] + c2 * grad[d] * grad[d]
+            state1[s0 + d] = m
+            state2[s0 + d] = v
+            weights[w0 + d] -= lr * adam_step_size * m / (np.sqrt(v) + eps)
