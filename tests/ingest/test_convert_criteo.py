@@ -32,19 +32,20 @@ def test_converted_data_trains_through_the_reader(tmp_path):
     assert values.min() >= 0 and values.max() < 1000
 
 
-def test_bad_hash_is_named(tmp_path):
+def _convert_with_one_bad_field(tmp_path, index: int, value: str):
+    """Convert the fixture's first line with field ``index`` replaced by ``value``."""
     line = (FIXTURES / "criteo_sample.tsv").read_text().splitlines()[0].split("\t")
-    line[20] = "zz12"
+    line[index] = value
     bad = tmp_path / "bad.tsv"
     bad.write_text("\t".join(line) + "\n")
+    return convert([bad], tmp_path / "out")
+
+
+def test_bad_hash_is_named(tmp_path):
     with pytest.raises(DataError, match=r"bad.tsv, column 'C7', row 1: not a hexadecimal hash"):
-        convert([bad], tmp_path / "out")
+        _convert_with_one_bad_field(tmp_path, 20, "zz12")
 
 
 def test_bad_label_is_named(tmp_path):
-    line = (FIXTURES / "criteo_sample.tsv").read_text().splitlines()[0].split("\t")
-    line[0] = "2"
-    bad = tmp_path / "bad.tsv"
-    bad.write_text("\t".join(line) + "\n")
     with pytest.raises(DataError, match=r"column 'label', row 1: label must be 0 or 1"):
-        convert([bad], tmp_path / "out")
+        _convert_with_one_bad_field(tmp_path, 0, "2")

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests.trainer.reference import ReferenceOptimizer, random_kjt, reference_pooled, touched_rows
+from trainer.batch import KeyedJaggedTensor
 from trainer.embedding_config import SparseOptimizer, TableConfig
 from trainer.fused_embedding import FusedEmbeddingBagCollection
 
@@ -101,12 +102,15 @@ def test_bit_identical_with_one_and_two_threads():
     assert torch.equal(one, two)
 
 
+def _one_table_module_and_ids(ids: list[int]) -> tuple[FusedEmbeddingBagCollection, KeyedJaggedTensor]:
+    """A 10-row table and a batch of one bag holding ``ids``."""
+    module = FusedEmbeddingBagCollection([TableConfig("t", 10, 4, ("a",))], SparseOptimizer("sgd", 0.1))
+    kjt = KeyedJaggedTensor(("a",), torch.tensor([len(ids)], dtype=torch.int32), torch.tensor(ids))
+    return module, kjt
+
+
 def test_touched_rows_and_eval_mode_do_not_update():
-    tables = [TableConfig("t", 10, 4, ("a",))]
-    module = FusedEmbeddingBagCollection(tables, SparseOptimizer("sgd", 0.1))
-    kjt = random_kjt(tables, 1, np.random.default_rng(0))
-    kjt.lengths[:] = 2
-    kjt.values = torch.tensor([3, 7])
+    module, kjt = _one_table_module_and_ids([3, 7])
     before = module.weights.clone()
     module.eval()
     module(kjt).sum()
@@ -121,10 +125,6 @@ def test_touched_rows_and_eval_mode_do_not_update():
 
 
 def test_out_of_range_ids_raise():
-    tables = [TableConfig("t", 10, 4, ("a",))]
-    module = FusedEmbeddingBagCollection(tables, SparseOptimizer("sgd", 0.1))
-    kjt = random_kjt(tables, 2, np.random.default_rng(0))
-    kjt.lengths[:] = 1
-    kjt.values = torch.tensor([3, 10])
+    module, kjt = _one_table_module_and_ids([3, 10])
     with pytest.raises(IndexError, match=r"t: \[0, 10\)"):
         module(kjt)
