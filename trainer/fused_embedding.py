@@ -104,6 +104,33 @@ class FusedEmbeddingBagCollection(nn.Module):
         states = [self.state1, self.state2][: self.optimizer.num_states]
         return [s[start : start + size].view(int(self._rows[t]), width) for s in states]
 
+    def read_rows(self, name: str, rows: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Copies of rows ``rows`` (int64 ``[n]``) of table ``name``: weights float32
+        ``[n, dim]`` and each optimizer state array's ``[n, width]``."""
+        rows = self._checked_rows(name, rows)
+        return (self.table_weight(name).index_select(0, rows),
+                [state.index_select(0, rows) for state in self.table_state(name)])
+
+    def write_rows(self, name: str, rows: torch.Tensor, weights: torch.Tensor, states: list[torch.Tensor]) -> None:
+        """Overwrite rows ``rows`` (int64 ``[n]``, distinct) of table ``name`` with ``weights``
+        ``[n, dim]`` and optimizer ``states`` (as :meth:`read_rows` returns them)."""
+        rows = self._checked_rows(name, rows)
+        table_states = self.table_state(name)
+        if len(states) != len(table_states):
+            raise ValueError(f"table {name!r} has {len(table_states)} optimizer states, got {len(states)}")
+        if torch.unique(rows).numel() != rows.numel():
+            raise ValueError("rows to write must be distinct")
+        self.table_weight(name).index_copy_(0, rows, weights.to(torch.float32))
+        for target, source in zip(table_states, states):
+            target.index_copy_(0, rows, source.to(torch.float32))
+
+    def _checked_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.to(torch.int64).reshape(-1)
+        limit = int(self._rows[self._table_index(name)])
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= limit):
+            raise IndexError(f"rows of table {name!r} must lie in [0, {limit})")
+        return rows
+
     def table_touched(self, name: str) -> torch.Tensor:
         """bool ``[rows]``: rows of table ``name`` updated since :meth:`clear_touched`."""
         t = self._table_index(name)

@@ -128,3 +128,28 @@ def test_out_of_range_ids_raise():
     module, kjt = _one_table_module_and_ids([3, 10])
     with pytest.raises(IndexError, match=r"t: \[0, 10\)"):
         module(kjt)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad", "adam"])
+def test_rows_move_between_modules_with_their_optimizer_state(kind):
+    """Rows read from one module and written into another continue training identically."""
+    tables = [TableConfig("t", 40, 6, ("a", "b"))]
+    rng = np.random.default_rng(3)
+    source = FusedEmbeddingBagCollection(tables, SparseOptimizer(kind, 0.1), seed=1)
+    for _ in range(2):
+        source(random_kjt(tables, 8, rng)).sum().backward()
+    target = FusedEmbeddingBagCollection(tables, SparseOptimizer(kind, 0.1), seed=2)
+    target.optimizer_step.copy_(source.optimizer_step)
+    rows = torch.randperm(40)[:25]
+    weights, states = source.read_rows("t", rows)
+    target.write_rows("t", rows, weights, states)
+    assert torch.equal(target.table_weight("t")[rows], source.table_weight("t")[rows])
+    kjt = random_kjt(tables, 8, rng)
+    kjt.values = rows[kjt.values % 25]  # only rows that moved
+    for module in (source, target):
+        module(kjt).sum().backward()
+    assert torch.equal(target.read_rows("t", rows)[0], source.read_rows("t", rows)[0])
+    with pytest.raises(IndexError, match=r"\[0, 40\)"):
+        source.read_rows("t", torch.tensor([40]))
+    with pytest.raises(ValueError, match="distinct"):
+        target.write_rows("t", torch.tensor([1, 1]), weights[:2], [s[:2] for s in states])
