@@ -87,8 +87,26 @@ def _run_config(config: TBEConfig, steps: int, rounds: int) -> dict[str, Any]:
         torch.index_select(matrix, 0, random_rows[i % NUM_BATCHES])
         return config.batch_size
 
-    rates = interleaved_rates({"fused": fused_step, "naive": naive_step, "gather": gather}, steps, rounds)
+    # Phases of our step: the forward alone, and a bare gather of the very rows it reads.
+    all_rows = fused.weights.view(-1, config.dim)
+    table_of_id = torch.arange(config.num_tables).repeat_interleave(config.batch_size * config.ids_per_bag)
+    global_rows = [b.values + table_of_id * config.rows for b in batches]
+
+    def fused_forward(i: int) -> int:
+        with torch.no_grad():
+            fused(batches[i % NUM_BATCHES])
+        return config.batch_size
+
+    def same_rows_gather(i: int) -> int:
+        torch.index_select(all_rows, 0, global_rows[i % NUM_BATCHES])
+        return config.batch_size
+
+    rates = interleaved_rates({"fused": fused_step, "naive": naive_step, "gather": gather,
+                               "fused_forward": fused_forward, "same_rows_gather": same_rows_gather},
+                              steps, rounds)
     del naive, naive_opt, matrix
+    step_ms = 1e3 / rates["fused"] * config.batch_size
+    forward_ms = 1e3 / rates["fused_forward"] * config.batch_size
     return {
         "config": config.__dict__,
         "fused_samples_per_s": rates["fused"],
@@ -98,4 +116,8 @@ def _run_config(config: TBEConfig, steps: int, rounds: int) -> dict[str, Any]:
         "gather_rows_per_s": rates["gather"] * ids_per_step / config.batch_size,
         "ratio_fused_over_naive": rates["fused"] / rates["naive"],
         "fused_fraction_of_gather_bound": rates["fused"] / rates["gather"],
+        "fused_step_ms": step_ms,
+        "fused_forward_ms": forward_ms,
+        "fused_backward_update_ms": step_ms - forward_ms,
+        "same_rows_gather_ms": 1e3 / rates["same_rows_gather"] * config.batch_size,
     }

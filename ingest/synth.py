@@ -48,8 +48,8 @@ TEACHER_HIDDEN = 32
 LOGIT_SCALE = 1.9
 LOGIT_BIAS = -1.55
 RARITY_RANK = 20.0
+LINEAR_WEIGHT = 2.0  # scale of the first-order term against the MLP
 PILOT_ROWS = 16384
-LINEAR_WEIGHT = 2.0
 
 ProgressFn = Callable[[int], None]
 
@@ -259,7 +259,7 @@ class _Teacher:
         return pooled / np.maximum(lengths, 1)[:, None]
 
     def raw_output(self, dense_log1p: np.ndarray, pooled: np.ndarray) -> np.ndarray:
-        """The MLP's output before rescaling: float64 ``[B]``."""
+        """Linear term plus MLP output, before rescaling: float64 ``[B]``."""
         x = np.concatenate([dense_log1p - 1.5, pooled * 2.0], axis=1)
         return x @ self.w_linear + np.maximum(x @ self.w1 + self.b1, 0.0) @ self.w2
 

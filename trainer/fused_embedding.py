@@ -176,7 +176,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         bad = pooled_forward(
             self.weights.numpy(), self._table_offsets, self._dims, self._rows, self._feature_table,
             ctx.source, self._out_columns, self._mean_pooling, ctx.bag_offsets, ctx.values,
-            ctx.id_weights, batch_size, out.view(-1).numpy(), ctx.bag_of_id, _max_chunks(),
+            ctx.id_weights, batch_size, out.view(-1).numpy(), ctx.bag_of_id,
         )
         if bad:
             raise IndexError(f"{bad} ids are outside their table's rows {self._describe_ranges()}")
@@ -254,7 +254,8 @@ def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
 
 
 def _max_chunks() -> int:
-    """Chunks of work per kernel call: a few per thread, for load balance."""
+    """Chunks of the update kernel's work: a few per thread, for load balance (each chunk
+    reuses one scratch gradient buffer)."""
     return 16 * numba.get_num_threads()
 
 

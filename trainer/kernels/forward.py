@@ -27,43 +27,40 @@ def pooled_forward(
     out: np.ndarray,             # float32 [B * sum(dims of features)] (row-major [B, C]), written
     bag_of_id: np.ndarray,       # int32 [N], written: module bag (f * B + b) of each id
                                  # of the module's features (others untouched)
-    max_chunks: int,             # work is split into at most this many chunks (a few per thread)
 ) -> int:
     """Sum (or mean) of each bag's rows; returns the number of out-of-range ids (0 if valid).
 
-    Bags are split into contiguous chunks, a few per thread; each bag is summed by one
-    thread in id order, so the result does not depend on the thread count.
+    Each bag is summed by one thread in id order, so the result does not depend on the
+    thread count.
     """
     num_bags = feature_table.shape[0] * batch_size
     width = out.shape[0] // max(batch_size, 1)
     weighted = id_weights.shape[0] > 0
-    chunks = min(num_bags, max_chunks)
-    bad = np.zeros(max(chunks, 1), dtype=np.int64)
-    for c in numba.prange(chunks):
-        for bag in range(c * num_bags // chunks, (c + 1) * num_bags // chunks):
-            f = bag // batch_size
-            b = bag - f * batch_size
-            t = feature_table[f]
-            dim = dims[t]
-            base = table_offsets[t]
-            o = b * width + out_columns[f]
-            source_bag = feature_source[f] * batch_size + b
-            start = bag_offsets[source_bag]
-            end = bag_offsets[source_bag + 1]
+    bad = np.zeros(num_bags, dtype=np.int64)
+    for bag in numba.prange(num_bags):
+        f = bag // batch_size
+        b = bag - f * batch_size
+        t = feature_table[f]
+        dim = dims[t]
+        base = table_offsets[t]
+        o = b * width + out_columns[f]
+        source_bag = feature_source[f] * batch_size + b
+        start = bag_offsets[source_bag]
+        end = bag_offsets[source_bag + 1]
+        for d in range(dim):
+            out[o + d] = 0.0
+        for p in range(start, end):
+            idx = values[p]
+            bag_of_id[p] = bag
+            if idx < 0 or idx >= rows[t]:
+                bad[bag] += 1
+                continue
+            row = base + idx * dim
+            w = id_weights[p] if weighted else np.float32(1.0)
             for d in range(dim):
-                out[o + d] = 0.0
-            for p in range(start, end):
-                idx = values[p]
-                bag_of_id[p] = bag
-                if idx < 0 or idx >= rows[t]:
-                    bad[c] += 1
-                    continue
-                row = base + idx * dim
-                w = id_weights[p] if weighted else np.float32(1.0)
-                for d in range(dim):
-                    out[o + d] += w * weights[row + d]
-            if mean_pooling[t] and end > start:
-                count = np.float32(end - start)
-                for d in range(dim):
-                    out[o + d] /= count
+                out[o + d] += w * weights[row + d]
+        if mean_pooling[t] and end > start:
+            count = np.float32(end - start)
+            for d in range(dim):
+                out[o + d] /= count
     return int(bad.sum())
