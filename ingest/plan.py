@@ -48,6 +48,78 @@ class RankPlan:
     def num_rows(self) -> int:
         return sum(r.num_rows for r in self.ranges)
 
+    def whole(self) -> "ReadTask":
+        """The whole plan as one task."""
+        return ReadTask(self.epoch, 0, self.num_batches, self.batch_size, self.ranges)
+
+    def tasks(self, batches_per_task: int) -> list["ReadTask"]:
+        """The plan cut into consecutive tasks of ``batches_per_task`` batches (the last
+        may hold fewer): units of work a reader service can be asked for."""
+        return self.whole().split(batches_per_task)
+
+
+@dataclass(frozen=True)
+class ReadTask:
+    """Batches ``[first_step, first_step + num_batches)`` of a rank's epoch.
+
+    ``ranges`` hold the task's rows in order; they fill its batches one after the other
+    and padding completes the last ones (all of them, for a task past the rank's rows).
+    """
+
+    epoch: int
+    first_step: int
+    num_batches: int
+    batch_size: int
+    ranges: tuple[RowRange, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(r.num_rows for r in self.ranges)
+
+    def batch_rows(self, index: int) -> tuple[RowRange, ...]:
+        """The rows of the task's ``index``-th batch, in order."""
+        return cut_ranges(self.ranges, index * self.batch_size, (index + 1) * self.batch_size)
+
+    def after(self, done: int) -> "ReadTask":
+        """The task without its first ``done`` batches."""
+        return ReadTask(
+            self.epoch,
+            self.first_step + done,
+            self.num_batches - done,
+            self.batch_size,
+            cut_ranges(self.ranges, done * self.batch_size, self.num_rows),
+        )
+
+    def split(self, batches_per_task: int) -> list["ReadTask"]:
+        """Consecutive tasks of ``batches_per_task`` batches covering this one."""
+        if batches_per_task <= 0:
+            raise ValueError(f"batches_per_task must be positive, got {batches_per_task}")
+        size = self.batch_size
+        return [
+            ReadTask(
+                self.epoch,
+                self.first_step + first,
+                min(batches_per_task, self.num_batches - first),
+                size,
+                cut_ranges(self.ranges, first * size, (first + batches_per_task) * size),
+            )
+            for first in range(0, self.num_batches, batches_per_task)
+        ]
+
+
+def cut_ranges(ranges: Sequence[RowRange], begin: int, end: int) -> tuple[RowRange, ...]:
+    """The rows at positions ``[begin, end)`` of the stream ``ranges`` form, as ranges."""
+    out = []
+    position = 0
+    for r in ranges:
+        lo, hi = max(begin - position, 0), min(end - position, r.num_rows)
+        if hi > lo:
+            out.append(RowRange(r.file_index, r.row_group, r.start + lo, r.start + hi))
+        position += r.num_rows
+        if position >= end:
+            break
+    return tuple(out)
+
 
 def row_groups_of(files: Sequence[pq.ParquetFile]) -> list[RowGroupInfo]:
     """Row groups of opened ``files`` from their Parquet footers (no data is read)."""
@@ -90,8 +162,7 @@ def plan_epoch(
     if remainder not in REMAINDER_POLICIES:
         raise ValueError(f"remainder must be one of {REMAINDER_POLICIES}, got {remainder!r}")
     order = epoch_order(len(groups), seed, epoch, shuffle)
-    sizes = np.array([groups[i].num_rows for i in order], dtype=np.int64)
-    total = int(sizes.sum())
+    total = sum(g.num_rows for g in groups)
     if remainder == "drop":
         num_batches = total // (world_size * batch_size)
         span = num_batches * batch_size
@@ -102,7 +173,8 @@ def plan_epoch(
         span = num_batches * batch_size
         begin, end = min(rank * span, total), min((rank + 1) * span, total)
         dropped = 0
-    ranges = _ranges_between(groups, order, sizes, begin, end)
+    stream = [RowRange(groups[i].file_index, groups[i].row_group, 0, groups[i].num_rows) for i in order]
+    ranges = cut_ranges(stream, begin, end)
     return RankPlan(
         epoch=epoch,
         rank=rank,
@@ -113,21 +185,3 @@ def plan_epoch(
         padded_samples=span - (end - begin),
         dropped_rows=dropped,
     )
-
-
-def _ranges_between(
-    groups: Sequence[RowGroupInfo], order: np.ndarray, sizes: np.ndarray, begin: int, end: int
-) -> tuple[RowRange, ...]:
-    """Row ranges covering stream positions ``[begin, end)`` of the ordered row groups."""
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    ranges = []
-    first = int(np.searchsorted(starts, begin, side="right")) - 1
-    for k in range(max(first, 0), len(order)):
-        g_begin, g_end = int(starts[k]), int(starts[k + 1])
-        if g_begin >= end:
-            break
-        lo, hi = max(begin, g_begin) - g_begin, min(end, g_end) - g_begin
-        if hi > lo:
-            g = groups[int(order[k])]
-            ranges.append(RowRange(g.file_index, g.row_group, lo, hi))
-    return tuple(ranges)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator, Protocol
 
 from ingest.batch import HostBatch, Provenance, RowRange
 from ingest.decoder import DecodeOptions, open_files, read_row_range
-from ingest.plan import RankPlan, plan_epoch, row_groups_of
+from ingest.plan import RankPlan, ReadTask, plan_epoch, row_groups_of
 from ingest.schema import Dataset
 
 
@@ -23,26 +23,31 @@ class ReaderConfig:
     shuffle: bool = True
 
 
-class InProcessReader:
-    """Reads one split of a dataset for one rank, decoding in the calling thread.
+class BatchReader(Protocol):
+    """What the trainer reads from: a rank's planned batches of one split, epoch by epoch."""
 
-    ``epoch(e)`` yields exactly ``plan(e).num_batches`` batches of ``batch_size`` samples,
-    each with its :class:`Provenance`.
-    """
+    def plan(self, epoch: int) -> RankPlan: ...
 
-    def __init__(self, dataset: Dataset, split: str, options: DecodeOptions, config: ReaderConfig) -> None:
+    def epoch(self, epoch: int) -> Iterator[HostBatch]: ...
+
+    def close(self) -> None: ...
+
+
+class SplitPlanner:
+    """Plans one rank's epochs of one split of a dataset from the files' Parquet footers."""
+
+    def __init__(self, dataset: Dataset, split: str, config: ReaderConfig) -> None:
         self.dataset = dataset
         self.split = split
-        self.options = options
         self.config = config
         self.paths = [str(p) for p in dataset.files(split)]
-        self._files = open_files(self.paths, dataset.schema)
-        self._groups = row_groups_of(self._files)
+        self.files = open_files(self.paths, dataset.schema)
+        self.groups = row_groups_of(self.files)
 
     def plan(self, epoch: int) -> RankPlan:
         c = self.config
         return plan_epoch(
-            self._groups,
+            self.groups,
             seed=c.seed,
             epoch=epoch,
             rank=c.rank,
@@ -52,43 +57,67 @@ class InProcessReader:
             shuffle=c.shuffle,
         )
 
+    def close(self) -> None:
+        for parquet_file in self.files:
+            parquet_file.close()
+
+    def empty_batch(self) -> HostBatch:
+        """A zero-sample batch of the dataset's layout."""
+        return HostBatch.empty(self.dataset.schema.feature_names, len(self.dataset.schema.dense))
+
+
+class InProcessReader:
+    """Reads one split of a dataset for one rank, decoding in the calling thread.
+
+    ``epoch(e)`` yields exactly ``plan(e).num_batches`` batches of ``batch_size`` samples,
+    each with its :class:`Provenance`.
+    """
+
+    def __init__(self, dataset: Dataset, split: str, options: DecodeOptions, config: ReaderConfig) -> None:
+        self.dataset = dataset
+        self.options = options
+        self.planner = SplitPlanner(dataset, split, config)
+
+    def plan(self, epoch: int) -> RankPlan:
+        return self.planner.plan(epoch)
+
     def decode(self, row_range: RowRange) -> HostBatch:
+        index = row_range.file_index
         return read_row_range(
-            self._files[row_range.file_index],
-            self.paths[row_range.file_index],
-            row_range,
-            self.dataset.schema,
-            self.options,
+            self.planner.files[index], self.planner.paths[index], row_range, self.dataset.schema, self.options
         )
 
     def epoch(self, epoch: int) -> Iterator[HostBatch]:
-        plan = self.plan(epoch)
-        chunks = ((r, self.decode(r)) for r in plan.ranges)
-        empty = HostBatch.empty(self.dataset.schema.feature_names, len(self.dataset.schema.dense))
-        yield from batches_from_chunks(plan, chunks, empty)
+        task = self.plan(epoch).whole()
+        chunks = ((r, self.decode(r)) for r in task.ranges)
+        yield from batches_from_chunks(task, chunks, self.planner.empty_batch())
+
+    def close(self) -> None:
+        self.planner.close()
 
 
 def batches_from_chunks(
-    plan: RankPlan, chunks: Iterator[tuple[RowRange, HostBatch]], empty: HostBatch
+    task: ReadTask, chunks: Iterable[tuple[RowRange, HostBatch]], empty: HostBatch
 ) -> Iterator[HostBatch]:
-    """Cut decoded row ranges (in plan order) into the plan's batches, padding the tail.
+    """Cut decoded row ranges (in ``task`` order) into the task's batches, padding the tail.
 
     ``empty`` is a zero-sample batch of the dataset's layout, the start of an all-padding
     batch.
     """
-    size = plan.batch_size
+    size = task.batch_size
     pending: list[_Pending] = []
     pending_rows = 0
-    step = 0
+    step = task.first_step
+    end = task.first_step + task.num_batches
     for row_range, chunk in chunks:
         pending.append(_Pending(row_range, chunk, 0))
         pending_rows += chunk.batch_size
         while pending_rows >= size:
-            yield _stamped(_take(pending, size), empty, plan.epoch, step, size)
+            yield _stamped(_take(pending, size), empty, task.epoch, step, size)
             pending_rows -= size
             step += 1
-    while step < plan.num_batches:
-        yield _stamped(_take(pending, min(pending_rows, size)), empty, plan.epoch, step, size)
+    while step < end:
+        yield _stamped(_take(pending, min(pending_rows, size)), empty, task.epoch, step, size)
         pending_rows = 0
         step += 1
 

@@ -11,6 +11,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
+from ingest.client import IngestError
 from ingest.errors import DataError
 from trainer.config import ConfigError
 
@@ -23,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return args.run(args)
-    except (ConfigError, DataError, FileNotFoundError) as err:
+    except (ConfigError, DataError, IngestError, FileNotFoundError) as err:
         print(f"neorec: error: {err}", file=sys.stderr)
         return 2
 
@@ -47,9 +48,25 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--eval-every", type=int, default=10, help="every N-th row goes to the eval split")
     convert.set_defaults(run=_convert)
 
+    ingest = commands.add_parser("ingest", help="reader services").add_subparsers(dest="ingest", required=True)
+    serve = ingest.add_parser("serve", help="run a reader service until SIGTERM/Ctrl-C")
+    serve.add_argument("--port", type=int, default=0, help="0: a free port, printed once serving")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="interface to bind (loopback unless told otherwise, e.g. 0.0.0.0)")
+    serve.add_argument("--worker-threads", "--workers-threads", dest="threads", type=int, default=2,
+                       help="decode threads")
+    serve.add_argument("--grace", type=float, default=5.0, help="seconds open streams get to finish on shutdown")
+    serve.set_defaults(run=_ingest_serve)
+    status = ingest.add_parser("status", help="print a reader service's live counters")
+    status.add_argument("address", help="host:port")
+    status.add_argument("--timeout", type=float, default=5.0)
+    status.set_defaults(run=_ingest_status)
+
     train = commands.add_parser("train", help="train a DLRM as a config says")
     train.add_argument("config")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    train.add_argument("--ingest", metavar="HOST:PORT,...",
+                       help="read through these reader services instead of in process")
     train.set_defaults(run=_train)
 
     evaluate = commands.add_parser("eval", help="evaluate a checkpoint on the config's eval split")
@@ -59,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(run=_eval)
 
     bench = commands.add_parser("bench", help="benchmarks: ours against a baseline, side by side")
-    bench.add_argument("name", choices=("train", "tbe"))
+    bench.add_argument("name", choices=("train", "tbe", "ingest"))
     bench.add_argument("--json", help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (for smoke tests)")
     bench.set_defaults(run=_bench)
@@ -85,11 +102,42 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ingest_serve(args: argparse.Namespace) -> int:
+    from ingest.service import ReaderServer, serve_until_signal
+
+    server = ReaderServer(host=args.host, port=args.port, threads=args.threads)
+
+    def ready(address: str) -> None:
+        print(f"neorec ingest: serving on {address}", flush=True)
+
+    serve_until_signal(server, args.grace, ready)
+    return 0
+
+
+def _ingest_status(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from protos import ingest_pb2, ingest_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            reply = ingest_pb2_grpc.ReaderStub(channel).Status(ingest_pb2.StatusRequest(), timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"neorec: error: {args.address}: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True), indent=2))
+    return 0
+
+
 def _train(args: argparse.Namespace) -> int:
     from orchestration.config import load_config
     from trainer.train import StepReport, train
 
-    config = load_config(args.config, args.set)
+    overrides = list(args.set)
+    if args.ingest:
+        overrides.append(f"data.ingest={json.dumps(args.ingest.split(','))}")
+    config = load_config(args.config, overrides)
     bar = tqdm(unit="step", desc="train")
 
     def progress(report: StepReport) -> None:

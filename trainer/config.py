@@ -9,6 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from ingest.client import COMPRESSIONS, parse_addresses
 from ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
 from ingest.plan import REMAINDER_POLICIES
 from trainer.embedding_config import POOLINGS, SPARSE_OPTIMIZERS
@@ -29,8 +30,20 @@ class DataConfig:
     id_mapping: str = "modulo"
     remainder: str = "drop"
     shuffle: bool = True
+    ingest: list[str] = field(default_factory=list)
+    """Reader service addresses (host:port); empty: read in process."""
+    ingest_compression: str = "none"
+    ingest_stall_timeout_s: float = 120.0
+    """Give up when the reader services deliver nothing for this long."""
 
     def validate(self) -> None:
+        for address in self.ingest:
+            try:
+                parse_addresses(address)
+            except ValueError as err:
+                raise ConfigError(f"data.ingest: {err}") from None
+        _one_of("data.ingest_compression", self.ingest_compression, tuple(COMPRESSIONS))
+        _positive("data.ingest_stall_timeout_s", self.ingest_stall_timeout_s)
         _one_of("data.dense_transform", self.dense_transform, DENSE_TRANSFORMS)
         _one_of("data.id_mapping", self.id_mapping, ID_MAPPINGS)
         _one_of("data.remainder", self.remainder, REMAINDER_POLICIES)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Iterator, TypeVar
+from typing import Generator, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -34,6 +34,9 @@ class Prefetcher(Iterator[T]):
         except BaseException as err:  # handed to the consumer
             self._put(err)
             return
+        finally:
+            if isinstance(source, Generator):
+                source.close()  # runs the source's cleanup now, in this thread
         self._put(_END)
 
     def _put(self, item: object) -> bool:

@@ -12,7 +12,9 @@ import numba
 import torch
 import torch.nn.functional as F
 
-from ingest.reader import InProcessReader, ReaderConfig
+from ingest.client import ClientOptions, RemoteReader
+from ingest.decoder import DecodeOptions
+from ingest.reader import BatchReader, InProcessReader, ReaderConfig
 from ingest.schema import Dataset
 from trainer import checkpoint
 from trainer.batch import Batch
@@ -57,7 +59,17 @@ def train_step(model: DLRM, optimizer: torch.optim.Optimizer, batch: Batch) -> t
     return loss.detach()
 
 
-def batches(reader: InProcessReader, epoch: int) -> Iterator[Batch]:
+def make_reader(dataset: Dataset, split: str, options: DecodeOptions, reader_config: ReaderConfig,
+                config: TrainConfig) -> BatchReader:
+    """The reader services of ``data.ingest`` if any, else the in-process reader."""
+    if not config.data.ingest:
+        return InProcessReader(dataset, split, options, reader_config)
+    return RemoteReader(dataset, split, options, reader_config, config.data.ingest,
+                        ClientOptions(compression=config.data.ingest_compression,
+                                      stall_timeout_s=config.data.ingest_stall_timeout_s))
+
+
+def batches(reader: BatchReader, epoch: int) -> Iterator[Batch]:
     return (Batch.from_host(b) for b in reader.epoch(epoch))
 
 
@@ -70,14 +82,16 @@ def train(config: TrainConfig, progress: ProgressFn | None = None) -> dict[str, 
     model = build_model(dataset, config)
     optimizer = dense_optimizer(model, config)
     options = decode_options(dataset.schema, config)
-    train_reader = InProcessReader(
+    train_reader = make_reader(
         dataset, config.data.train_split, options,
         ReaderConfig(batch_size=loop.batch_size, seed=loop.seed, remainder=config.data.remainder,
                      shuffle=config.data.shuffle),
+        config,
     )
-    eval_reader = InProcessReader(
+    eval_reader = make_reader(
         dataset, config.data.eval_split, options,
         ReaderConfig(batch_size=loop.eval_batch_size, seed=loop.seed, remainder="pad", shuffle=False),
+        config,
     )
     run_dir = Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -127,6 +141,8 @@ def train(config: TrainConfig, progress: ProgressFn | None = None) -> dict[str, 
             eval_metrics = _log_eval(log, model, eval_reader, global_step, 0)
     finally:
         log.close()
+        train_reader.close()
+        eval_reader.close()
 
     if config.run.checkpoint:
         checkpoint.save(run_dir / "checkpoint", model, optimizer,
@@ -152,14 +168,18 @@ def evaluate_checkpoint(config: TrainConfig, checkpoint_dir: str | Path) -> dict
     dataset = Dataset.load(config.data.path)
     model = build_model(dataset, config)
     checkpoint.load(checkpoint_dir, model)
-    reader = InProcessReader(
+    reader = make_reader(
         dataset, config.data.eval_split, decode_options(dataset.schema, config),
         ReaderConfig(batch_size=config.train.eval_batch_size, remainder="pad", shuffle=False),
+        config,
     )
-    return evaluate(model, batches(reader, 0))
+    try:
+        return evaluate(model, batches(reader, 0))
+    finally:
+        reader.close()
 
 
-def _log_eval(log: MetricsLog, model: DLRM, reader: InProcessReader, step: int, epoch: int) -> dict[str, float]:
+def _log_eval(log: MetricsLog, model: DLRM, reader: BatchReader, step: int, epoch: int) -> dict[str, float]:
     started = time.perf_counter()
     metrics = evaluate(model, batches(reader, 0))
     seconds = time.perf_counter() - started

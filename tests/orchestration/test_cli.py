@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from tests.conftest import FIXTURES
+from tests.ingest.workers import start_worker, stop_all
 
 
 def _neorec(*args, cwd=None):
@@ -53,3 +54,36 @@ def test_bench_quick_prints_both_sides_and_ratio(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["ratio"] == report["fused_qps"] / report["baseline_qps"]
+
+
+def test_train_through_a_reader_service_equals_in_process(criteo_dataset, tmp_path):
+    common = ["--set", f"data.path='{criteo_dataset.root}'", "--set", "train.batch_size=256",
+              "--set", "model.max_table_rows=1000"]
+    local = _neorec("train", "configs/demo.toml", "--set", f"run.dir='{tmp_path / 'local'}'", *common)
+    assert local.returncode == 0, local.stderr
+    worker = start_worker()
+    try:
+        remote = _neorec("train", "configs/demo.toml", "--ingest", worker.address,
+                         "--set", f"run.dir='{tmp_path / 'remote'}'", *common)
+        assert remote.returncode == 0, remote.stderr
+        status = _neorec("ingest", "status", worker.address)
+        assert status.returncode == 0, status.stderr
+        counters = json.loads(status.stdout)
+    finally:
+        stop_all([worker])
+    summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in ("local", "remote")]
+    untimed = [{k: v for k, v in s.items() if "qps" not in k and "wait" not in k} for s in summaries]
+    assert untimed[0] == untimed[1]
+    steps = summaries[1]["steps"]
+    assert int(counters["rowsServed"]) == steps * 256 + criteo_dataset.rows["eval"]
+    assert int(counters["errors"]) == 0 and counters["activeStreams"] == 0
+
+
+def test_unreachable_reader_service_is_a_clear_error(criteo_dataset, tmp_path):
+    worker = start_worker()
+    worker.kill()
+    result = _neorec("train", "configs/demo.toml", "--ingest", worker.address,
+                     "--set", f"data.path='{criteo_dataset.root}'", "--set", f"run.dir='{tmp_path}'",
+                     "--set", "data.ingest_stall_timeout_s=1.0")
+    assert result.returncode == 2
+    assert f"{worker.address}: UNAVAILABLE" in result.stderr and "Traceback" not in result.stderr

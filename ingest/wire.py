@@ -1,0 +1,98 @@
+"""A batch on the wire: :class:`HostBatch` ⇄ the ``Batch`` protobuf message.
+
+Tensors travel as raw little-endian bytes in one ``body`` field (optionally one zstd
+frame); decoding is ``numpy.frombuffer`` on that body, never a loop over rows or ids.
+The body starts with the int64 values so that every tensor lies at an aligned offset.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import zstandard
+
+from ingest.batch import HostBatch, Provenance, RowRange
+from protos import ingest_pb2
+
+ZSTD_LEVEL = 1
+
+
+class WireError(ValueError):
+    """A message does not hold a well-formed batch."""
+
+
+def encode_batch(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_NONE) -> ingest_pb2.Batch:
+    """The message for ``batch`` (which must carry its provenance)."""
+    provenance = batch.provenance
+    if provenance is None:
+        raise ValueError("only batches with a provenance go on the wire")
+    parts = [
+        np.ascontiguousarray(batch.values, dtype="<i8"),
+        np.ascontiguousarray(batch.dense, dtype="<f4"),
+        np.ascontiguousarray(batch.labels, dtype="<f4"),
+        np.ascontiguousarray(batch.lengths, dtype="<i4"),
+    ]
+    if batch.weights is not None:
+        parts.append(np.ascontiguousarray(batch.weights, dtype="<f4"))
+    body = b"".join(memoryview(p).cast("B") for p in parts)
+    if compression == ingest_pb2.COMPRESSION_ZSTD:
+        body = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(body)
+    elif compression != ingest_pb2.COMPRESSION_NONE:
+        raise ValueError(f"unknown compression {compression}")
+    return ingest_pb2.Batch(
+        epoch=provenance.epoch,
+        step=provenance.step,
+        rows=[ingest_pb2.RowRange(file=r.file_index, row_group=r.row_group, start=r.start, stop=r.stop)
+              for r in provenance.rows],
+        batch_size=batch.batch_size,
+        num_valid=batch.num_valid,
+        num_dense=batch.dense.shape[1],
+        num_features=batch.num_features,
+        num_values=batch.values.shape[0],
+        has_weights=batch.weights is not None,
+        compression=compression,
+        body=body,
+    )
+
+
+def decode_batch(message: ingest_pb2.Batch, keys: tuple[str, ...]) -> HostBatch:
+    """The batch a message holds; ``keys`` are the dataset's feature names (schema order).
+
+    The arrays share one writable buffer (a copy of the body, as torch wants writable
+    arrays); raises :class:`WireError` if the sizes in the header do not match the body.
+    """
+    if message.num_features != len(keys):
+        raise WireError(f"batch has {message.num_features} features, the dataset {len(keys)}")
+    if message.compression == ingest_pb2.COMPRESSION_ZSTD:
+        body = bytearray(zstandard.ZstdDecompressor().decompress(message.body))
+    elif message.compression == ingest_pb2.COMPRESSION_NONE:
+        body = bytearray(message.body)
+    else:
+        raise WireError(f"unknown compression {message.compression}")
+    size, num_values, num_dense = message.batch_size, message.num_values, message.num_dense
+    layout = [("<i8", num_values), ("<f4", size * num_dense), ("<f4", size), ("<i4", len(keys) * size)]
+    if message.has_weights:
+        layout.append(("<f4", num_values))
+    expected = sum(np.dtype(kind).itemsize * count for kind, count in layout)
+    if expected != len(body):
+        raise WireError(f"batch step {message.step}: body holds {len(body)} bytes, its header says {expected}")
+    arrays = []
+    offset = 0
+    for kind, count in layout:
+        arrays.append(np.frombuffer(body, dtype=kind, count=count, offset=offset))
+        offset += arrays[-1].nbytes
+    values, dense, labels, lengths = arrays[:4]
+    return HostBatch(
+        dense=dense.reshape(size, num_dense),
+        labels=labels,
+        keys=keys,
+        lengths=lengths,
+        values=values,
+        weights=arrays[4] if message.has_weights else None,
+        num_valid=message.num_valid,
+        provenance=provenance_of(message),
+    )
+
+
+def provenance_of(message: ingest_pb2.Batch) -> Provenance:
+    rows = tuple(RowRange(r.file, r.row_group, r.start, r.stop) for r in message.rows)
+    return Provenance(epoch=message.epoch, step=message.step, rows=rows)

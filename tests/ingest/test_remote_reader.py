@@ -1,0 +1,92 @@
+"""The client against real reader service processes: same batches as in process,
+exactly once, whatever the workers do."""
+
+import shutil
+
+import pytest
+
+from ingest.client import ClientOptions, IngestError, RemoteReader
+from ingest.decoder import DecodeOptions
+from ingest.reader import InProcessReader, ReaderConfig
+from ingest.schema import Dataset
+from tests.ingest.workers import assert_same_batches, scramble_data_pages, start_worker, stop_all
+
+SMALL_TASKS = ClientOptions(task_rows=200)  # a few batches per task: many tasks per epoch
+
+
+@pytest.fixture(scope="module")
+def workers():
+    started = [start_worker("--worker-threads", "1") for _ in range(3)]
+    yield started
+    stop_all(started)
+
+
+def _both(dataset: Dataset, config: ReaderConfig, addresses, client=SMALL_TASKS, epoch=0):
+    options = DecodeOptions.for_schema(dataset.schema)
+    expected = list(InProcessReader(dataset, "train", options, config).epoch(epoch))
+    with RemoteReader(dataset, "train", options, config, addresses, client) as reader:
+        return list(reader.epoch(epoch)), expected
+
+
+@pytest.mark.parametrize("num_workers", [1, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_batches_equal_the_in_process_reader(criteo_dataset, workers, num_workers, world_size):
+    addresses = [w.address for w in workers[:num_workers]]
+    for rank in range(world_size):
+        config = ReaderConfig(batch_size=64, seed=5, rank=rank, world_size=world_size)
+        got, expected = _both(criteo_dataset, config, addresses)
+        assert len(expected) > 10
+        assert_same_batches(got, expected)
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_multihot_padding_and_compression(multihot_dataset, workers, compression):
+    config = ReaderConfig(batch_size=96, seed=2, rank=2, world_size=3, remainder="pad")
+    client = ClientOptions(task_rows=300, compression=compression)
+    got, expected = _both(multihot_dataset, config, [w.address for w in workers], client, epoch=1)
+    assert expected[-1].num_valid < 96
+    assert_same_batches(got, expected)
+
+
+@pytest.mark.parametrize("seed,kill_after", [(0, 1), (1, 7), (2, 25)])
+def test_sigkill_of_a_worker_mid_epoch_changes_nothing(criteo_dataset, seed, kill_after):
+    victims = [start_worker("--worker-threads", "1") for _ in range(3)]
+    try:
+        config = ReaderConfig(batch_size=48, seed=seed, rank=seed % 2, world_size=2)
+        options = DecodeOptions.for_schema(criteo_dataset.schema)
+        expected = list(InProcessReader(criteo_dataset, "train", options, config).epoch(0))
+        client = ClientOptions(task_rows=48 * 6, backoff_s=0.01)
+        with RemoteReader(criteo_dataset, "train", options, config, [w.address for w in victims], client) as reader:
+            got = []
+            for batch in reader.epoch(0):
+                got.append(batch)
+                if len(got) == kill_after:
+                    victims[seed % 3].kill()
+            assert reader.requeued_batches > 0
+        assert_same_batches(got, expected)
+    finally:
+        stop_all(victims)
+
+
+def test_no_live_worker_is_a_clear_error_not_a_hang(criteo_dataset):
+    worker = start_worker()
+    worker.kill()
+    config = ReaderConfig(batch_size=64)
+    client = ClientOptions(stall_timeout_s=1.5, backoff_s=0.05, max_backoff_s=0.2)
+    with RemoteReader(criteo_dataset, "train", DecodeOptions.for_schema(criteo_dataset.schema), config,
+                      [worker.address], client) as reader:
+        with pytest.raises(IngestError, match=f"no reader service delivered.*{worker.address}: UNAVAILABLE"):
+            next(iter(reader.epoch(0)))
+
+
+def test_corrupt_data_reaches_the_trainer_as_an_error_naming_the_file(criteo_dataset, workers, tmp_path):
+    copy = tmp_path / "dataset"
+    shutil.copytree(criteo_dataset.root, copy)
+    dataset = Dataset.load(copy)
+    config = ReaderConfig(batch_size=64)
+    options = DecodeOptions.for_schema(dataset.schema)
+    with RemoteReader(dataset, "train", options, config, [w.address for w in workers]) as reader:
+        victim = dataset.files("train")[1]
+        scramble_data_pages(victim)  # after planning: the footers stay readable
+        with pytest.raises(IngestError, match=f"DATA_LOSS: file {victim}"):
+            list(reader.epoch(0))

@@ -1,0 +1,192 @@
+"""The reader service on its own: requests, status codes, counters, health, shutdown."""
+
+import shutil
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ingest.client import RemoteReader
+from ingest.decoder import DecodeOptions
+from ingest.reader import ReaderConfig
+from ingest.schema import Dataset
+from ingest.service import SERVICE_NAME, ReaderServer
+from protos import ingest_pb2, ingest_pb2_grpc
+from tests.ingest.workers import scramble_data_pages, start_worker, stop_all
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = ReaderServer(threads=2)
+    server.start()
+    yield server
+    server.stop(grace_s=0.5)
+
+
+@pytest.fixture
+def channel(server):
+    with grpc.insecure_channel(server.address) as channel:
+        yield channel
+
+
+def _request(dataset: Dataset, batch_size: int = 100, num_batches: int = 3) -> ingest_pb2.ReadRequest:
+    """A valid request built the way the client builds them."""
+    options = DecodeOptions.for_schema(dataset.schema)
+    reader = RemoteReader(dataset, "train", options, ReaderConfig(batch_size=batch_size), ["127.0.0.1:1"])
+    task = reader.plan(0).tasks(num_batches)[0]
+    reader.close()
+    return reader.request_for(task)
+
+
+def _read_all(channel: grpc.Channel, request: ingest_pb2.ReadRequest) -> list[ingest_pb2.Batch]:
+    return list(ingest_pb2_grpc.ReaderStub(channel).Read(request, timeout=30))
+
+
+def _status(channel: grpc.Channel) -> ingest_pb2.StatusReply:
+    return ingest_pb2_grpc.ReaderStub(channel).Status(ingest_pb2.StatusRequest(), timeout=10)
+
+
+def test_serves_the_requested_batches_and_counts_them(channel, criteo_dataset):
+    before = _status(channel)
+    request = _request(criteo_dataset, batch_size=100, num_batches=3)
+    batches = _read_all(channel, request)
+    assert [b.step for b in batches] == [0, 1, 2]
+    assert all(b.batch_size == b.num_valid == 100 for b in batches)
+    after = _status(channel)
+    assert after.batches_served - before.batches_served == 3
+    assert after.rows_served - before.rows_served == 300
+    assert after.bytes_served - before.bytes_served == sum(len(b.body) for b in batches)
+    assert after.requests - before.requests == 1
+    assert after.active_streams == 0 and after.batches_per_second > 0 and not after.shutting_down
+
+
+def _mutations(dataset: Dataset):
+    """(name, change to a valid request, expected status code)."""
+    def set_field(name, value):
+        return lambda r: setattr(r, name, value)
+
+    def first_range(**fields):
+        def change(r):
+            for k, v in fields.items():
+                setattr(r.ranges[0], k, v)
+        return change
+
+    invalid, missing = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
+    return [
+        ("batch size 0", set_field("batch_size", 0), invalid),
+        ("absurd batch size", set_field("batch_size", 1 << 30), invalid),
+        ("no batches", set_field("num_batches", 0), invalid),
+        ("too many rows for the batches", set_field("num_batches", 1), invalid),
+        ("unknown compression", set_field("compression", 7), invalid),
+        ("unknown dataset", set_field("dataset", "/nonexistent/dataset"), missing),
+        ("unknown split", set_field("split", "test"), missing),
+        ("unknown file", lambda r: r.files.__setitem__(0, "elsewhere.parquet"), missing),
+        ("file index past the list", first_range(file=5), invalid),
+        ("row group past the file", first_range(row_group=99), invalid),
+        ("rows past the row group", first_range(stop=10_000), invalid),
+        ("empty row range", first_range(stop=0), invalid),
+        ("wrong table count", lambda r: r.decode.table_rows.pop(), invalid),
+        ("unknown dense transform", lambda r: setattr(r.decode, "dense_transform", "sqrt"), invalid),
+    ]
+
+
+def test_bad_requests_get_status_codes_and_the_server_keeps_serving(channel, criteo_dataset):
+    before = _status(channel)
+    mutations = _mutations(criteo_dataset)
+    for name, change, code in mutations:
+        request = _request(criteo_dataset)
+        change(request)
+        with pytest.raises(grpc.RpcError) as info:
+            _read_all(channel, request)
+        assert info.value.code() == code, name
+        assert info.value.details(), name
+    assert _status(channel).errors - before.errors == len(mutations)
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert health.status == SERVING
+    assert len(_read_all(channel, _request(criteo_dataset))) == 3
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_file_is_data_loss_naming_the_file(channel, criteo_dataset, tmp_path, damage):
+    copy = tmp_path / "dataset"
+    shutil.copytree(criteo_dataset.root, copy)
+    request = _request(criteo_dataset)
+    request.dataset = str(copy)
+    victim = copy / request.files[request.ranges[0].file]
+    if damage == "truncated":
+        victim.write_bytes(victim.read_bytes()[:1000])
+    else:
+        scramble_data_pages(victim)
+    with pytest.raises(grpc.RpcError) as info:
+        _read_all(channel, request)
+    assert info.value.code() == grpc.StatusCode.DATA_LOSS
+    assert victim.name in info.value.details()
+    assert len(_read_all(channel, _request(criteo_dataset))) == 3
+
+
+def test_health_check_and_unknown_service(channel):
+    stub = health_pb2_grpc.HealthStub(channel)
+    for name in ("", SERVICE_NAME):
+        assert stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == SERVING
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_sigterm_drains_then_exits_cleanly(criteo_dataset):
+    worker = start_worker("--grace", "3")
+    try:
+        with grpc.insecure_channel(worker.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=30)
+            assert next(watch).status == SERVING
+            # An open stream the client does not read: the service must wait for it, then end it.
+            request = _request(criteo_dataset, batch_size=1000, num_batches=4)
+            stream = ingest_pb2_grpc.ReaderStub(channel).Read(request, timeout=30)
+            first = next(stream)
+            assert first.step == 0
+            while _status(channel).active_streams != 1:
+                time.sleep(0.01)
+            started = time.monotonic()
+            worker.process.send_signal(signal.SIGTERM)
+            assert next(watch).status == NOT_SERVING
+            assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == NOT_SERVING
+            with pytest.raises(grpc.RpcError) as refused:
+                _read_all(channel, _request(criteo_dataset))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert _status(channel).shutting_down
+            received = 1
+            try:
+                for _ in stream:
+                    received += 1
+                    time.sleep(0.5)
+                assert received == 4  # it finished within the grace period
+            except grpc.RpcError as ended:
+                assert ended.code() == grpc.StatusCode.UNAVAILABLE
+        assert worker.process.wait(timeout=15) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        stop_all([worker])
+
+
+def test_streams_still_open_after_the_grace_period_end_unavailable(criteo_dataset):
+    server = ReaderServer(threads=1)
+    server.start()
+    with grpc.insecure_channel(server.address) as channel:
+        request = _request(criteo_dataset, batch_size=1, num_batches=4000)
+        stream = ingest_pb2_grpc.ReaderStub(channel).Read(request, timeout=30)
+        assert next(stream).step == 0
+        stopper = threading.Thread(target=server.stop, kwargs={"grace_s": 0.0})
+        stopper.start()
+        with pytest.raises(grpc.RpcError) as ended:
+            received = 1 + sum(1 for _ in stream)
+            pytest.fail(f"the stream finished ({received} batches) instead of ending")
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in ended.value.details()
+        stopper.join()

@@ -1,0 +1,52 @@
+import numpy as np
+import pytest
+
+from ingest.batch import HostBatch, Provenance, RowRange
+from ingest.decoder import DecodeOptions
+from ingest.reader import InProcessReader, ReaderConfig
+from ingest.wire import WireError, decode_batch, encode_batch
+from protos import ingest_pb2
+from tests.ingest.workers import assert_same_batches
+
+COMPRESSIONS = [ingest_pb2.COMPRESSION_NONE, ingest_pb2.COMPRESSION_ZSTD]
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+@pytest.mark.parametrize("dataset_name", ["criteo_dataset", "multihot_dataset"])
+def test_round_trip_is_byte_identical(request, dataset_name, compression):
+    dataset = request.getfixturevalue(dataset_name)
+    reader = InProcessReader(dataset, "train", DecodeOptions.for_schema(dataset.schema),
+                             ReaderConfig(batch_size=350, remainder="pad"))
+    batches = list(reader.epoch(0))
+    decoded = [decode_batch(ingest_pb2.Batch.FromString(encode_batch(b, compression).SerializeToString()),
+                            dataset.schema.feature_names) for b in batches]
+    assert_same_batches(decoded, batches)
+    assert decoded[-1].num_valid < decoded[-1].batch_size  # the padded tail survives
+    assert all(b.values.flags.writeable and b.dense.flags.writeable for b in decoded)
+
+
+def _weighted_batch() -> HostBatch:
+    return HostBatch(
+        dense=np.arange(6, dtype=np.float32).reshape(3, 2),
+        labels=np.array([0, 1, 0], dtype=np.float32),
+        keys=("a", "b"),
+        lengths=np.array([1, 0, 2, 3, 0, 0], dtype=np.int32),
+        values=np.array([5, 6, 7, 1, 2, 3], dtype=np.int64),
+        weights=np.array([0.5, 1, 2, 3, 4, 5], dtype=np.float32),
+        provenance=Provenance(epoch=2, step=9, rows=(RowRange(1, 3, 10, 13),)),
+    )
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_weights_and_empty_bags_round_trip(compression):
+    batch = _weighted_batch()
+    assert_same_batches([decode_batch(encode_batch(batch, compression), batch.keys)], [batch])
+
+
+def test_a_body_that_does_not_match_its_header_is_refused():
+    message = encode_batch(_weighted_batch())
+    message.num_values += 1
+    with pytest.raises(WireError, match="step 9: body holds"):
+        decode_batch(message, ("a", "b"))
+    with pytest.raises(WireError, match="2 features, the dataset 3"):
+        decode_batch(encode_batch(_weighted_batch()), ("a", "b", "c"))
