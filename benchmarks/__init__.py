@@ -11,6 +11,8 @@ def run_benchmark(name: str, quick: bool = False) -> dict[str, Any]:
         from benchmarks.train_bench import run
     elif name == "tbe":
         from benchmarks.tbe_bench import run
+    elif name == "ingest":
+        from benchmarks.ingest_bench import run
     else:
         raise ValueError(f"unknown benchmark {name!r}")
     return run(quick=quick)

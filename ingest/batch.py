@@ -9,7 +9,7 @@ feature 1's, and so on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from typing import Sequence
 
 import numpy as np
 
@@ -76,35 +76,35 @@ class HostBatch:
 
     def feature_value_offsets(self) -> np.ndarray:
         """int64 ``[F + 1]``: ``values[o[f]:o[f+1]]`` are feature ``f``'s ids."""
-        return np.concatenate([[0], self._value_offsets[:, -1]]).astype(np.int64)
+        totals = self.lengths.reshape(self.num_features, self.batch_size).sum(axis=1, dtype=np.int64)
+        return np.concatenate([[0], np.cumsum(totals)]).astype(np.int64)
 
-    @cached_property
-    def _value_offsets(self) -> np.ndarray:
-        """int64 ``[F, B + 1]``: bag ``b`` of feature ``f`` is ``values[o[f, b]:o[f, b+1]]``."""
-        num_f, size = self.num_features, self.batch_size
-        offsets = np.zeros((num_f, size + 1), dtype=np.int64)
-        np.cumsum(self.lengths.reshape(num_f, size), axis=1, out=offsets[:, 1:])
-        offsets[1:] += np.cumsum(offsets[:-1, -1])[:, None]
-        return offsets
+    def split(self, bounds: Sequence[int]) -> list["HostBatch"]:
+        """Samples ``[bounds[j], bounds[j+1])`` as new batches (all samples valid).
 
-    def slice(self, start: int, stop: int) -> "HostBatch":
-        """Samples ``[start, stop)`` as a new batch (all samples count as valid)."""
+        ``bounds`` must rise strictly from 0 to ``B``. Costs one pass over the lengths:
+        the ids of every piece are counted per feature at once (no prefix sum over bags).
+        """
+        if list(bounds) == [0, self.batch_size]:
+            return [self]
+        starts = np.asarray(bounds[:-1], dtype=np.int64)
         num_f = self.num_features
-        offsets = self._value_offsets
-        pieces = [slice(a, b) for a, b in zip(offsets[:, start].tolist(), offsets[:, stop].tolist())]
-        values = np.concatenate([self.values[p] for p in pieces]) if num_f else self.values[:0]
-        weights = None
-        if self.weights is not None:
-            weights = np.concatenate([self.weights[p] for p in pieces]) if num_f else self.weights[:0]
-        lengths = self.lengths.reshape(num_f, self.batch_size)[:, start:stop]
-        return HostBatch(
-            dense=self.dense[start:stop],
-            labels=self.labels[start:stop],
-            keys=self.keys,
-            lengths=np.ascontiguousarray(lengths).reshape(-1),
-            values=values,
-            weights=weights,
-        )
+        counts = np.add.reduceat(self.lengths.reshape(num_f, self.batch_size), starts, axis=1, dtype=np.int64)
+        # first[f, j]: where piece j of feature f starts in values.
+        first = np.cumsum(counts.reshape(-1)).reshape(counts.shape) - counts
+        lengths = self.lengths.reshape(num_f, self.batch_size)
+        pieces = []
+        for j, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            spans = [slice(a, a + n) for a, n in zip(first[:, j].tolist(), counts[:, j].tolist())]
+            pieces.append(HostBatch(
+                dense=self.dense[lo:hi],
+                labels=self.labels[lo:hi],
+                keys=self.keys,
+                lengths=np.ascontiguousarray(lengths[:, lo:hi]).reshape(-1),
+                values=np.concatenate([self.values[p] for p in spans]) if num_f else self.values[:0],
+                weights=None if self.weights is None else np.concatenate([self.weights[p] for p in spans]),
+            ))
+        return pieces
 
     @classmethod
     def empty(cls, keys: tuple[str, ...], num_dense: int) -> "HostBatch":

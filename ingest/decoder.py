@@ -84,14 +84,19 @@ def read_row_range(
     options: DecodeOptions,
 ) -> HostBatch:
     """Decode rows ``[start, stop)`` of one row group."""
+    table = read_table(parquet_file, path, row_range, schema)
+    return decode_table(
+        table, schema, options, file=path, row_group=row_range.row_group, first_row=row_range.start
+    )
+
+
+def read_table(parquet_file: pq.ParquetFile, path: str, row_range: RowRange, schema: DatasetSchema) -> pa.Table:
+    """Rows ``[start, stop)`` of one row group as Arrow columns (the schema's, undecoded)."""
     try:
         table = parquet_file.read_row_group(row_range.row_group, columns=schema.columns)
     except (OSError, ValueError) as err:
         raise DataError(f"cannot read row group: {err}", file=path, row_group=row_range.row_group) from err
-    table = table.slice(row_range.start, row_range.num_rows)
-    return decode_table(
-        table, schema, options, file=path, row_group=row_range.row_group, first_row=row_range.start
-    )
+    return table.slice(row_range.start, row_range.num_rows)
 
 
 def decode_table(
@@ -114,7 +119,10 @@ def decode_table(
     for j, column in enumerate(schema.dense):
         dense[:, j] = _numeric(table, column, where, missing=0.0)
     if options.dense_transform == "log1p":
-        np.log1p(np.maximum(dense, 0.0, out=dense), out=dense)
+        # log(1 + x) rather than np.log1p: 5x faster in float32 (vectorized), and off by
+        # at most ~1e-7 absolute for tiny x, far below what a model input resolves.
+        np.maximum(dense, 0.0, out=dense)
+        np.log(np.add(dense, np.float32(1.0), out=dense), out=dense)
     lengths = []
     values = []
     for feature, rows in zip(schema.sparse, options.table_rows):

@@ -105,47 +105,24 @@ def batches_from_chunks(
     batch.
     """
     size = task.batch_size
-    pending: list[_Pending] = []
-    pending_rows = 0
+    parts: list[tuple[RowRange, HostBatch]] = []  # pieces of the batch being filled
+    filled = 0
     step = task.first_step
-    end = task.first_step + task.num_batches
     for row_range, chunk in chunks:
-        pending.append(_Pending(row_range, chunk, 0))
-        pending_rows += chunk.batch_size
-        while pending_rows >= size:
-            yield _stamped(_take(pending, size), empty, task.epoch, step, size)
-            pending_rows -= size
-            step += 1
-    while step < end:
-        yield _stamped(_take(pending, min(pending_rows, size)), empty, task.epoch, step, size)
-        pending_rows = 0
+        rows = chunk.batch_size
+        bounds = [0, *range(size - filled, rows, size), rows]
+        for lo, hi, piece in zip(bounds[:-1], bounds[1:], chunk.split(bounds)):
+            r = row_range
+            parts.append((RowRange(r.file_index, r.row_group, r.start + lo, r.start + hi), piece))
+            filled += hi - lo
+            if filled == size:
+                yield _stamped(parts, empty, task.epoch, step, size)
+                parts, filled = [], 0
+                step += 1
+    while step < task.first_step + task.num_batches:
+        yield _stamped(parts, empty, task.epoch, step, size)
+        parts = []
         step += 1
-
-
-@dataclass
-class _Pending:
-    """A decoded row range of which samples ``[taken, B)`` are not yet in a batch."""
-
-    row_range: RowRange
-    chunk: HostBatch
-    taken: int
-
-
-def _take(pending: list[_Pending], count: int) -> list[tuple[RowRange, HostBatch]]:
-    """Remove ``count`` samples from the front of ``pending`` (in place)."""
-    out = []
-    while count > 0:
-        head = pending[0]
-        n = min(count, head.chunk.batch_size - head.taken)
-        lo, hi = head.taken, head.taken + n
-        part = head.chunk if (lo, hi) == (0, head.chunk.batch_size) else head.chunk.slice(lo, hi)
-        r = head.row_range
-        out.append((RowRange(r.file_index, r.row_group, r.start + lo, r.start + hi), part))
-        head.taken = hi
-        if hi == head.chunk.batch_size:
-            pending.pop(0)
-        count -= n
-    return out
 
 
 def _stamped(
@@ -153,5 +130,18 @@ def _stamped(
 ) -> HostBatch:
     parts = [chunk for _, chunk in taken] or [empty]
     batch = HostBatch.concat(parts).padded_to(size)
-    batch.provenance = Provenance(epoch=epoch, step=step, rows=tuple(r for r, _ in taken))
+    batch.provenance = Provenance(epoch=epoch, step=step, rows=_merged(r for r, _ in taken))
     return batch
+
+
+def _merged(ranges: Iterable[RowRange]) -> tuple[RowRange, ...]:
+    """Consecutive ranges joined where one ends where the next starts (however the rows
+    were cut into chunks, a batch's provenance reads the same)."""
+    out: list[RowRange] = []
+    for r in ranges:
+        last = out[-1] if out else None
+        if last is not None and (last.file_index, last.row_group, last.stop) == (r.file_index, r.row_group, r.start):
+            out[-1] = RowRange(r.file_index, r.row_group, last.start, r.stop)
+        else:
+            out.append(r)
+    return tuple(out)

@@ -33,7 +33,7 @@ from ingest.errors import DataError
 from ingest.plan import ReadTask
 from ingest.reader import batches_from_chunks
 from ingest.schema import Dataset
-from ingest.wire import encode_batch
+from ingest.wire import serialize_batch
 from protos import ingest_pb2, ingest_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,8 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
         self._decode_threads = decode_threads
         self._pool = ThreadPoolExecutor(decode_threads, thread_name_prefix="decode")
 
-    def Read(self, request: ingest_pb2.ReadRequest, context: grpc.ServicerContext) -> Iterator[ingest_pb2.Batch]:
+    def Read(self, request: ingest_pb2.ReadRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Streams serialized ``Batch`` messages (see :func:`ingest.wire.serialize_batch`)."""
         if self.draining.is_set():
             self._abort(context, grpc.StatusCode.UNAVAILABLE, "the reader service is shutting down")
         try:
@@ -233,19 +234,19 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _stream(self, job: ReadJob, context: grpc.ServicerContext) -> Iterator[ingest_pb2.Batch]:
+    def _stream(self, job: ReadJob, context: grpc.ServicerContext) -> Iterator[bytes]:
         schema = job.dataset.schema
         empty = HostBatch.empty(schema.feature_names, len(schema.dense))
         try:
             for batch in batches_from_chunks(job.task, self._decoded(job), empty):
                 if self.aborting.is_set():
                     self._abort(context, grpc.StatusCode.UNAVAILABLE, "the reader service is shutting down")
-                message = encode_batch(batch, job.compression)
-                if message.ByteSize() > MAX_MESSAGE_BYTES:
+                message = serialize_batch(batch, job.compression)
+                if len(message) > MAX_MESSAGE_BYTES:
                     self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"batch step {batch.provenance.step} is {message.ByteSize()} bytes, "
+                                f"batch step {batch.provenance.step} is {len(message)} bytes, "
                                 f"above the {MAX_MESSAGE_BYTES}-byte message limit: use smaller batches")
-                self.counters.served(batch.num_valid, len(message.body))
+                self.counters.served(batch.num_valid, len(message))
                 yield message
         except DataError as err:
             self._abort(context, grpc.StatusCode.DATA_LOSS, str(err))
@@ -301,7 +302,7 @@ class ReaderServer:
         ]
         self._server = grpc.server(ThreadPoolExecutor(max(16, 4 * threads), thread_name_prefix="rpc"),
                                    options=options)
-        ingest_pb2_grpc.add_ReaderServicer_to_server(self.servicer, self._server)
+        self._server.add_generic_rpc_handlers([reader_handler(self.servicer)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.host = host
         self.port = self._server.add_insecure_port(f"{_bracketed(host)}:{port}")
@@ -329,6 +330,18 @@ class ReaderServer:
 
     def wait(self) -> None:
         self._server.wait_for_termination()
+
+
+def reader_handler(servicer: ReaderServicer) -> grpc.GenericRpcHandler:
+    """The ``Reader`` service's handler. Registered by hand rather than with the generated
+    ``add_ReaderServicer_to_server`` because ``Read`` yields already serialized messages."""
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        "Read": grpc.unary_stream_rpc_method_handler(
+            servicer.Read, request_deserializer=ingest_pb2.ReadRequest.FromString),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            servicer.Status, request_deserializer=ingest_pb2.StatusRequest.FromString,
+            response_serializer=ingest_pb2.StatusReply.SerializeToString),
+    })
 
 
 def serve_until_signal(server: ReaderServer, grace_s: float, on_ready: Callable[[str], None]) -> None:

@@ -22,6 +22,17 @@ class WireError(ValueError):
 
 def encode_batch(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_NONE) -> ingest_pb2.Batch:
     """The message for ``batch`` (which must carry its provenance)."""
+    return ingest_pb2.Batch.FromString(serialize_batch(batch, compression))
+
+
+def serialize_batch(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_NONE) -> bytes:
+    """The serialized ``Batch`` message for ``batch``, built with one copy of the tensors.
+
+    The header fields are serialized by protobuf; the body field (number 11) is appended
+    by hand (tag, length, bytes), which is a valid encoding of the same message: fields
+    may come in any order. This saves the two copies of the body that setting the field
+    and serializing the message would make.
+    """
     provenance = batch.provenance
     if provenance is None:
         raise ValueError("only batches with a provenance go on the wire")
@@ -33,12 +44,12 @@ def encode_batch(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_NON
     ]
     if batch.weights is not None:
         parts.append(np.ascontiguousarray(batch.weights, dtype="<f4"))
-    body = b"".join(memoryview(p).cast("B") for p in parts)
+    views = [memoryview(p).cast("B") for p in parts]
     if compression == ingest_pb2.COMPRESSION_ZSTD:
-        body = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(body)
+        views = [memoryview(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(b"".join(views)))]
     elif compression != ingest_pb2.COMPRESSION_NONE:
         raise ValueError(f"unknown compression {compression}")
-    return ingest_pb2.Batch(
+    header = ingest_pb2.Batch(
         epoch=provenance.epoch,
         step=provenance.step,
         rows=[ingest_pb2.RowRange(file=r.file_index, row_group=r.row_group, start=r.start, stop=r.stop)
@@ -50,22 +61,36 @@ def encode_batch(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_NON
         num_values=batch.values.shape[0],
         has_weights=batch.weights is not None,
         compression=compression,
-        body=body,
     )
+    body_size = sum(v.nbytes for v in views)
+    return b"".join([header.SerializeToString(), _BODY_TAG, _varint(body_size), *views])
+
+
+_BODY_TAG = bytes([11 << 3 | 2])  # field 11, wire type 2 (length-delimited)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def decode_batch(message: ingest_pb2.Batch, keys: tuple[str, ...]) -> HostBatch:
     """The batch a message holds; ``keys`` are the dataset's feature names (schema order).
 
-    The arrays share one writable buffer (a copy of the body, as torch wants writable
-    arrays); raises :class:`WireError` if the sizes in the header do not match the body.
+    The arrays are read-only views of one buffer (the message body, or its decompressed
+    copy): batches are inputs, nothing writes to them. Raises :class:`WireError` if the
+    sizes in the header do not match the body.
     """
     if message.num_features != len(keys):
         raise WireError(f"batch has {message.num_features} features, the dataset {len(keys)}")
     if message.compression == ingest_pb2.COMPRESSION_ZSTD:
-        body = bytearray(zstandard.ZstdDecompressor().decompress(message.body))
+        body = zstandard.ZstdDecompressor().decompress(message.body)
     elif message.compression == ingest_pb2.COMPRESSION_NONE:
-        body = bytearray(message.body)
+        body = message.body
     else:
         raise WireError(f"unknown compression {message.compression}")
     size, num_values, num_dense = message.batch_size, message.num_values, message.num_dense

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -59,12 +60,20 @@ class Batch:
 
     @classmethod
     def from_host(cls, host: HostBatch) -> "Batch":
-        """Wrap a host batch's arrays without copying."""
-        weights = None if host.weights is None else torch.from_numpy(host.weights)
-        return cls(
-            dense=torch.from_numpy(host.dense),
-            sparse=KeyedJaggedTensor(host.keys, torch.from_numpy(host.lengths), torch.from_numpy(host.values), weights),
-            labels=torch.from_numpy(host.labels),
-            num_valid=host.num_valid,
-            provenance=host.provenance,
-        )
+        """Wrap a host batch's arrays without copying.
+
+        The arrays may be read-only (batches from the reader services are views of the
+        received message); a batch is an input nothing writes to, so torch's warning
+        about non-writable arrays is silenced here rather than paid for with a copy.
+        """
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            weights = None if host.weights is None else torch.from_numpy(host.weights)
+            return cls(
+                dense=torch.from_numpy(host.dense),
+                sparse=KeyedJaggedTensor(host.keys, torch.from_numpy(host.lengths), torch.from_numpy(host.values),
+                                         weights),
+                labels=torch.from_numpy(host.labels),
+                num_valid=host.num_valid,
+                provenance=host.provenance,
+            )

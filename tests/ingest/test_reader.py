@@ -14,10 +14,11 @@ def _samples(batch: HostBatch) -> list[tuple]:
     """Each valid sample as a hashable tuple (label, dense values, ids per feature)."""
     num_f, size = batch.num_features, batch.batch_size
     lengths = batch.lengths.reshape(num_f, size)
-    offsets = batch._value_offsets
+    offsets = np.concatenate([[0], np.cumsum(batch.lengths)]).reshape(-1)
     out = []
     for b in range(batch.num_valid):
-        ids = tuple(tuple(batch.values[offsets[f, b] : offsets[f, b + 1]].tolist()) for f in range(num_f))
+        bag = lambda f: slice(offsets[f * size + b], offsets[f * size + b + 1])
+        ids = tuple(tuple(batch.values[bag(f)].tolist()) for f in range(num_f))
         assert all(len(i) == lengths[f, b] for f, i in enumerate(ids))
         out.append((float(batch.labels[b]), batch.dense[b].tobytes(), ids))
     return out
@@ -165,3 +166,15 @@ def test_missing_single_id_is_an_empty_bag(tmp_path, criteo_dataset):
              for r in b.provenance.rows for i in range(r.start, r.stop)]
     lengths = batch.lengths.reshape(batch.num_features, -1)[0]
     assert [int(lengths[order.index(i)]) for i in range(4)] == [1, 0, 1, 0]
+
+
+def test_split_then_concat_gives_back_the_batch(multihot_dataset):
+    reader = InProcessReader(multihot_dataset, "train", DecodeOptions.for_schema(multihot_dataset.schema),
+                             ReaderConfig(batch_size=400))
+    batch = next(reader.epoch(0))
+    rng = np.random.default_rng(0)
+    bounds = [0, *sorted(rng.choice(np.arange(1, 400), size=7, replace=False).tolist()), 400]
+    pieces = batch.split(bounds)
+    assert [p.batch_size for p in pieces] == np.diff(bounds).tolist()
+    assert _samples(HostBatch.concat(pieces)) == _samples(batch)
+    assert [s for p in pieces for s in _samples(p)] == _samples(batch)

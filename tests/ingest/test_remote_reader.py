@@ -9,14 +9,15 @@ from ingest.client import ClientOptions, IngestError, RemoteReader
 from ingest.decoder import DecodeOptions
 from ingest.reader import InProcessReader, ReaderConfig
 from ingest.schema import Dataset
-from tests.ingest.workers import assert_same_batches, scramble_data_pages, start_worker, stop_all
+from orchestration.processes import start_reader_service
+from tests.ingest.workers import assert_same_batches, scramble_data_pages, stop_all
 
 SMALL_TASKS = ClientOptions(task_rows=200)  # a few batches per task: many tasks per epoch
 
 
 @pytest.fixture(scope="module")
 def workers():
-    started = [start_worker("--worker-threads", "1") for _ in range(3)]
+    started = [start_reader_service("--worker-threads", "1") for _ in range(3)]
     yield started
     stop_all(started)
 
@@ -50,12 +51,12 @@ def test_multihot_padding_and_compression(multihot_dataset, workers, compression
 
 @pytest.mark.parametrize("seed,kill_after", [(0, 1), (1, 7), (2, 25)])
 def test_sigkill_of_a_worker_mid_epoch_changes_nothing(criteo_dataset, seed, kill_after):
-    victims = [start_worker("--worker-threads", "1") for _ in range(3)]
+    victims = [start_reader_service("--worker-threads", "1") for _ in range(3)]
     try:
         config = ReaderConfig(batch_size=48, seed=seed, rank=seed % 2, world_size=2)
         options = DecodeOptions.for_schema(criteo_dataset.schema)
         expected = list(InProcessReader(criteo_dataset, "train", options, config).epoch(0))
-        client = ClientOptions(task_rows=48 * 6, backoff_s=0.01)
+        client = ClientOptions(task_rows=48 * 2, backoff_s=0.01)  # a 12-batch window: work is left to fail
         with RemoteReader(criteo_dataset, "train", options, config, [w.address for w in victims], client) as reader:
             got = []
             for batch in reader.epoch(0):
@@ -69,7 +70,7 @@ def test_sigkill_of_a_worker_mid_epoch_changes_nothing(criteo_dataset, seed, kil
 
 
 def test_no_live_worker_is_a_clear_error_not_a_hang(criteo_dataset):
-    worker = start_worker()
+    worker = start_reader_service()
     worker.kill()
     config = ReaderConfig(batch_size=64)
     client = ClientOptions(stall_timeout_s=1.5, backoff_s=0.05, max_backoff_s=0.2)

@@ -15,7 +15,8 @@ from ingest.reader import ReaderConfig
 from ingest.schema import Dataset
 from ingest.service import SERVICE_NAME, ReaderServer
 from protos import ingest_pb2, ingest_pb2_grpc
-from tests.ingest.workers import scramble_data_pages, start_worker, stop_all
+from orchestration.processes import start_reader_service
+from tests.ingest.workers import scramble_data_pages, stop_all
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -61,7 +62,7 @@ def test_serves_the_requested_batches_and_counts_them(channel, criteo_dataset):
     after = _status(channel)
     assert after.batches_served - before.batches_served == 3
     assert after.rows_served - before.rows_served == 300
-    assert after.bytes_served - before.bytes_served == sum(len(b.body) for b in batches)
+    assert after.bytes_served - before.bytes_served == sum(b.ByteSize() for b in batches)
     assert after.requests - before.requests == 1
     assert after.active_streams == 0 and after.batches_per_second > 0 and not after.shutting_down
 
@@ -140,7 +141,7 @@ def test_health_check_and_unknown_service(channel):
 
 
 def test_sigterm_drains_then_exits_cleanly(criteo_dataset):
-    worker = start_worker("--grace", "3")
+    worker = start_reader_service("--grace", "3")
     try:
         with grpc.insecure_channel(worker.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)

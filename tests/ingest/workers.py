@@ -1,54 +1,17 @@
-"""Reader service processes for tests: real ``neorec ingest serve`` processes on
-OS-chosen loopback ports."""
+"""Helpers for tests of the reader services: stopping them, comparing batches, damaging files."""
 
 from __future__ import annotations
-
-import re
-import signal
-import subprocess
-import sys
-from dataclasses import dataclass
 
 import numpy as np
 
 from ingest.batch import HostBatch
-
-_READY = re.compile(r"serving on (\S+)")
-
-
-@dataclass
-class WorkerProcess:
-    process: subprocess.Popen
-    address: str
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
-
-    def terminate(self, timeout: float = 30.0) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout)
+from orchestration.processes import ServiceProcess
 
 
-def start_worker(*extra: str) -> WorkerProcess:
-    """Start a reader service process and wait until it announces its address."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "orchestration.cli", "ingest", "serve", "--port", "0", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    line = process.stdout.readline()
-    match = _READY.search(line)
-    if match is None:
-        process.kill()
-        raise RuntimeError(f"reader service did not start: {line!r}")
-    return WorkerProcess(process, match.group(1))
-
-
-def stop_all(workers: list[WorkerProcess]) -> None:
+def stop_all(workers: list[ServiceProcess]) -> None:
     for worker in workers:
         if worker.process.poll() is None:
-            worker.process.kill()
-            worker.process.wait()
+            worker.kill()
 
 
 def assert_same_batches(got: list[HostBatch], expected: list[HostBatch]) -> None:

@@ -5,7 +5,8 @@ import subprocess
 import sys
 
 from tests.conftest import FIXTURES
-from tests.ingest.workers import start_worker, stop_all
+from orchestration.processes import start_reader_service
+from tests.ingest.workers import stop_all
 
 
 def _neorec(*args, cwd=None):
@@ -61,7 +62,7 @@ def test_train_through_a_reader_service_equals_in_process(criteo_dataset, tmp_pa
               "--set", "model.max_table_rows=1000"]
     local = _neorec("train", "configs/demo.toml", "--set", f"run.dir='{tmp_path / 'local'}'", *common)
     assert local.returncode == 0, local.stderr
-    worker = start_worker()
+    worker = start_reader_service()
     try:
         remote = _neorec("train", "configs/demo.toml", "--ingest", worker.address,
                          "--set", f"run.dir='{tmp_path / 'remote'}'", *common)
@@ -80,7 +81,7 @@ def test_train_through_a_reader_service_equals_in_process(criteo_dataset, tmp_pa
 
 
 def test_unreachable_reader_service_is_a_clear_error(criteo_dataset, tmp_path):
-    worker = start_worker()
+    worker = start_reader_service()
     worker.kill()
     result = _neorec("train", "configs/demo.toml", "--ingest", worker.address,
                      "--set", f"data.path='{criteo_dataset.root}'", "--set", f"run.dir='{tmp_path}'",

@@ -1,0 +1,61 @@
+"""Ingestion throughput: rows/s one reader service process delivers to a client over gRPC
+(uncompressed and zstd), against the in-process decoder on the same files, same plan."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any, Callable
+
+from benchmarks.timing import interleaved_rates
+from ingest.client import ClientOptions, RemoteReader
+from ingest.decoder import DecodeOptions
+from ingest.reader import BatchReader, InProcessReader, ReaderConfig
+from ingest.synth import SynthSpec, generate
+from orchestration.processes import start_reader_service
+
+PROFILES = {
+    # profile: (rows, batch size), full and quick
+    "criteo": ((400_000, 4096), (20_000, 1024)),
+    "multihot": ((60_000, 1024), (4_000, 256)),
+}
+WORKER_THREADS = 2
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    results: dict[str, Any] = {"benchmark": "ingest", "worker_threads": WORKER_THREADS, "profiles": {}}
+    service = start_reader_service("--worker-threads", str(WORKER_THREADS))
+    try:
+        for profile, (full, small) in PROFILES.items():
+            rows, batch_size = small if quick else full
+            with tempfile.TemporaryDirectory() as tmp:
+                dataset = generate(SynthSpec(profile=profile, rows=rows, eval_fraction=0.01), tmp)
+                options = DecodeOptions.for_schema(dataset.schema)
+                config = ReaderConfig(batch_size=batch_size)
+                readers: dict[str, BatchReader] = {
+                    "in_process": InProcessReader(dataset, "train", options, config),
+                    "grpc": RemoteReader(dataset, "train", options, config, [service.address]),
+                    "grpc_zstd": RemoteReader(dataset, "train", options, config, [service.address],
+                                              ClientOptions(compression="zstd")),
+                }
+                try:
+                    rates = interleaved_rates({name: _epoch_rows(r) for name, r in readers.items()},
+                                              steps=1, rounds=3 if quick else 5, warmup=1)
+                finally:
+                    for reader in readers.values():
+                        reader.close()
+            base = rates["in_process"]
+            results["profiles"][profile] = {
+                "rows": dataset.rows["train"],
+                "batch_size": batch_size,
+                "rows_per_s": rates,
+                "ratio_grpc": rates["grpc"] / base,
+                "ratio_grpc_zstd": rates["grpc_zstd"] / base,
+            }
+    finally:
+        service.stop()
+    return results
+
+
+def _epoch_rows(reader: BatchReader) -> Callable[[int], int]:
+    """Read epoch ``i`` (a fresh shuffle) to the end; returns the rows delivered."""
+    return lambda i: sum(batch.num_valid for batch in reader.epoch(i))

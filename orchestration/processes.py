@@ -1,0 +1,53 @@
+"""Starting service processes on this host: ``neorec ingest serve`` as a child process
+that announces the address it bound (port 0 lets the OS choose)."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+_READY = re.compile(r"serving on (\S+)")
+
+
+@dataclass
+class ServiceProcess:
+    """A running service process and the address it serves on."""
+
+    process: subprocess.Popen
+    address: str
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies without any cleanup."""
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM and wait for a graceful exit; returns the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.process.returncode
+
+
+def start_reader_service(*args: str, host: str = "127.0.0.1") -> ServiceProcess:
+    """Start ``neorec ingest serve`` on a free port of ``host`` and wait until it serves.
+
+    ``args`` are further ``ingest serve`` flags (e.g. ``--worker-threads 2``).
+    """
+    process = subprocess.Popen(
+        [sys.executable, "-m", "orchestration.cli", "ingest", "serve", "--host", host, "--port", "0", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    line = process.stdout.readline()
+    match = _READY.search(line)
+    if match is None:
+        process.kill()
+        process.wait()
+        raise RuntimeError(f"the reader service did not start (it printed {line!r})")
+    return ServiceProcess(process, match.group(1))
