@@ -30,8 +30,7 @@ from ingest.decoder import DecodeOptions
 from ingest.plan import RankPlan, ReadTask
 from ingest.reader import ReaderConfig, SplitPlanner
 from ingest.schema import Dataset
-from ingest.service import MAX_MESSAGE_BYTES
-from ingest.wire import WireError, decode_batch
+from ingest.wire import MAX_MESSAGE_BYTES, WireError, decode_batch
 from protos import ingest_pb2, ingest_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -118,7 +117,7 @@ class RemoteReader:
         self.planner = SplitPlanner(dataset, split, config)
         self.requeued_batches = 0
         """Batches re-requested from another worker after a failure (all epochs)."""
-        self._workers = [_Worker(a) for a in addresses]
+        self.workers = [_Worker(a) for a in addresses]
         self._request = ingest_pb2.ReadRequest(
             dataset=str(dataset.root.resolve()),
             split=split,
@@ -146,7 +145,7 @@ class RemoteReader:
 
     def close(self) -> None:
         self.planner.close()
-        for worker in self._workers:
+        for worker in self.workers:
             worker.channel.close()
 
     def __enter__(self) -> "RemoteReader":
@@ -202,7 +201,7 @@ class _EpochFetch:
         self.reader = reader
         self.num_batches = num_batches
         self.keys = reader.dataset.schema.feature_names
-        self.window = max(2, len(reader._workers) * reader.client.streams_per_worker) * max(
+        self.window = max(2, len(reader.workers) * reader.client.streams_per_worker) * max(
             (t.num_batches for t in tasks), default=1)
         self.cond = threading.Condition()
         self.queue: list[tuple[int, ReadTask]] = [(t.first_step, t) for t in tasks]
@@ -216,7 +215,7 @@ class _EpochFetch:
         self.threads = [
             threading.Thread(target=self._fetch_loop, args=(worker,), daemon=True,
                              name=f"fetch-{worker.address}-{i}")
-            for worker in reader._workers
+            for worker in reader.workers
             for i in range(reader.client.streams_per_worker)
         ]
         for thread in self.threads:
@@ -351,7 +350,7 @@ class _EpochFetch:
     def _worker_report(self) -> str:
         return "; ".join(
             f"{w.address}: {w.last_error or 'no error'} ({w.failures} failures in a row)"
-            for w in self.reader._workers
+            for w in self.reader.workers
         )
 
 

@@ -14,15 +14,13 @@ from ingest.batch import HostBatch, Provenance, RowRange
 from protos import ingest_pb2
 
 ZSTD_LEVEL = 1
+MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+"""Send/receive limit for a batch message, set on both ends (far above grpc's 4 MiB
+default: a batch of 65,536 multi-hot samples is ~100 MiB)."""
 
 
 class WireError(ValueError):
     """A message does not hold a well-formed batch."""
-
-
-def encode_batch(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_NONE) -> ingest_pb2.Batch:
-    """The message for ``batch`` (which must carry its provenance)."""
-    return ingest_pb2.Batch.FromString(serialize_batch(batch, compression))
 
 
 def serialize_batch(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_NONE) -> bytes:

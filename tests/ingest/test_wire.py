@@ -4,11 +4,16 @@ import pytest
 from ingest.batch import HostBatch, Provenance, RowRange
 from ingest.decoder import DecodeOptions
 from ingest.reader import InProcessReader, ReaderConfig
-from ingest.wire import WireError, decode_batch, encode_batch
+from ingest.wire import WireError, decode_batch, serialize_batch
 from protos import ingest_pb2
 from tests.ingest.workers import assert_same_batches
 
 COMPRESSIONS = [ingest_pb2.COMPRESSION_NONE, ingest_pb2.COMPRESSION_ZSTD]
+
+
+def _message(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_NONE) -> ingest_pb2.Batch:
+    """The batch as a client receives it: serialized, parsed by protobuf."""
+    return ingest_pb2.Batch.FromString(serialize_batch(batch, compression))
 
 
 @pytest.mark.parametrize("compression", COMPRESSIONS)
@@ -18,7 +23,7 @@ def test_round_trip_is_byte_identical(request, dataset_name, compression):
     reader = InProcessReader(dataset, "train", DecodeOptions.for_schema(dataset.schema),
                              ReaderConfig(batch_size=350, remainder="pad"))
     batches = list(reader.epoch(0))
-    decoded = [decode_batch(ingest_pb2.Batch.FromString(encode_batch(b, compression).SerializeToString()),
+    decoded = [decode_batch(_message(b, compression),
                             dataset.schema.feature_names) for b in batches]
     assert_same_batches(decoded, batches)
     assert decoded[-1].num_valid < decoded[-1].batch_size  # the padded tail survives
@@ -39,13 +44,13 @@ def _weighted_batch() -> HostBatch:
 @pytest.mark.parametrize("compression", COMPRESSIONS)
 def test_weights_and_empty_bags_round_trip(compression):
     batch = _weighted_batch()
-    assert_same_batches([decode_batch(encode_batch(batch, compression), batch.keys)], [batch])
+    assert_same_batches([decode_batch(_message(batch, compression), batch.keys)], [batch])
 
 
 def test_a_body_that_does_not_match_its_header_is_refused():
-    message = encode_batch(_weighted_batch())
+    message = _message(_weighted_batch())
     message.num_values += 1
     with pytest.raises(WireError, match="step 9: body holds"):
         decode_batch(message, ("a", "b"))
     with pytest.raises(WireError, match="2 features, the dataset 3"):
-        decode_batch(encode_batch(_weighted_batch()), ("a", "b", "c"))
+        decode_batch(_message(_weighted_batch()), ("a", "b", "c"))
