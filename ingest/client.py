@@ -79,16 +79,12 @@ class ClientOptions:
             raise ValueError("task_rows and streams_per_worker must be positive")
 
 
-def parse_addresses(text: str) -> list[str]:
-    """``"host:port,host:port"`` → a list of addresses (checked for a port)."""
-    addresses = [a.strip() for a in text.split(",") if a.strip()]
-    if not addresses:
-        raise ValueError("no reader service address given")
-    for address in addresses:
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"reader service address {address!r} is not host:port")
-    return addresses
+def check_address(address: str) -> str:
+    """``address`` if it reads ``host:port``; else ValueError."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"reader service address {address!r} is not host:port")
+    return address
 
 
 class RemoteReader:
@@ -111,8 +107,6 @@ class RemoteReader:
         if not addresses:
             raise ValueError("RemoteReader needs at least one reader service address")
         self.dataset = dataset
-        self.split = split
-        self.options = options
         self.client = client
         self.planner = SplitPlanner(dataset, split, config)
         self.requeued_batches = 0

@@ -84,19 +84,14 @@ def read_row_range(
     options: DecodeOptions,
 ) -> HostBatch:
     """Decode rows ``[start, stop)`` of one row group."""
-    table = read_table(parquet_file, path, row_range, schema)
-    return decode_table(
-        table, schema, options, file=path, row_group=row_range.row_group, first_row=row_range.start
-    )
-
-
-def read_table(parquet_file: pq.ParquetFile, path: str, row_range: RowRange, schema: DatasetSchema) -> pa.Table:
-    """Rows ``[start, stop)`` of one row group as Arrow columns (the schema's, undecoded)."""
     try:
         table = parquet_file.read_row_group(row_range.row_group, columns=schema.columns)
     except (OSError, ValueError) as err:
         raise DataError(f"cannot read row group: {err}", file=path, row_group=row_range.row_group) from err
-    return table.slice(row_range.start, row_range.num_rows)
+    table = table.slice(row_range.start, row_range.num_rows)
+    return decode_table(
+        table, schema, options, file=path, row_group=row_range.row_group, first_row=row_range.start
+    )
 
 
 def decode_table(

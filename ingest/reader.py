@@ -8,7 +8,7 @@ from typing import Iterable, Iterator, Protocol
 from ingest.batch import HostBatch, Provenance, RowRange
 from ingest.decoder import DecodeOptions, open_files, read_row_range
 from ingest.plan import RankPlan, ReadTask, plan_epoch, row_groups_of
-from ingest.schema import Dataset
+from ingest.schema import Dataset, DatasetSchema
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,6 @@ class SplitPlanner:
 
     def __init__(self, dataset: Dataset, split: str, config: ReaderConfig) -> None:
         self.dataset = dataset
-        self.split = split
         self.config = config
         self.paths = [str(p) for p in dataset.files(split)]
         self.files = open_files(self.paths, dataset.schema)
@@ -60,10 +59,6 @@ class SplitPlanner:
     def close(self) -> None:
         for parquet_file in self.files:
             parquet_file.close()
-
-    def empty_batch(self) -> HostBatch:
-        """A zero-sample batch of the dataset's layout."""
-        return HostBatch.empty(self.dataset.schema.feature_names, len(self.dataset.schema.dense))
 
 
 class InProcessReader:
@@ -90,20 +85,17 @@ class InProcessReader:
     def epoch(self, epoch: int) -> Iterator[HostBatch]:
         task = self.plan(epoch).whole()
         chunks = ((r, self.decode(r)) for r in task.ranges)
-        yield from batches_from_chunks(task, chunks, self.planner.empty_batch())
+        yield from batches_from_chunks(task, chunks, self.dataset.schema)
 
     def close(self) -> None:
         self.planner.close()
 
 
 def batches_from_chunks(
-    task: ReadTask, chunks: Iterable[tuple[RowRange, HostBatch]], empty: HostBatch
+    task: ReadTask, chunks: Iterable[tuple[RowRange, HostBatch]], schema: DatasetSchema
 ) -> Iterator[HostBatch]:
-    """Cut decoded row ranges (in ``task`` order) into the task's batches, padding the tail.
-
-    ``empty`` is a zero-sample batch of the dataset's layout, the start of an all-padding
-    batch.
-    """
+    """Cut decoded row ranges (in ``task`` order) into the task's batches, padding the tail."""
+    empty = HostBatch.empty(schema.feature_names, len(schema.dense))  # start of an all-padding batch
     size = task.batch_size
     parts: list[tuple[RowRange, HostBatch]] = []  # pieces of the batch being filled
     filled = 0
@@ -130,18 +122,6 @@ def _stamped(
 ) -> HostBatch:
     parts = [chunk for _, chunk in taken] or [empty]
     batch = HostBatch.concat(parts).padded_to(size)
-    batch.provenance = Provenance(epoch=epoch, step=step, rows=_merged(r for r, _ in taken))
+    batch.provenance = Provenance(epoch=epoch, step=step, rows=tuple(r for r, _ in taken))
     return batch
 
-
-def _merged(ranges: Iterable[RowRange]) -> tuple[RowRange, ...]:
-    """Consecutive ranges joined where one ends where the next starts (however the rows
-    were cut into chunks, a batch's provenance reads the same)."""
-    out: list[RowRange] = []
-    for r in ranges:
-        last = out[-1] if out else None
-        if last is not None and (last.file_index, last.row_group, last.stop) == (r.file_index, r.row_group, r.start):
-            out[-1] = RowRange(r.file_index, r.row_group, last.start, r.stop)
-        else:
-            out.append(r)
-    return tuple(out)

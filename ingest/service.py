@@ -232,10 +232,8 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _stream(self, job: ReadJob, context: grpc.ServicerContext) -> Iterator[bytes]:
-        schema = job.dataset.schema
-        empty = HostBatch.empty(schema.feature_names, len(schema.dense))
         try:
-            for batch in batches_from_chunks(job.task, self._decoded(job), empty):
+            for batch in batches_from_chunks(job.task, self._decoded(job), job.dataset.schema):
                 if self.aborting.is_set():
                     self._abort(context, grpc.StatusCode.UNAVAILABLE, "the reader service is shutting down")
                 message = serialize_batch(batch, job.compression)
@@ -324,9 +322,6 @@ class ReaderServer:
         self.servicer.aborting.set()
         self._server.stop(grace=1.0).wait()
         self.servicer.close()
-
-    def wait(self) -> None:
-        self._server.wait_for_termination()
 
 
 def reader_handler(servicer: ReaderServicer) -> grpc.GenericRpcHandler:

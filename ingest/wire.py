@@ -112,10 +112,9 @@ def decode_batch(message: ingest_pb2.Batch, keys: tuple[str, ...]) -> HostBatch:
         values=values,
         weights=arrays[4] if message.has_weights else None,
         num_valid=message.num_valid,
-        provenance=provenance_of(message),
+        provenance=Provenance(
+            epoch=message.epoch,
+            step=message.step,
+            rows=tuple(RowRange(r.file, r.row_group, r.start, r.stop) for r in message.rows),
+        ),
     )
-
-
-def provenance_of(message: ingest_pb2.Batch) -> Provenance:
-    rows = tuple(RowRange(r.file, r.row_group, r.start, r.stop) for r in message.rows)
-    return Provenance(epoch=message.epoch, step=message.step, rows=rows)

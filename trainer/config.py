@@ -9,7 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from ingest.client import COMPRESSIONS, parse_addresses
+from ingest.client import COMPRESSIONS, check_address
 from ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
 from ingest.plan import REMAINDER_POLICIES
 from trainer.embedding_config import POOLINGS, SPARSE_OPTIMIZERS
@@ -39,7 +39,7 @@ class DataConfig:
     def validate(self) -> None:
         for address in self.ingest:
             try:
-                parse_addresses(address)
+                check_address(address)
             except ValueError as err:
                 raise ConfigError(f"data.ingest: {err}") from None
         _one_of("data.ingest_compression", self.ingest_compression, tuple(COMPRESSIONS))
