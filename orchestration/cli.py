@@ -7,13 +7,18 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from tqdm import tqdm
 
 from ingest.client import IngestError
 from ingest.errors import DataError
 from trainer.config import ConfigError
+from trainer.sharding.plan import PlanError
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
+    from trainer.distributed import DistributedContext
 
 log = logging.getLogger("neorec")
 
@@ -24,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return args.run(args)
-    except (ConfigError, DataError, IngestError, FileNotFoundError) as err:
+    except (ConfigError, DataError, IngestError, PlanError, FileNotFoundError) as err:
         print(f"neorec: error: {err}", file=sys.stderr)
         return 2
 
@@ -67,7 +72,18 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     train.add_argument("--ingest", metavar="HOST:PORT,...",
                        help="read through these reader services instead of in process")
+    train.add_argument("--nproc", type=int, default=1,
+                       help="trainer processes on this machine (torchrun; tables sharded by the planner)")
     train.set_defaults(run=_train)
+
+    plan = commands.add_parser("plan", help="print the sharding plan for a config, without training")
+    plan.add_argument("config")
+    plan.add_argument("--world-size", type=int, required=True)
+    plan.add_argument("--ranks-per-node", type=int, help="default: the config's sharding.ranks_per_node")
+    plan.add_argument("--memory-per-rank", help="e.g. 16GiB (default: the config's sharding.memory_per_rank)")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    plan.add_argument("--json", help="also write the plan to this file")
+    plan.set_defaults(run=_plan)
 
     evaluate = commands.add_parser("eval", help="evaluate a checkpoint on the config's eval split")
     evaluate.add_argument("config")
@@ -132,12 +148,37 @@ def _ingest_status(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from orchestration.config import load_config
-    from trainer.train import StepReport, train
+    from orchestration.processes import run_torchrun
+    from trainer.distributed import SINGLE_PROCESS, init_from_torchrun, launched_by_torchrun, shutdown
 
     overrides = list(args.set)
     if args.ingest:
         overrides.append(f"data.ingest={json.dumps(args.ingest.split(','))}")
     config = load_config(args.config, overrides)
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc: must be at least 1, got {args.nproc}")
+    if args.nproc > 1 and not launched_by_torchrun():
+        return run_torchrun(args.nproc, ["train", args.config, *[a for o in overrides for a in ("--set", o)]])
+    context = init_from_torchrun() if launched_by_torchrun() else SINGLE_PROCESS
+    try:
+        summary = _train_rank(config, context)
+    finally:
+        shutdown(context)
+    if context.is_main:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+        line = f"eval AUC {summary['eval_auc']:.4f}"
+        if summary.get("oracle_auc") is not None:
+            line += f" (oracle {summary['oracle_auc']:.4f}, gap {summary['oracle_auc'] - summary['eval_auc']:.4f})"
+        print(f"{line}; run directory {config.run.dir}")
+    return 0
+
+
+def _train_rank(config: "TrainConfig", context: "DistributedContext") -> dict:
+    """Train this rank; rank 0 shows a progress bar."""
+    from trainer.train import StepReport, train
+
+    if not context.is_main:
+        return train(config, context=context)
     bar = tqdm(unit="step", desc="train")
 
     def progress(report: StepReport) -> None:
@@ -147,14 +188,30 @@ def _train(args: argparse.Namespace) -> int:
         bar.set_postfix(epoch=report.epoch, loss=f"{report.loss:.4f}", qps=f"{report.qps:,.0f}")
 
     try:
-        summary = train(config, progress=progress)
+        return train(config, progress=progress, context=context)
     finally:
         bar.close()
-    print(json.dumps(summary, indent=2, sort_keys=True))
-    line = f"eval AUC {summary['eval_auc']:.4f}"
-    if summary.get("oracle_auc") is not None:
-        line += f" (oracle {summary['oracle_auc']:.4f}, gap {summary['oracle_auc'] - summary['eval_auc']:.4f})"
-    print(f"{line}; run directory {config.run.dir}")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from ingest.schema import Dataset
+    from orchestration.config import load_config
+    from trainer.planner.from_config import planner_inputs
+    from trainer.planner.planner import plan_tables, round_robin
+    from trainer.planner.render import render
+
+    overrides = list(args.set)
+    if args.ranks_per_node is not None:
+        overrides.append(f"sharding.ranks_per_node={args.ranks_per_node}")
+    if args.memory_per_rank is not None:
+        overrides.append(f"sharding.memory_per_rank={json.dumps(args.memory_per_rank)}")
+    config = load_config(args.config, overrides)
+    dataset = Dataset.load(config.data.path)
+    specs, topo, constraints = planner_inputs(dataset, config, args.world_size)
+    result = plan_tables(specs, topo, config.train.batch_size, constraints)
+    print(render(result, round_robin(specs, topo, config.train.batch_size)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.plan.to_dict(), indent=2) + "\n")
     return 0
 
 

@@ -51,3 +51,11 @@ def start_reader_service(*args: str, host: str = "127.0.0.1") -> ServiceProcess:
         process.wait()
         raise RuntimeError(f"the reader service did not start (it printed {line!r})")
     return ServiceProcess(process, match.group(1))
+
+
+def run_torchrun(nproc: int, neorec_args: list[str]) -> int:
+    """Run ``neorec NEOREC_ARGS`` as ``nproc`` ranks on this host under torchrun (its
+    standalone rendezvous on a free local port); returns torchrun's exit status."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "--module", "orchestration.cli", *neorec_args]
+    return subprocess.run(command, check=False).returncode

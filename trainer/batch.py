@@ -36,6 +36,13 @@ class KeyedJaggedTensor:
     def batch_size(self) -> int:
         return self.lengths.numel() // len(self.keys) if self.keys else 0
 
+    def positions_of(self, features: tuple[str, ...]) -> list[int]:
+        """Index in :attr:`keys` of each of ``features``; ``KeyError`` naming a missing one."""
+        missing = [f for f in features if f not in self.keys]
+        if missing:
+            raise KeyError(f"the batch has no feature {missing[0]!r} (it has {list(self.keys)})")
+        return [self.keys.index(f) for f in features]
+
     def offsets(self) -> torch.Tensor:
         """int64 ``[F * B + 1]``: bag ``i`` is ``values[offsets[i]:offsets[i+1]]``."""
         offsets = torch.zeros(self.lengths.numel() + 1, dtype=torch.int64)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ingest.decoder import DecodeOptions
 from ingest.schema import Dataset, DatasetSchema
@@ -10,6 +11,8 @@ from trainer.config import TrainConfig
 from trainer.embedding_config import SparseOptimizer, TableConfig
 from trainer.fused_embedding import FusedEmbeddingBagCollection
 from trainer.model import DLRM
+from trainer.sharding.plan import ShardingPlan
+from trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 
 
 def table_configs(schema: DatasetSchema, config: TrainConfig) -> list[TableConfig]:
@@ -49,11 +52,17 @@ def sparse_optimizer(config: TrainConfig) -> SparseOptimizer:
     )
 
 
-def build_model(dataset: Dataset, config: TrainConfig) -> DLRM:
-    """The DLRM with a fused embedding module over all tables, initialised from the seed."""
+def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None = None) -> DLRM:
+    """The DLRM with a fused embedding module over all tables (or, given a ``plan``, this
+    rank's :class:`ShardedEmbeddingBagCollection`), initialised from the seed: the same
+    weights whichever it is."""
     schema = dataset.schema
     seed = config.train.seed
-    embeddings = FusedEmbeddingBagCollection(table_configs(schema, config), sparse_optimizer(config), seed=seed)
+    tables = table_configs(schema, config)
+    if plan is None:
+        embeddings = FusedEmbeddingBagCollection(tables, sparse_optimizer(config), seed=seed)
+    else:
+        embeddings = ShardedEmbeddingBagCollection(tables, sparse_optimizer(config), plan, seed=seed)
     if embeddings.feature_names != schema.feature_names:
         raise AssertionError("tables must list the schema's features in schema order")
     return DLRM(
@@ -65,6 +74,27 @@ def build_model(dataset: Dataset, config: TrainConfig) -> DLRM:
         embeddings=embeddings,
         seed=seed,
     )
+
+
+def single_process_model(model: DLRM, dataset: Dataset, config: TrainConfig) -> DLRM | None:
+    """The single-process equivalent of a sharded, data-parallel ``model``: every table
+    gathered from its shards (weights and optimizer state), the MLPs unwrapped from DDP. A
+    collective: every rank calls it; rank 0 gets the model, the others ``None``."""
+    sharded = model.embeddings
+    gathered = {t.name: sharded.gather_table(t.name) for t in sharded.tables}
+    if dist.get_rank(sharded.group) != 0:
+        return None
+    full = FusedEmbeddingBagCollection(list(sharded.tables), sparse_optimizer(config),
+                                       initial_weights=[gathered[t.name][0] for t in sharded.tables])
+    for name, (_, states) in gathered.items():
+        for target, state in zip(full.table_state(name), states):
+            target.copy_(state)
+    full.optimizer_step.copy_(sharded.local.optimizer_step)
+    single = build_model(dataset, config)
+    single.embeddings = full
+    single.bottom.load_state_dict(model.bottom.module.state_dict())
+    single.top.load_state_dict(model.top.module.state_dict())
+    return single
 
 
 def dense_optimizer(model: DLRM, config: TrainConfig) -> torch.optim.Optimizer:

@@ -13,6 +13,9 @@ from ingest.client import COMPRESSIONS, check_address
 from ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
 from ingest.plan import REMAINDER_POLICIES
 from trainer.embedding_config import POOLINGS, SPARSE_OPTIMIZERS
+from trainer.planner.enumerate import Constraint
+from trainer.planner.inputs import parse_bytes
+from trainer.sharding.plan import PlanError
 
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
 
@@ -85,6 +88,7 @@ class OptimizerConfig:
 @dataclass
 class TrainLoopConfig:
     batch_size: int = 512
+    """Samples per rank per step (the global batch is ``batch_size * world_size``)."""
     eval_batch_size: int = 4096
     epochs: int = 1
     max_steps: int = 0
@@ -103,6 +107,40 @@ class TrainLoopConfig:
 
 
 @dataclass
+class ShardingConfig:
+    """The topology the planner plans for (world size comes from the launch) and per-table
+    overrides (``tables.C1 = "row_wise"``, ``"table_wise:3"``, ``"column_wise:2"``,
+    ``"table_row_wise:0"``, ``"data_parallel"``)."""
+
+    ranks_per_node: int = 0
+    """0: all ranks on one node."""
+    group_size: int = 0
+    """Ranks of a table_row_wise group; 0: a node."""
+    memory_per_rank: str = "16GiB"
+    intra_node_gbps: float = 10.0
+    inter_node_gbps: float = 1.25
+    lookup_gbps: float = 2.0
+    """Embedding row bytes a rank reads or writes per second."""
+    tables: dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        for key in ("ranks_per_node", "group_size"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"sharding.{key}: must be >= 0, got {getattr(self, key)}")
+        for key in ("intra_node_gbps", "inter_node_gbps", "lookup_gbps"):
+            _positive(f"sharding.{key}", getattr(self, key))
+        try:
+            parse_bytes(self.memory_per_rank)
+        except ValueError as err:
+            raise ConfigError(f"sharding.memory_per_rank: {err}") from None
+        for table, text in self.tables.items():
+            try:
+                Constraint.parse(table, text)
+            except PlanError as err:
+                raise ConfigError(f"sharding.tables.{table}: {err}") from None
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/latest"
     checkpoint: bool = True
@@ -114,10 +152,11 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def validate(self) -> None:
-        for section in (self.data, self.model, self.optimizer, self.train):
+        for section in (self.data, self.model, self.optimizer, self.train, self.sharding):
             section.validate()
 
     def to_dict(self) -> dict[str, Any]:
@@ -153,6 +192,11 @@ def _convert(hint: Any, raw: Any, key: str) -> Any:
         if not isinstance(raw, list):
             raise ConfigError(f"{key}: expected a list, got {raw!r}")
         return [_convert(item, x, f"{key}[{i}]") for i, x in enumerate(raw)]
+    if origin is dict:
+        _, item = typing.get_args(hint)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{key}: expected a table of keys, got {raw!r}")
+        return {str(k): _convert(item, v, f"{key}.{k}") for k, v in raw.items()}
     if origin in (typing.Union, types.UnionType):
         raise ConfigError(f"{key}: unsupported config type {hint}")
     if hint is bool:

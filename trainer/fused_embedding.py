@@ -41,7 +41,10 @@ class FusedEmbeddingBagCollection(nn.Module):
     :meth:`clear_touched` are marked in :attr:`touched`.
     """
 
-    def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimizer, *, seed: int = 0) -> None:
+    def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimizer, *, seed: int = 0,
+                 initial_weights: Sequence[torch.Tensor] | None = None) -> None:
+        """``initial_weights``: float32 ``[rows, dim]`` per table; default
+        :func:`initial_table_weight` of each table from ``seed``."""
         super().__init__()
         if not tables:
             raise ValueError("a fused embedding module needs at least one table")
@@ -74,7 +77,11 @@ class FusedEmbeddingBagCollection(nn.Module):
         )
 
         state_size = int((rows * widths).sum())
-        self.register_buffer("weights", _uniform_init(rows, dims, seed))
+        if initial_weights is None:
+            initial_weights = [initial_table_weight(t, n, d, seed) for t, (n, d) in enumerate(zip(rows, dims))]
+        if [tuple(w.shape) for w in initial_weights] != [(int(n), int(d)) for n, d in zip(rows, dims)]:
+            raise ValueError("initial_weights must be one [rows, dim] tensor per table")
+        self.register_buffer("weights", torch.cat([w.reshape(-1).to(torch.float32) for w in initial_weights]))
         self.register_buffer("state1", torch.zeros(state_size if optimizer.num_states >= 1 else 0))
         self.register_buffer("state2", torch.zeros(state_size if optimizer.num_states >= 2 else 0))
         self.register_buffer("optimizer_step", torch.zeros((), dtype=torch.int64))
@@ -152,20 +159,17 @@ class FusedEmbeddingBagCollection(nn.Module):
             return _FusedLookup.apply(self._anchor, self, sparse)
         return self._lookup(sparse)[0]
 
-    def _feature_source(self, keys: tuple[str, ...]) -> np.ndarray:
-        source = self._source_cache.get(keys)
+    def _feature_source(self, sparse: KeyedJaggedTensor) -> np.ndarray:
+        source = self._source_cache.get(sparse.keys)
         if source is None:
-            missing = [f for f in self.feature_names if f not in keys]
-            if missing:
-                raise KeyError(f"the batch has no feature {missing[0]!r} (it has {list(keys)})")
-            source = np.array([keys.index(f) for f in self.feature_names], dtype=np.int64)
-            self._source_cache[keys] = source
+            source = np.array(sparse.positions_of(self.feature_names), dtype=np.int64)
+            self._source_cache[sparse.keys] = source
         return source
 
     def _lookup(self, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, "_LookupContext"]:
         batch_size = sparse.batch_size
         ctx = _LookupContext(
-            source=self._feature_source(sparse.keys),
+            source=self._feature_source(sparse),
             bag_offsets=sparse.offsets().numpy(),
             values=sparse.values.numpy(),
             id_weights=_empty_f32() if sparse.weights is None else sparse.weights.numpy(),
@@ -263,11 +267,9 @@ def _empty_f32() -> np.ndarray:
     return np.zeros(0, dtype=np.float32)
 
 
-def _uniform_init(rows: np.ndarray, dims: np.ndarray, seed: int) -> torch.Tensor:
-    """Each table uniform in ``±sqrt(1 / rows)`` (DLRM's init), from ``(seed, table index)``."""
-    parts = []
-    for t, (n, d) in enumerate(zip(rows.tolist(), dims.tolist())):
-        generator = torch.Generator().manual_seed(seed * 100_003 + t)
-        bound = float(np.sqrt(1.0 / n))
-        parts.append(torch.rand(n * d, generator=generator).mul_(2 * bound).sub_(bound))
-    return torch.cat(parts)
+def initial_table_weight(table_index: int, rows: int, dim: int, seed: int) -> torch.Tensor:
+    """float32 ``[rows, dim]`` uniform in ``±sqrt(1 / rows)`` (DLRM's init), drawn from
+    ``(seed, table_index)`` (a sharded collection slices the same values)."""
+    generator = torch.Generator().manual_seed(seed * 100_003 + table_index)
+    bound = float(np.sqrt(1.0 / rows))
+    return torch.rand(int(rows) * int(dim), generator=generator).mul_(2 * bound).sub_(bound).view(int(rows), int(dim))

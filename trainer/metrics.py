@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -15,25 +15,31 @@ from trainer.model import DLRM
 
 
 class MetricsLog:
-    """Appends one JSON object per line to ``path`` (``metrics.jsonl`` of a run)."""
+    """Appends one JSON object per line to ``path`` (``metrics.jsonl`` of a run); with
+    ``path=None`` (ranks other than 0) it writes nothing."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("w")
+    def __init__(self, path: str | Path | None) -> None:
+        self._file = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = Path(path).open("w")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, sort_keys=True) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 @torch.no_grad()
-def evaluate(model: DLRM, batches: Iterable[Batch]) -> dict[str, float]:
+def evaluate(model: DLRM, batches: Iterable[Batch],
+             combine: Callable[[np.ndarray], np.ndarray] = lambda local: local) -> dict[str, float]:
     """``auc``, ``logloss``, ``ne``, ``calibration`` and ``rows`` over the valid samples of
-    ``batches`` (the model is put in eval mode and back)."""
+    ``batches`` (the model is put in eval mode and back). ``combine`` turns this rank's
+    float64 labels or probabilities into every rank's (a sharded run's gather)."""
     was_training = model.training
     model.eval()
     labels, probabilities = [], []
@@ -44,6 +50,6 @@ def evaluate(model: DLRM, batches: Iterable[Batch]) -> dict[str, float]:
             labels.append(batch.labels[: batch.num_valid].numpy())
     finally:
         model.train(was_training)
-    y = np.concatenate(labels)
-    p = np.concatenate(probabilities)
+    y = combine(np.concatenate(labels).astype(np.float64))
+    p = combine(np.concatenate(probabilities))
     return {**binary_metrics(y, p), "rows": int(y.size)}

@@ -1,0 +1,32 @@
+"""A plan as text: per table its sharding and shards, per rank its memory and costs."""
+
+from __future__ import annotations
+
+from trainer.planner.inputs import format_bytes
+from trainer.planner.planner import PlanResult
+
+
+def render(result: PlanResult, baseline: PlanResult | None = None) -> str:
+    """The table the ``neorec plan`` command prints."""
+    topo = result.topology
+    lines = [f"sharding plan: {len(result.plan.tables)} tables on {topo.world_size} ranks "
+             f"({topo.ranks_per_node} per node, table_row_wise groups of {topo.group_size}), "
+             f"batch {result.batch_size} per rank, {format_bytes(topo.memory_per_rank)} per rank",
+             "", f"{'table':<16} {'sharding':<15} {'ranks':<16} shards (rows x cols)"]
+    for sharding in result.plan.tables:
+        ranks = ",".join(str(r) for r in sharding.ranks)
+        shapes = sorted({(s.rows, s.cols) for s in sharding.shards})
+        shape_text = ", ".join(f"{rows:,} x {cols}" for rows, cols in shapes)
+        if len(sharding.shards) > 1:
+            shape_text = f"{len(sharding.shards)} of {shape_text}"
+        lines.append(f"{sharding.table:<16} {sharding.sharding_type:<15} {ranks:<16} {shape_text}")
+    lines += ["", f"{'rank':<6} {'memory':>12} {'compute ms':>11} {'comm ms':>9} {'step ms':>9}"]
+    for rank in range(topo.world_size):
+        compute, comm = result.compute[rank] * 1e3, result.comm[rank] * 1e3
+        lines.append(f"{rank:<6} {format_bytes(result.memory[rank]):>12} {compute:>11.3f} {comm:>9.3f} "
+                     f"{compute + comm:>9.3f}")
+    lines += ["", f"estimated step (slowest rank): {result.step_seconds * 1e3:.3f} ms"]
+    if baseline is not None:
+        lines.append(f"round-robin table-wise would take {baseline.step_seconds * 1e3:.3f} ms "
+                     f"({baseline.step_seconds / result.step_seconds:.2f}x the plan)")
+    return "\n".join(lines)

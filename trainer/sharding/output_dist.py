@@ -1,0 +1,55 @@
+"""Output distribution: the pooled blocks a rank computed for the global batch go back to
+the ranks whose samples they are (one all-to-all), and are assembled into the
+collection's output layout."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from trainer.sharding.collectives import AllToAll, RankSlice
+from trainer.sharding.layout import ShardedLayout
+
+
+class PooledAllToAll:
+    """``[world * B, C_local]`` pooled blocks of a rank's local module (its sharded slots'
+    columns first, then its replicated ones) → the rank's ``[B, output_dim]`` output.
+
+    Row-split tables' partial sums are added in shard order after the all-to-all (a
+    reduce-scatter carried by the same collective, in a fixed order); their mean pooling
+    divides the sum by the bag's length afterwards. Replicated tables keep this rank's rows
+    of their output (:class:`RankSlice`). Backward runs every step in reverse.
+    """
+
+    def __init__(self, layout: ShardedLayout, group: dist.ProcessGroup | None = None) -> None:
+        self.layout = layout
+        self.group = group
+
+    def __call__(self, pooled: torch.Tensor, lengths: torch.Tensor | None, batch_size: int) -> torch.Tensor:
+        """``lengths`` int ``[F, B]``: the rank's bag lengths, features in collection order
+        (for mean pooling of row-split tables; may be ``None`` when there is none)."""
+        layout = self.layout
+        world, me = layout.world_size, layout.rank
+        sent_cols = int(layout.sharded_cols[me])
+        received_cols = layout.sharded_cols.tolist()
+        sharded = pooled[:, :sent_cols].contiguous().view(-1)
+        received = AllToAll.apply(sharded, [batch_size * sent_cols] * world,
+                                  [batch_size * c for c in received_cols], self.group)
+        blocks = [piece.view(batch_size, c) for piece, c in
+                  zip(torch.split(received, [batch_size * c for c in received_cols]), received_cols)]
+        if pooled.shape[1] > sent_cols:
+            blocks.append(RankSlice.apply(pooled[:, sent_cols:], self.group))
+        columns = torch.cat(blocks, dim=1)
+        out = columns.index_select(1, layout.primary)
+        for out_cols, src_cols in layout.extra:
+            out = out.index_add(1, out_cols, columns.index_select(1, src_cols))
+        if layout.mean_row_split:
+            out = self._divide_by_lengths(out, lengths)
+        return out
+
+    def _divide_by_lengths(self, out: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        divisor = torch.ones_like(out)
+        for start, dim, feature in self.layout.mean_row_split:
+            counts = lengths[feature].to(out.dtype).clamp_(min=1)
+            divisor[:, start : start + dim] = counts.unsqueeze(1)
+        return out / divisor

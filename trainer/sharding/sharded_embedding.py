@@ -1,0 +1,105 @@
+"""A collection of embedding tables sharded across the ranks of a process group."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.batch import KeyedJaggedTensor
+from trainer.embedding_config import SparseOptimizer, TableConfig
+from trainer.fused_embedding import FusedEmbeddingBagCollection, initial_table_weight
+from trainer.sharding.input_dist import SparseAllToAll
+from trainer.sharding.layout import ShardedLayout
+from trainer.sharding.output_dist import PooledAllToAll
+from trainer.sharding.plan import DATA_PARALLEL, ShardingPlan
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """The same function as ``FusedEmbeddingBagCollection(tables, optimizer)`` on the global
+    batch, computed by ``plan.world_size`` ranks that each hold some shards.
+
+    Called on every rank with that rank's batch (the same ``B`` on every rank), it returns
+    the rank's float32 ``[B, output_dim]`` (same column layout as the fused module). Each
+    step is: input all-to-all (:class:`SparseAllToAll`), one fused lookup over all of the
+    rank's shards, output all-to-all (:class:`PooledAllToAll`); ``loss.backward()`` runs
+    them in reverse and updates every shard in place with ``optimizer``.
+
+    Column-wise shards with ``rowwise_adagrad`` keep one state per shard row (the mean
+    square over the shard's columns), as FBGEMM's column-wise shards do.
+    """
+
+    def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimizer, plan: ShardingPlan, *,
+                 seed: int = 0, group: dist.ProcessGroup | None = None,
+                 full_weights: dict[str, torch.Tensor] | None = None) -> None:
+        """``full_weights``: float32 ``[rows, dim]`` of any table (each rank slices its
+        shards); other tables start from :func:`initial_table_weight` with ``seed``."""
+        super().__init__()
+        if dist.get_world_size(group) != plan.world_size:
+            raise ValueError(f"the plan is for {plan.world_size} ranks, the process group has "
+                             f"{dist.get_world_size(group)}")
+        self.tables = tuple(tables)
+        self.plan = plan
+        self.group = group
+        self.layout = ShardedLayout(list(tables), plan, dist.get_rank(group))
+        self.feature_names = self.layout.feature_names
+        self.output_dim = self.layout.output_dim
+        full_weights = full_weights or {}
+        shard_weights = []
+        for local in self.layout.local_shards:
+            table, shard = tables[local.table], local.shard
+            full = full_weights.get(table.name)
+            if full is None:
+                full = initial_table_weight(local.table, table.num_embeddings, table.embedding_dim, seed)
+            shard_weights.append(full[shard.row_offset : shard.row_offset + shard.rows,
+                                      shard.col_offset : shard.col_offset + shard.cols])
+        self.local = FusedEmbeddingBagCollection([s.config for s in self.layout.local_shards], optimizer,
+                                                 initial_weights=shard_weights)
+        self.input_dist = SparseAllToAll(self.layout, group)
+        self.output_dist = PooledAllToAll(self.layout, group)
+
+    def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        batch_size = sparse.batch_size
+        local_input = self.input_dist(sparse)
+        pooled = self.local(local_input)
+        lengths = None
+        if self.layout.mean_row_split:
+            source = self.input_dist.feature_positions(sparse)
+            lengths = sparse.lengths.view(len(sparse.keys), batch_size)[source]
+        return self.output_dist(pooled, lengths, batch_size)
+
+    def gather_table(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Table ``name`` assembled from its shards: float32 weights ``[rows, dim]`` and each
+        optimizer state array (``[rows, width]``, as the fused module's ``table_state``). A
+        collective: every rank calls it and gets the table.
+
+        A row-wise optimizer state of column-wise shards (one value per shard row) becomes
+        their mean weighted by the shards' widths.
+        """
+        t = [table.name for table in self.tables].index(name)
+        table = self.tables[t]
+        mine = []
+        for local in self.layout.local_shards:
+            if local.table == t:
+                states = [s.clone() for s in self.local.table_state(local.config.name)]
+                mine.append((local.shard, self.local.table_weight(local.config.name).clone(), states))
+        everyone: list[list | None] = [None] * self.plan.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        rows, dim = table.num_embeddings, table.embedding_dim
+        weight = torch.empty(rows, dim)
+        width = self.local.optimizer.state_width(dim)
+        states = [torch.zeros(rows, width) for _ in range(self.local.optimizer.num_states)]
+        replicated = self.plan.of(name).sharding_type == DATA_PARALLEL
+        for pieces in (everyone[:1] if replicated else everyone):
+            for shard, shard_weight, shard_states in pieces:
+                row_span = slice(shard.row_offset, shard.row_offset + shard.rows)
+                col_span = slice(shard.col_offset, shard.col_offset + shard.cols)
+                weight[row_span, col_span] = shard_weight
+                for full, part in zip(states, shard_states):
+                    if width == dim:
+                        full[row_span, col_span] = part
+                    else:
+                        full[row_span] += part * (shard.cols / dim)
+        return weight, states
