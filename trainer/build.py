@@ -82,6 +82,7 @@ def single_process_model(model: DLRM, dataset: Dataset, config: TrainConfig) -> 
     collective: every rank calls it; rank 0 gets the model, the others ``None``."""
     sharded = model.embeddings
     gathered = {t.name: sharded.gather_table(t.name) for t in sharded.tables}
+    steps = sharded.optimizer_steps()
     if dist.get_rank(sharded.group) != 0:
         return None
     full = FusedEmbeddingBagCollection(list(sharded.tables), sparse_optimizer(config),
@@ -89,7 +90,7 @@ def single_process_model(model: DLRM, dataset: Dataset, config: TrainConfig) -> 
     for name, (_, states) in gathered.items():
         for target, state in zip(full.table_state(name), states):
             target.copy_(state)
-    full.optimizer_step.copy_(sharded.local.optimizer_step)
+    full.optimizer_step.fill_(steps)
     single = build_model(dataset, config)
     single.embeddings = full
     single.bottom.load_state_dict(model.bottom.module.state_dict())

@@ -34,6 +34,24 @@ def random_kjt(tables: list[TableConfig], batch_size: int, rng: np.random.Genera
                              torch.from_numpy(values), weights)
 
 
+def concat_kjts(kjts: list[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    """Several batches (ranks' batches of one step) as one batch of all their samples, in
+    order, with the first batch's key order."""
+    keys = kjts[0].keys
+    lengths, values, weights = [], [], []
+    for key in keys:
+        for kjt in kjts:
+            b = kjt.batch_size
+            f = kjt.positions_of((key,))[0]
+            offsets = kjt.offsets()
+            lo, hi = int(offsets[f * b]), int(offsets[(f + 1) * b])
+            lengths.append(kjt.lengths[f * b : (f + 1) * b])
+            values.append(kjt.values[lo:hi])
+            if kjt.weights is not None:
+                weights.append(kjt.weights[lo:hi])
+    return KeyedJaggedTensor(keys, torch.cat(lengths), torch.cat(values), torch.cat(weights) if weights else None)
+
+
 def reference_pooled(tables: list[TableConfig], weights: dict[str, torch.Tensor], kjt: KeyedJaggedTensor) -> torch.Tensor:
     """Pooled outputs with ``nn.functional.embedding_bag`` (autograd to ``weights``)."""
     b = kjt.batch_size

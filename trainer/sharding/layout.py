@@ -52,6 +52,7 @@ class ShardedLayout:
         self.rank = rank
         self.shardings = [plan.of(t.name) for t in tables]
         self.feature_names = tuple(f for t in tables for f in t.feature_names)
+        self.feature_rows = [t.num_embeddings for t in tables for _ in t.feature_names]
         feature_index = {f: i for i, f in enumerate(self.feature_names)}
 
         slots: list[Slot] = []
@@ -97,7 +98,7 @@ class ShardedLayout:
         holding its row); other tables' features give one unit per shard (every id goes to
         every shard). Routing is a ``searchsorted`` over keys ``unit * key_stride + id``."""
         slot_of = {(s.table, s.shard, s.feature): i for i, s in enumerate(self.slots)}
-        unit_feature, unit_rows, keys, key_slot, key_row = [], [], [], [], []
+        unit_feature, keys, key_slot, key_row = [], [], [], []
         self.key_stride = max(t.num_embeddings for t in self.tables) + 1
         for t, (table, sharding) in enumerate(zip(self.tables, self.shardings)):
             row_split = sharding.sharding_type in ROW_SPLIT_TYPES
@@ -107,14 +108,13 @@ class ShardedLayout:
                 for shards in groups:
                     unit = len(unit_feature)
                     unit_feature.append(f)
-                    unit_rows.append(table.num_embeddings)
                     for k in shards:
                         offset = sharding.shards[k].row_offset if row_split else 0
                         keys.append(unit * self.key_stride + offset)
                         key_slot.append(slot_of[(t, k, f)])
                         key_row.append(offset)
         self.unit_feature = torch.tensor(unit_feature, dtype=torch.int64)
-        self.unit_rows = torch.tensor(unit_rows, dtype=torch.int64)
+        self.unit_rows = torch.tensor([self.feature_rows[f] for f in unit_feature], dtype=torch.int64)
         self.route_keys = torch.tensor(keys, dtype=torch.int64)
         self.route_slot = torch.tensor(key_slot, dtype=torch.int64)
         self.route_row = torch.tensor(key_row, dtype=torch.int64)

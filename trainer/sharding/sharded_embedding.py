@@ -55,20 +55,33 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 full = initial_table_weight(local.table, table.num_embeddings, table.embedding_dim, seed)
             shard_weights.append(full[shard.row_offset : shard.row_offset + shard.rows,
                                       shard.col_offset : shard.col_offset + shard.cols])
-        self.local = FusedEmbeddingBagCollection([s.config for s in self.layout.local_shards], optimizer,
-                                                 initial_weights=shard_weights)
+        self.optimizer = optimizer
+        self.local = None  # a rank may hold no shard (more ranks than table pieces)
+        if shard_weights:
+            self.local = FusedEmbeddingBagCollection([s.config for s in self.layout.local_shards], optimizer,
+                                                     initial_weights=shard_weights)
         self.input_dist = SparseAllToAll(self.layout, group)
         self.output_dist = PooledAllToAll(self.layout, group)
 
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         batch_size = sparse.batch_size
         local_input = self.input_dist(sparse)
-        pooled = self.local(local_input)
+        if self.local is not None:
+            pooled = self.local(local_input)
+        else:  # still takes part in the output all-to-all, forward and backward
+            pooled = torch.zeros(local_input.batch_size, 0,
+                                 requires_grad=self.training and torch.is_grad_enabled())
         lengths = None
         if self.layout.mean_row_split:
             source = self.input_dist.feature_positions(sparse)
             lengths = sparse.lengths.view(len(sparse.keys), batch_size)[source]
         return self.output_dist(pooled, lengths, batch_size)
+
+    def optimizer_steps(self) -> int:
+        """Sparse optimizer steps taken (a collective: ranks without shards count none)."""
+        steps = torch.zeros((), dtype=torch.int64) if self.local is None else self.local.optimizer_step.clone()
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=self.group)
+        return int(steps)
 
     def gather_table(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Table ``name`` assembled from its shards: float32 weights ``[rows, dim]`` and each
@@ -89,8 +102,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         dist.all_gather_object(everyone, mine, group=self.group)
         rows, dim = table.num_embeddings, table.embedding_dim
         weight = torch.empty(rows, dim)
-        width = self.local.optimizer.state_width(dim)
-        states = [torch.zeros(rows, width) for _ in range(self.local.optimizer.num_states)]
+        width = self.optimizer.state_width(dim)
+        states = [torch.zeros(rows, width) for _ in range(self.optimizer.num_states)]
         replicated = self.plan.of(name).sharding_type == DATA_PARALLEL
         for pieces in (everyone[:1] if replicated else everyone):
             for shard, shard_weight, shard_states in pieces:
