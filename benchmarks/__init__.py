@@ -6,7 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 
-def run_benchmark(name: str, quick: bool = False) -> dict[str, Any]:
+def run_benchmark(name: str, quick: bool = False, nproc: int = 1) -> dict[str, Any]:
+    if name == "train" and nproc > 1:
+        from benchmarks.sharded_train_bench import run
+
+        return run(quick=quick, nproc=nproc)
     if name == "train":
         from benchmarks.train_bench import run
     elif name == "tbe":

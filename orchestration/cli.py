@@ -95,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=("train", "tbe", "ingest"))
     bench.add_argument("--json", help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (for smoke tests)")
+    bench.add_argument("--nproc", type=int, default=1,
+                       help="train: compare N sharded trainer processes with one process")
     bench.set_defaults(run=_bench)
     return parser
 
@@ -227,7 +229,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from benchmarks import run_benchmark
 
-    results = run_benchmark(args.name, quick=args.quick)
+    results = run_benchmark(args.name, quick=args.quick, nproc=args.nproc)
     text = json.dumps(results, indent=2, sort_keys=True)
     print(text)
     if args.json:

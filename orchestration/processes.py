@@ -3,6 +3,7 @@ that announces the address it bound (port 0 lets the OS choose)."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -58,4 +59,5 @@ def run_torchrun(nproc: int, neorec_args: list[str]) -> int:
     standalone rendezvous on a free local port); returns torchrun's exit status."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "--module", "orchestration.cli", *neorec_args]
-    return subprocess.run(command, check=False).returncode
+    threads = str(max(1, (os.cpu_count() or 1) // nproc))  # the ranks share this host's cores
+    return subprocess.run(command, check=False, env={**os.environ, "OMP_NUM_THREADS": threads}).returncode

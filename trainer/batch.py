@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ingest.batch import HostBatch, Provenance
+
+if TYPE_CHECKING:
+    from trainer.sharding.sharded_embedding import DistributedSparse
 
 
 @dataclass
@@ -53,10 +57,14 @@ class KeyedJaggedTensor:
 @dataclass
 class Batch:
     """``B`` samples: ``dense`` float32 ``[B, num_dense]``, ``labels`` float32 ``[B]``,
-    ``sparse`` ids; samples ``[num_valid, B)`` are padding."""
+    ``sparse`` ids; samples ``[num_valid, B)`` are padding.
+
+    In a sharded run ``sparse`` may be the ids already sent to the ranks that hold their
+    rows (a ``trainer.sharding.sharded_embedding.DistributedSparse``).
+    """
 
     dense: torch.Tensor
-    sparse: KeyedJaggedTensor
+    sparse: KeyedJaggedTensor | DistributedSparse
     labels: torch.Tensor
     num_valid: int
     provenance: Provenance | None = None

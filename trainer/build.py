@@ -77,9 +77,9 @@ def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None
 
 
 def single_process_model(model: DLRM, dataset: Dataset, config: TrainConfig) -> DLRM | None:
-    """The single-process equivalent of a sharded, data-parallel ``model``: every table
-    gathered from its shards (weights and optimizer state), the MLPs unwrapped from DDP. A
-    collective: every rank calls it; rank 0 gets the model, the others ``None``."""
+    """The single-process equivalent of a sharded ``model``: every table gathered from its
+    shards (weights and optimizer state). A collective: every rank calls it; rank 0 gets
+    the model, the others ``None``."""
     sharded = model.embeddings
     gathered = {t.name: sharded.gather_table(t.name) for t in sharded.tables}
     steps = sharded.optimizer_steps()
@@ -93,8 +93,8 @@ def single_process_model(model: DLRM, dataset: Dataset, config: TrainConfig) -> 
     full.optimizer_step.fill_(steps)
     single = build_model(dataset, config)
     single.embeddings = full
-    single.bottom.load_state_dict(model.bottom.module.state_dict())
-    single.top.load_state_dict(model.top.module.state_dict())
+    single.bottom.load_state_dict(model.bottom.state_dict())
+    single.top.load_state_dict(model.top.state_dict())
     return single
 
 

@@ -54,12 +54,18 @@ def shutdown(context: DistributedContext) -> None:
         dist.destroy_process_group()
 
 
-def wrap_data_parallel(module: nn.Module) -> DistributedDataParallel:
-    """``module`` in DDP whose gradient all-reduce *sums* over ranks: each rank's loss is its
-    share of the global mean (its samples' sum over the global sample count), so the sum is
-    the gradient of the global mean, as the embedding gradients (summed by the output
-    all-to-all) are."""
-    wrapped = DistributedDataParallel(module)
+def wrap_data_parallel(model: nn.Module, rank_local: str = "embeddings") -> DistributedDataParallel:
+    """``model`` in DDP, except its submodule ``rank_local`` (the sharded embeddings: each
+    rank holds different shards, which DDP must neither broadcast nor all-reduce).
+
+    The gradient all-reduce *sums* over ranks: each rank's loss is its share of the global
+    mean (its samples' sum over the global sample count), so the sum is the gradient of the
+    global mean, as the embedding gradients (summed by the output all-to-all) are.
+    """
+    local = [f"{rank_local}.{name}" for name, _ in getattr(model, rank_local).named_parameters()]
+    local += [f"{rank_local}.{name}" for name, _ in getattr(model, rank_local).named_buffers()]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, local)
+    wrapped = DistributedDataParallel(model, forward_sync_buffers=False)
     wrapped.register_comm_hook(None, _sum_gradients)
     return wrapped
 
@@ -71,13 +77,13 @@ def _sum_gradients(state, bucket):  # DDP checks real annotations; these would b
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def global_sum(context: DistributedContext, value: float) -> float:
-    """``value`` summed over all ranks (float64)."""
+def global_sum(context: DistributedContext, values: list[float]) -> list[float]:
+    """Each of ``values`` summed over all ranks (float64, one all-reduce)."""
     if not context.distributed:
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64)
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor)
-    return float(tensor)
+    return tensor.tolist()
 
 
 def check_same_steps(context: DistributedContext, steps: int, what: str) -> None:

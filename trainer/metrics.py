@@ -35,7 +35,7 @@ class MetricsLog:
 
 
 @torch.no_grad()
-def evaluate(model: DLRM, batches: Iterable[Batch],
+def evaluate(model: torch.nn.Module, batches: Iterable[Batch],
              combine: Callable[[np.ndarray], np.ndarray] = lambda local: local) -> dict[str, float]:
     """``auc``, ``logloss``, ``ne``, ``calibration`` and ``rows`` over the valid samples of
     ``batches`` (the model is put in eval mode and back). ``combine`` turns this rank's

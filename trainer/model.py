@@ -37,15 +37,16 @@ class DotInteraction(nn.Module):
     def __init__(self, num_sparse: int) -> None:
         super().__init__()
         rows, cols = torch.tril_indices(num_sparse + 1, num_sparse + 1, offset=-1)
-        self.register_buffer("rows", rows, persistent=False)
-        self.register_buffer("cols", cols, persistent=False)
+        # positions in the flattened [F+1, F+1] products: a gather whose backward is an
+        # index_add (advanced indexing's backward is a much slower accumulating index_put)
+        self.register_buffer("pairs", rows * (num_sparse + 1) + cols, persistent=False)
         self.output_dim_extra = rows.numel()
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         batch_size, dim = dense.shape
         vectors = torch.cat([dense.unsqueeze(1), pooled.view(batch_size, -1, dim)], dim=1)
         products = torch.bmm(vectors, vectors.transpose(1, 2))
-        return torch.cat([dense, products[:, self.rows, self.cols]], dim=1)
+        return torch.cat([dense, products.flatten(1).index_select(1, self.pairs)], dim=1)
 
 
 class DLRM(nn.Module):

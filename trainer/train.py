@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
+from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numba
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 from ingest.client import ClientOptions, RemoteReader
 from ingest.decoder import DecodeOptions
@@ -36,6 +38,7 @@ class StepReport:
     global_step: int
     epoch: int
     loss: float
+    """The step's mean loss (sharded runs: estimated from rank 0's samples alone)."""
     qps: float
     total_steps: int
 
@@ -53,16 +56,25 @@ def set_threads(threads: int, ranks_on_host: int = 1) -> int:
     return count
 
 
-def train_step(model: DLRM, optimizer: torch.optim.Optimizer, batch: Batch,
-               context: DistributedContext = SINGLE_PROCESS) -> torch.Tensor:
+def train_step(model: DLRM | DistributedDataParallel, optimizer: torch.optim.Optimizer, batch: Batch,
+               context: DistributedContext = SINGLE_PROCESS, full_batches: bool = False) -> torch.Tensor:
     """One step: forward, BCE loss, backward (which also updates the embeddings), dense
     optimizer step. Returns this rank's share of the loss (a scalar tensor; the shares of
-    all ranks sum to the mean loss over the valid samples of the global batch)."""
+    all ranks sum to the mean loss over the valid samples of the global batch).
+
+    ``full_batches``: every rank's batch is known to be all valid samples (no padding), so a
+    sharded step needs no all-reduce of the valid count.
+    """
     logits = model(batch)
     valid = batch.num_valid
     if context.distributed:
         loss = F.binary_cross_entropy_with_logits(logits[:valid], batch.labels[:valid], reduction="sum")
-        loss = loss / global_sum(context, valid)
+        if full_batches:
+            if valid != batch.batch_size:
+                raise AssertionError(f"a padded batch ({valid} of {batch.batch_size} valid) where none was planned")
+            loss = loss / (batch.batch_size * context.world_size)
+        else:
+            loss = loss / global_sum(context, [float(valid)])[0]
     else:
         loss = F.binary_cross_entropy_with_logits(logits[:valid], batch.labels[:valid])
     optimizer.zero_grad(set_to_none=True)
@@ -99,11 +111,9 @@ def train(config: TrainConfig, progress: ProgressFn | None = None,
     torch.manual_seed(loop.seed)
     dataset = Dataset.load(config.data.path)
     plan = shared_plan(dataset, config, context) if context.distributed else None
-    model = build_model(dataset, config, plan)
-    if context.distributed:
-        model.bottom = wrap_data_parallel(model.bottom)
-        model.top = wrap_data_parallel(model.top)
-    optimizer = dense_optimizer(model, config)
+    dlrm = build_model(dataset, config, plan)
+    optimizer = dense_optimizer(dlrm, config)
+    model = wrap_data_parallel(dlrm) if context.distributed else dlrm
     options = decode_options(dataset.schema, config)
     rank = {"rank": context.rank, "world_size": context.world_size}
     train_reader = make_reader(
@@ -126,6 +136,7 @@ def train(config: TrainConfig, progress: ProgressFn | None = None,
     log = MetricsLog(run_dir / "metrics.jsonl" if context.is_main else None)
     evaluate_split = partial(_log_eval, log, model, eval_reader, context)
 
+    full_batches = config.data.remainder == "drop"
     steps_per_epoch = train_reader.plan(0).num_batches
     check_same_steps(context, steps_per_epoch, "train")
     check_same_steps(context, eval_reader.plan(0).num_batches, "eval")
@@ -141,27 +152,33 @@ def train(config: TrainConfig, progress: ProgressFn | None = None,
         for epoch in range(loop.epochs):
             if global_step >= total_steps:
                 break
-            source = Prefetcher(batches(train_reader, epoch), loop.prefetch) if loop.prefetch else None
-            stream = source if source is not None else batches(train_reader, epoch)
-            interval = _Interval()
+            epoch_batches = batches(train_reader, epoch)
+            if context.distributed:
+                epoch_batches = _distributed(dlrm, epoch_batches, min(steps_per_epoch, total_steps - global_step))
+            source = Prefetcher(epoch_batches, loop.prefetch) if loop.prefetch else None
+            stream = source if source is not None else epoch_batches
+            interval = _Interval(context)
             try:
                 for batch in stream:
-                    loss = global_sum(context, float(train_step(model, optimizer, batch, context)))
+                    share = float(train_step(model, optimizer, batch, context, full_batches))
                     global_step += 1
-                    interval.add(loss, int(global_sum(context, batch.num_valid)))
+                    interval.add(share, batch.num_valid)
                     if progress is not None:
-                        progress(StepReport(global_step, epoch, loss, interval.qps(), total_steps))
+                        progress(StepReport(global_step, epoch, share * context.world_size, interval.qps(),
+                                            total_steps))
                     if global_step % loop.log_every == 0 or global_step == total_steps:
-                        log.write({"split": "train", "step": global_step, "epoch": epoch, **interval.report()})
-                        train_seconds += interval.seconds()
-                        samples += interval.samples
-                        interval = _Interval()
+                        report = interval.close()
+                        log.write({"split": "train", "step": global_step, "epoch": epoch, **report})
+                        train_seconds += report["seconds"]
+                        samples += report["samples"]
+                        interval = _Interval(context)
                     if loop.eval_every and global_step % loop.eval_every == 0:
                         evaluate_split(global_step, epoch)
                     if global_step >= total_steps:
                         break
-                train_seconds += interval.seconds()
-                samples += interval.samples
+                report = interval.close()
+                train_seconds += report["seconds"]
+                samples += report["samples"]
             finally:
                 if source is not None:
                     wait_seconds += source.wait_seconds
@@ -175,7 +192,7 @@ def train(config: TrainConfig, progress: ProgressFn | None = None,
         eval_reader.close()
 
     if config.run.checkpoint:
-        saved = single_process_model(model, dataset, config) if context.distributed else model
+        saved = single_process_model(dlrm, dataset, config) if context.distributed else dlrm
         if context.is_main:
             checkpoint.save(run_dir / "checkpoint", saved, optimizer,
                             checkpoint.Position(epoch=loop.epochs, global_step=global_step), config.to_dict())
@@ -214,7 +231,16 @@ def evaluate_checkpoint(config: TrainConfig, checkpoint_dir: str | Path) -> dict
         reader.close()
 
 
-def _log_eval(log: MetricsLog, model: DLRM, reader: BatchReader, context: DistributedContext, step: int,
+def _distributed(model: DLRM, epoch_batches: Iterator[Batch], steps: int) -> Iterator[Batch]:
+    """The first ``steps`` batches with their ids already sent to the ranks holding their
+    rows: run in the prefetch thread, each batch's input all-to-all overlaps the steps
+    before it. Exactly ``steps`` on every rank, so no rank waits for a batch another rank
+    never sends."""
+    for batch in islice(epoch_batches, steps):
+        yield replace(batch, sparse=model.embeddings.distribute(batch.sparse))
+
+
+def _log_eval(log: MetricsLog, model: DLRM | DistributedDataParallel, reader: BatchReader, context: DistributedContext, step: int,
               epoch: int) -> dict[str, float]:
     started = time.perf_counter()
     metrics = evaluate(model, batches(reader, 0), partial(gather_arrays, context))
@@ -225,25 +251,31 @@ def _log_eval(log: MetricsLog, model: DLRM, reader: BatchReader, context: Distri
 
 
 class _Interval:
-    """Loss and throughput since the last log line."""
+    """Loss and throughput since the last log line, over all ranks."""
 
-    def __init__(self) -> None:
+    def __init__(self, context: DistributedContext) -> None:
+        self.context = context
         self.started = time.perf_counter()
-        self.loss_sum = 0.0
+        self.loss_shares = 0.0
         self.steps = 0
         self.samples = 0
 
-    def add(self, loss: float, samples: int) -> None:
-        self.loss_sum += loss
+    def add(self, loss_share: float, samples: int) -> None:
+        """A step's loss share and valid samples on this rank."""
+        self.loss_shares += loss_share
         self.steps += 1
         self.samples += samples
 
-    def seconds(self) -> float:
-        return time.perf_counter() - self.started
-
     def qps(self) -> float:
-        elapsed = self.seconds()
-        return self.samples / elapsed if elapsed else 0.0
+        """This rank's samples per second times the world size (a rank's view, no
+        communication)."""
+        elapsed = time.perf_counter() - self.started
+        return self.samples * self.context.world_size / elapsed if elapsed else 0.0
 
-    def report(self) -> dict[str, float]:
-        return {"loss": self.loss_sum / max(self.steps, 1), "qps": self.qps(), "samples": self.samples}
+    def close(self) -> dict[str, float]:
+        """``loss`` (mean over the steps of the global batch's mean loss), global ``samples``,
+        ``qps`` and ``seconds``: one all-reduce over the ranks."""
+        seconds = time.perf_counter() - self.started
+        loss_sum, samples = global_sum(self.context, [self.loss_shares, float(self.samples)])
+        return {"loss": loss_sum / max(self.steps, 1), "qps": samples / seconds if seconds else 0.0,
+                "samples": int(samples), "seconds": seconds}

@@ -27,10 +27,19 @@ def test_demo_config_loads_with_overrides():
     ("[optimizer]\nsparse = 'lamb'\n", "optimizer.sparse: must be one of"),
     ("[data]\nremainder = 'keep'\n", "data.remainder: must be one of"),
     ("[train\n", "not valid TOML"),
+    ("[sharding]\nmemory_per_rank = 'lots'\n", "sharding.memory_per_rank: not a size"),
+    ("[sharding]\ntables = { t_C1 = 'diagonal' }\n", "sharding.tables.t_C1: .*unknown sharding type 'diagonal'"),
+    ("[sharding]\ntables = { t_C1 = 3 }\n", "sharding.tables.t_C1: expected a string"),
+    ("[sharding]\ntables = 'row_wise'\n", "sharding.tables: expected a table of keys"),
 ])
 def test_bad_config_names_the_key(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
         load_config(_write(tmp_path, text))
+
+
+def test_sharding_overrides_load():
+    config = load_config("configs/demo.toml", ["sharding.tables={t_C1='row_wise', t_C2='table_wise:1'}"])
+    assert config.sharding.tables == {"t_C1": "row_wise", "t_C2": "table_wise:1"}
 
 
 def test_bad_override_is_named(tmp_path):

@@ -3,4 +3,5 @@
 * ``forward``: pooled lookups of every table in one call.
 * ``backward``: grouping of gradient contributions by row (deterministic order) and the
   fused optimizer update.
+* ``routing``: a batch's ids routed to the shards holding their rows (sharded tables).
 """

@@ -3,10 +3,12 @@ all-to-all of lengths, then of ids (then of per-id weights)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from trainer.batch import KeyedJaggedTensor
+from trainer.kernels.routing import route_ids
 from trainer.sharding.collectives import all_to_all
 from trainer.sharding.layout import ShardedLayout
 
@@ -16,40 +18,37 @@ class SparseAllToAll:
     each of its slots, the bags of all ``world * B`` samples of the global batch (rank 0's
     samples first), ids made local to the shard."""
 
-    def __init__(self, layout: ShardedLayout, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, layout: ShardedLayout) -> None:
         self.layout = layout
-        self.group = group
         self._source_cache: dict[tuple[str, ...], torch.Tensor] = {}
+        self._slot_rank = torch.tensor([slot.rank for slot in layout.slots], dtype=torch.int64)
 
-    def __call__(self, sparse: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """Raises ``IndexError`` on every rank when any rank's batch has an id outside its
-        table (naming it on that rank), so no rank is left waiting in a collective."""
+    def __call__(self, sparse: KeyedJaggedTensor, group: dist.ProcessGroup | None = None) -> KeyedJaggedTensor:
+        """The all-to-alls run on ``group``. Raises ``IndexError`` on every rank when any
+        rank's batch has an id outside its table (naming it on that rank), so no rank is
+        left waiting in a collective."""
         layout, batch = self.layout, sparse.batch_size
         world, me = layout.world_size, layout.rank
-        slot_ids, local_ids, bags, weights, bad_id = self._route(sparse)
         num_slots = len(layout.slots)
-        order = torch.argsort(slot_ids, stable=True)
-        send_values = local_ids[order]
-        send_weights = None if weights is None else weights[order]
-        lengths = torch.bincount(slot_ids * batch + bags, minlength=num_slots * batch)
-        slot_totals = lengths.view(num_slots, batch).sum(1)
-        per_rank = torch.zeros(world, dtype=torch.int64).index_add_(0, layout.slot_rank, slot_totals)
+        lengths, send_values, send_weights, bad_id = self._route(sparse)
+        slot_totals = lengths.view(num_slots, batch).sum(1, dtype=torch.int64)
+        per_rank = torch.zeros(world, dtype=torch.int64).index_add_(0, self._slot_rank, slot_totals)
 
         # each rank's lengths for a destination end with one flag: 1 if its batch is invalid
         mine = int(layout.slots_per_rank[me])
         length_sizes = (layout.slots_per_rank * batch + 1).tolist()
         flagged = torch.full((num_slots * batch + world,), int(bad_id is not None), dtype=torch.int32)
-        length_positions = torch.arange(num_slots * batch) + torch.repeat_interleave(layout.slot_rank, batch)
-        flagged[length_positions] = lengths.to(torch.int32)
-        received = all_to_all(flagged, length_sizes, [mine * batch + 1] * world, self.group).view(world, -1)
+        length_positions = torch.arange(num_slots * batch) + torch.repeat_interleave(self._slot_rank, batch)
+        flagged[length_positions] = lengths
+        received = all_to_all(flagged, length_sizes, [mine * batch + 1] * world, group).view(world, -1)
         _raise_if_flagged(bad_id, received[:, -1])
         received_lengths = received[:, :-1].reshape(world, mine, batch)
         segments = received_lengths.sum(2, dtype=torch.int64)
         value_sizes = segments.sum(1).tolist()
         send_sizes = per_rank.tolist()
-        values = all_to_all(send_values, send_sizes, value_sizes, self.group)
+        values = all_to_all(send_values, send_sizes, value_sizes, group)
         received_weights = None if send_weights is None else all_to_all(send_weights, send_sizes, value_sizes,
-                                                                         self.group)
+                                                                         group)
         # received: rank-major, then slot; the local module wants slot-major, then rank
         regroup = _segment_gather(_exclusive_cumsum(segments.flatten()).view(world, mine).T.flatten(),
                                   segments.T.flatten())
@@ -60,32 +59,29 @@ class SparseAllToAll:
             None if received_weights is None else received_weights[regroup],
         )
 
-    def _route(self, sparse: KeyedJaggedTensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, str | None]:
-        """Every (id, destination unit) pair of the batch: its slot, the id local to that
-        slot's shard, its bag (sample) index and its weight, all ``[N_routed]``; and a
-        message naming the first id outside its table's rows, if any."""
+    def _route(self, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, str | None]:
+        """The batch's ids routed to their slots: int32 lengths ``[num_slots * B]``, local
+        ids int64 and weights float32 (slot-major, then bag), and a message naming the
+        first id outside its table's rows, if any."""
         layout, batch = self.layout, sparse.batch_size
-        source = self.feature_positions(sparse)[layout.unit_feature]
-        offsets = sparse.offsets()
-        starts = offsets[source * batch]
-        counts = offsets[(source + 1) * batch] - starts
-        positions = _segment_gather(starts, counts)
-        unit = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-        ids = sparse.values[positions]
-        rows = layout.unit_rows[unit]
-        bad = (ids < 0) | (ids >= rows)
+        unit_source = self.feature_positions(sparse).numpy()[layout.unit_feature]
+        offsets = sparse.offsets().numpy()
+        capacity = int((offsets[(unit_source + 1) * batch] - offsets[unit_source * batch]).sum())
+        lengths = np.empty(len(layout.slots) * batch, dtype=np.int32)
+        values = np.empty(capacity, dtype=np.int64)
+        weights = np.empty(capacity if sparse.weights is not None else 0, dtype=np.float32)
+        id_weights = sparse.weights.numpy() if sparse.weights is not None else weights
+        total, bad_unit, bad_id = route_ids(
+            sparse.values.numpy(), id_weights, offsets, unit_source, layout.unit_rows, layout.unit_routes,
+            layout.route_rows, layout.route_slot, len(layout.slots), batch, lengths, values, weights,
+        )
         message = None
-        if bool(bad.any()):
-            first = int(torch.nonzero(bad)[0])
-            message = (f"feature {layout.feature_names[int(layout.unit_feature[unit[first]])]!r}: id "
-                       f"{int(ids[first])} is outside its table's rows [0, {int(rows[first])})")
-            ids = torch.where(bad, 0, ids)  # reported on every rank before anything is looked up
-        route = torch.searchsorted(layout.route_keys, unit * layout.key_stride + ids, right=True) - 1
-        bag_of_value = torch.repeat_interleave(torch.arange(sparse.lengths.numel()) % batch,
-                                               sparse.lengths.to(torch.int64))
-        weights = None if sparse.weights is None else sparse.weights[positions]
-        return layout.route_slot[route], ids - layout.route_row[route], bag_of_value[positions], weights, message
+        if bad_unit >= 0:
+            feature = layout.feature_names[int(layout.unit_feature[bad_unit])]
+            message = (f"feature {feature!r}: id {bad_id} is outside its table's rows "
+                       f"[0, {int(layout.unit_rows[bad_unit])})")
+        send_weights = torch.from_numpy(weights[:total]) if sparse.weights is not None else None
+        return torch.from_numpy(lengths), torch.from_numpy(values[:total]), send_weights, message
 
     def feature_positions(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """int64 ``[F]``: index in the batch's keys of each feature of the collection."""

@@ -93,32 +93,27 @@ class ShardedLayout:
 
     # ---------------------------------------------------------------- input distribution
     def _build_input_index(self) -> None:
-        """Units: each (feature, destination group) the ids of a feature are routed by. A
-        row-split table's feature is one unit over all its shards (an id goes to the shard
-        holding its row); other tables' features give one unit per shard (every id goes to
-        every shard). Routing is a ``searchsorted`` over keys ``unit * key_stride + id``."""
+        """Units and routes for :func:`trainer.kernels.routing.route_ids`: a row-split
+        table's feature is one unit routed over all its shards by row; other tables'
+        features give one unit per shard, which every id goes to."""
         slot_of = {(s.table, s.shard, s.feature): i for i, s in enumerate(self.slots)}
-        unit_feature, keys, key_slot, key_row = [], [], [], []
-        self.key_stride = max(t.num_embeddings for t in self.tables) + 1
+        unit_feature, unit_routes, route_rows, route_slot = [], [0], [], []
         for t, (table, sharding) in enumerate(zip(self.tables, self.shardings)):
             row_split = sharding.sharding_type in ROW_SPLIT_TYPES
+            shards = range(len(sharding.shards))
             for feature in table.feature_names:
                 f = self.feature_names.index(feature)
-                groups = [list(range(len(sharding.shards)))] if row_split else [[k] for k in range(len(sharding.shards))]
-                for shards in groups:
-                    unit = len(unit_feature)
+                for group in ([list(shards)] if row_split else [[k] for k in shards]):
                     unit_feature.append(f)
-                    for k in shards:
-                        offset = sharding.shards[k].row_offset if row_split else 0
-                        keys.append(unit * self.key_stride + offset)
-                        key_slot.append(slot_of[(t, k, f)])
-                        key_row.append(offset)
-        self.unit_feature = torch.tensor(unit_feature, dtype=torch.int64)
-        self.unit_rows = torch.tensor([self.feature_rows[f] for f in unit_feature], dtype=torch.int64)
-        self.route_keys = torch.tensor(keys, dtype=torch.int64)
-        self.route_slot = torch.tensor(key_slot, dtype=torch.int64)
-        self.route_row = torch.tensor(key_row, dtype=torch.int64)
-        self.slot_rank = torch.tensor([s.rank for s in self.slots], dtype=torch.int64)
+                    for k in group:
+                        route_rows.append(sharding.shards[k].row_offset if row_split else 0)
+                        route_slot.append(slot_of[(t, k, f)])
+                    unit_routes.append(len(route_rows))
+        self.unit_feature = np.array(unit_feature, dtype=np.int64)
+        self.unit_rows = np.array([self.feature_rows[f] for f in unit_feature], dtype=np.int64)
+        self.unit_routes = np.array(unit_routes, dtype=np.int64)
+        self.route_rows = np.array(route_rows, dtype=np.int64)
+        self.route_slot = np.array(route_slot, dtype=np.int64)
 
     # --------------------------------------------------------------- output distribution
     def _build_output_index(self) -> None:

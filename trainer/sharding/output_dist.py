@@ -25,9 +25,9 @@ class PooledAllToAll:
         self.layout = layout
         self.group = group
 
-    def __call__(self, pooled: torch.Tensor, lengths: torch.Tensor | None, batch_size: int) -> torch.Tensor:
+    def __call__(self, pooled: torch.Tensor, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
         """``lengths`` int ``[F, B]``: the rank's bag lengths, features in collection order
-        (for mean pooling of row-split tables; may be ``None`` when there is none)."""
+        (for mean pooling of row-split tables)."""
         layout = self.layout
         world, me = layout.world_size, layout.rank
         sent_cols = int(layout.sharded_cols[me])

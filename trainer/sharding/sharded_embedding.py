@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -17,6 +18,17 @@ from trainer.sharding.output_dist import PooledAllToAll
 from trainer.sharding.plan import DATA_PARALLEL, ShardingPlan
 
 
+@dataclass
+class DistributedSparse:
+    """A rank's sparse input already sent through the input all-to-all (see
+    :meth:`ShardedEmbeddingBagCollection.distribute`): the local module's input for the
+    global batch, and the rank's own ``[F, B]`` bag lengths (collection feature order)."""
+
+    local: KeyedJaggedTensor
+    lengths: torch.Tensor
+    batch_size: int
+
+
 class ShardedEmbeddingBagCollection(nn.Module):
     """The same function as ``FusedEmbeddingBagCollection(tables, optimizer)`` on the global
     batch, computed by ``plan.world_size`` ranks that each hold some shards.
@@ -27,7 +39,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
     rank's shards, output all-to-all (:class:`PooledAllToAll`); ``loss.backward()`` runs
     them in reverse and updates every shard in place with ``optimizer``.
 
-    Column-wise shards with ``rowwise_adagrad`` keep one state per shard row (the mean
+    The input all-to-all of a batch can run ahead, on its own process group, in the thread
+    that reads batches (:meth:`distribute`), so it overlaps the previous step's compute.
+
+    Constructing it is a collective (it creates that process group). Column-wise shards
+    with ``rowwise_adagrad`` keep one state per shard row (the mean
     square over the shard's columns), as FBGEMM's column-wise shards do.
     """
 
@@ -60,22 +76,31 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if shard_weights:
             self.local = FusedEmbeddingBagCollection([s.config for s in self.layout.local_shards], optimizer,
                                                      initial_weights=shard_weights)
-        self.input_dist = SparseAllToAll(self.layout, group)
+        self.input_dist = SparseAllToAll(self.layout)
         self.output_dist = PooledAllToAll(self.layout, group)
+        self.input_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
 
-    def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        batch_size = sparse.batch_size
-        local_input = self.input_dist(sparse)
+    def distribute(self, sparse: KeyedJaggedTensor) -> DistributedSparse:
+        """Run the input all-to-all of ``sparse`` on :attr:`input_group`. Every rank must
+        distribute the same number of batches, in one thread (another than the one that
+        calls :meth:`forward` with undistributed input)."""
+        return self._distribute(sparse, self.input_group)
+
+    def _distribute(self, sparse: KeyedJaggedTensor, group: dist.ProcessGroup | None) -> DistributedSparse:
+        source = self.input_dist.feature_positions(sparse)
+        lengths = sparse.lengths.view(len(sparse.keys), sparse.batch_size)[source]
+        return DistributedSparse(self.input_dist(sparse, group), lengths, sparse.batch_size)
+
+    def forward(self, sparse: KeyedJaggedTensor | DistributedSparse) -> torch.Tensor:
+        """``sparse``: this rank's batch, or its :meth:`distribute` result."""
+        if isinstance(sparse, KeyedJaggedTensor):
+            sparse = self._distribute(sparse, self.group)
         if self.local is not None:
-            pooled = self.local(local_input)
+            pooled = self.local(sparse.local)
         else:  # still takes part in the output all-to-all, forward and backward
-            pooled = torch.zeros(local_input.batch_size, 0,
+            pooled = torch.zeros(sparse.local.batch_size, 0,
                                  requires_grad=self.training and torch.is_grad_enabled())
-        lengths = None
-        if self.layout.mean_row_split:
-            source = self.input_dist.feature_positions(sparse)
-            lengths = sparse.lengths.view(len(sparse.keys), batch_size)[source]
-        return self.output_dist(pooled, lengths, batch_size)
+        return self.output_dist(pooled, sparse.lengths, sparse.batch_size)
 
     def optimizer_steps(self) -> int:
         """Sparse optimizer steps taken (a collective: ranks without shards count none)."""

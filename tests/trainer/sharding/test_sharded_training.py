@@ -48,17 +48,17 @@ def train_sharded(rank: int, world: int, path: str) -> dict:
     dataset = Dataset.load(path)
     config = config_for(path, world)
     plan = plan_for_config(dataset, config, world).plan
-    model = build_model(dataset, config, plan)
-    model.bottom, model.top = wrap_data_parallel(model.bottom), wrap_data_parallel(model.top)
-    optimizer = dense_optimizer(model, config)
+    dlrm = build_model(dataset, config, plan)
+    optimizer = dense_optimizer(dlrm, config)
+    model = wrap_data_parallel(dlrm)
     context = DistributedContext(rank, world, world)
     predictions = []
     for batch in rank_batches(dataset, config, rank, world):
         with torch.no_grad():
             predictions.append(model.eval()(batch).clone())
         model.train()
-        train_step(model, optimizer, batch, context)
-    single = single_process_model(model, dataset, config)
+        train_step(model, optimizer, batch, context, full_batches=True)
+    single = single_process_model(dlrm, dataset, config)
     return {"predictions": torch.stack(predictions), "plan": plan,
             "state": None if single is None else single.state_dict()}
 

@@ -1,0 +1,65 @@
+"""Sharded training overhead: aggregate QPS of ``neorec train --nproc N`` (tables sharded by
+the planner, MLPs in DDP, gloo) beside the single-process run, same data, same global batch,
+alternating runs so that machine drift hits both alike."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ingest.synth import SynthSpec, generate
+
+CONFIG = """
+[data]
+path = "{data}"
+[model]
+embedding_dim = 16
+max_table_rows = 200000
+[train]
+batch_size = {batch}
+eval_batch_size = 4096
+max_steps = {steps}
+log_every = 1000
+[run]
+dir = "{run}"
+checkpoint = false
+"""
+
+
+def run(quick: bool = False, nproc: int = 2) -> dict[str, Any]:
+    rows, steps, rounds = (30_000, 20, 1) if quick else (300_000, 250, 3)
+    global_batch = 1024
+    qps: dict[str, list[float]] = {"single": [], "sharded": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        generate(SynthSpec(rows=rows, eval_fraction=0.02), Path(tmp) / "data")
+        for _ in range(rounds):
+            for name, procs in (("single", 1), ("sharded", nproc)):
+                qps[name].append(_train_qps(Path(tmp), procs, global_batch // procs, steps))
+    single, sharded = statistics.median(qps["single"]), statistics.median(qps["sharded"])
+    return {
+        "benchmark": "train --nproc",
+        "model": "DLRM criteo profile, 26 tables x dim 16 (<= 200k rows), global batch 1024",
+        "nproc": nproc,
+        "steps": steps,
+        "single_process_qps": single,
+        "sharded_qps": sharded,
+        "runs": qps,
+        "ratio": sharded / single,
+        "overhead": 1 - sharded / single,
+    }
+
+
+def _train_qps(tmp: Path, nproc: int, batch: int, steps: int) -> float:
+    run_dir = tmp / f"run-{nproc}"
+    config = tmp / f"bench-{nproc}.toml"
+    config.write_text(CONFIG.format(data=tmp / "data", batch=batch, steps=steps, run=run_dir))
+    command = [sys.executable, "-m", "orchestration.cli", "train", str(config), "--nproc", str(nproc)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
+    return float(json.loads((run_dir / "summary.json").read_text())["train_qps"])

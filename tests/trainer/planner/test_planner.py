@@ -1,0 +1,167 @@
+"""The planner's parts alone (enumerate, estimate, assign, explain) and as a whole."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from trainer.planner.enumerate import Constraint, enumerate_options
+from trainer.planner.estimate import estimate
+from trainer.planner.inputs import TableSpec, Topology, parse_bytes
+from trainer.planner.planner import plan_tables, round_robin
+from trainer.planner.render import render
+from trainer.sharding.plan import (COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE, PlanError,
+                                   Shard, ShardingPlan, TableSharding)
+
+GIB = 2**30
+
+
+def kinds(options) -> list[str]:
+    return [o.sharding_type for o in options]
+
+
+# ------------------------------------------------------------------------------ enumerate
+def test_every_sharding_type_is_enumerated():
+    options = enumerate_options(TableSpec("t", 1000, 64), Topology(8, ranks_per_node=4))
+    assert kinds(options).count(TABLE_WISE) == 1
+    assert kinds(options).count(ROW_WISE) == 1
+    assert sorted(len(o.shapes) for o in options if o.sharding_type == COLUMN_WISE) == [2, 4, 8]
+    assert [o.ranks for o in options if o.sharding_type == TABLE_ROW_WISE] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert kinds(options).count(DATA_PARALLEL) == 1
+    row_wise = next(o for o in options if o.sharding_type == ROW_WISE)
+    assert sum(s.rows for s in row_wise.shapes) == 1000 and row_wise.ranks == tuple(range(8))
+
+
+def test_one_rank_has_only_table_wise_and_narrow_tables_no_column_split():
+    assert kinds(enumerate_options(TableSpec("t", 100, 64), Topology(1))) == [TABLE_WISE]
+    assert COLUMN_WISE not in kinds(enumerate_options(TableSpec("t", 100, 6), Topology(4)))
+
+
+def test_constraints_restrict_options_and_reject_nonsense():
+    table, topo = TableSpec("t", 100, 16), Topology(4, group_size=2)
+    assert [o.ranks for o in enumerate_options(table, topo, Constraint.parse("t", "table_wise:3"))] == [(3,)]
+    assert [len(o.shapes) for o in enumerate_options(table, topo, Constraint.parse("t", "column_wise:4"))] == [4]
+    assert [o.ranks for o in enumerate_options(table, topo, Constraint.parse("t", "table_row_wise:1"))] == [(2, 3)]
+    for text, words in (("diagonal", "unknown sharding type"), ("row_wise:2", "takes no argument"),
+                        ("table_wise:x", "must be a number")):
+        with pytest.raises(PlanError, match=words):
+            Constraint.parse("t", text)
+    with pytest.raises(PlanError, match="outside world size 4"):
+        enumerate_options(table, topo, Constraint.parse("t", "table_wise:9"))
+    with pytest.raises(PlanError, match="cannot be sharded as column_wise:8"):
+        enumerate_options(table, topo, Constraint.parse("t", "column_wise:8"))
+
+
+# ------------------------------------------------------------------------------- estimate
+def test_estimates_split_work_and_memory_as_the_sharding_does():
+    table, topo = TableSpec("t", 10_000, 64, pooling_factor=10.0), Topology(4)
+    options = {o.sharding_type: o for o in enumerate_options(table, topo)}
+    whole = estimate(table, options[TABLE_WISE], topo, 512)
+    rows = estimate(table, options[ROW_WISE], topo, 512)
+    replicas = estimate(table, options[DATA_PARALLEL], topo, 512)
+    assert whole.memory[0] == table.bytes() == pytest.approx(rows.memory.sum())
+    assert rows.compute.sum() == pytest.approx(whole.compute[0])  # each id is looked up once
+    assert rows.comm.sum() > whole.comm[0]  # but every shard sends partial sums for every bag
+    assert list(replicas.memory) == [table.bytes()] * 4
+    columns = estimate(table, next(o for o in enumerate_options(table, topo) if o.sharding_type == COLUMN_WISE),
+                       topo, 512)
+    assert columns.compute.sum() == pytest.approx(whole.compute[0])
+    assert columns.comm.sum() > whole.comm[0]  # ids go to every column shard
+
+
+def test_state_and_precision_change_memory():
+    rowwise = TableSpec("t", 1000, 64)
+    assert rowwise.bytes() == 1000 * (64 * 4 + 4 + 1)
+    assert TableSpec("t", 1000, 64, optimizer="adam").bytes() == 1000 * (64 * 4 + 2 * 64 * 4 + 1)
+    assert TableSpec("t", 1000, 64, weight_bytes=2).bytes() == 1000 * (64 * 2 + 4 + 1)
+    assert parse_bytes("16GiB") == 16 * GIB and parse_bytes("512MB") == 512 * 10**6
+    with pytest.raises(ValueError, match="not a size"):
+        parse_bytes("lots")
+
+
+# --------------------------------------------------------------------------------- assign
+def skewed_tables() -> list[TableSpec]:
+    """Three hot multi-hot tables and 23 small one-hot ones."""
+    return [TableSpec(f"t{i}", 5_000_000 if i < 3 else 100_000, 64, pooling_factor=20.0 if i < 3 else 1.0)
+            for i in range(26)]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_plan_places_every_table_once_and_beats_round_robin(world):
+    tables = skewed_tables()
+    topo = Topology(world, memory_per_rank=8 * GIB)
+    result = plan_tables(tables, topo, 4096)
+    placed = [t.table for t in result.plan.tables]
+    assert sorted(placed) == sorted(t.name for t in tables) and len(placed) == len(set(placed))
+    result.plan.validate({t.name: (t.rows, t.dim) for t in tables})
+    baseline = round_robin(tables, topo, 4096)
+    assert result.step_seconds < baseline.step_seconds
+    assert (result.memory <= topo.memory_per_rank).all()
+    assert "estimated step (slowest rank)" in render(result, baseline)
+
+
+def test_overrides_are_honoured():
+    tables = skewed_tables()[:6]
+    result = plan_tables(tables, Topology(4, group_size=2), 512, {
+        "t0": Constraint.parse("t0", "table_wise:3"), "t1": Constraint.parse("t1", "data_parallel"),
+        "t2": Constraint.parse("t2", "table_row_wise:0"), "t3": Constraint.parse("t3", "column_wise:2"),
+    })
+    assert result.plan.of("t0").ranks == (3,)
+    assert result.plan.of("t1").ranks == (0, 1, 2, 3)
+    assert result.plan.of("t2").sharding_type == TABLE_ROW_WISE and result.plan.of("t2").ranks == (0, 1)
+    assert len(result.plan.of("t3").shards) == 2
+    with pytest.raises(PlanError, match="tables the model does not have: nope"):
+        plan_tables(tables, Topology(2), 512, {"nope": Constraint.parse("nope", "row_wise")})
+
+
+def test_thousand_tables_on_128_ranks_in_under_two_seconds():
+    rng = np.random.default_rng(0)
+    tables = [TableSpec(f"t{i}", int(rng.integers(1_000, 5_000_000)), int(rng.choice([16, 32, 64, 128])),
+                        pooling_factor=float(rng.choice([1, 5, 20]))) for i in range(1000)]
+    topo = Topology(128, ranks_per_node=8, memory_per_rank=16 * GIB)
+    started = time.perf_counter()
+    result = plan_tables(tables, topo, 4096)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 2.0, f"planning took {elapsed:.2f} s"
+    assert len(result.plan.tables) == 1000
+    assert result.step_seconds < round_robin(tables, topo, 4096).step_seconds
+
+
+# -------------------------------------------------------------------------------- explain
+def test_a_table_too_big_for_one_rank_is_explained():
+    big = TableSpec("huge", 40_000_000, 128)  # ~20 GiB with its state
+    with pytest.raises(PlanError) as err:
+        plan_tables([big, TableSpec("small", 10, 8)], Topology(4, memory_per_rank=16 * GIB), 512,
+                    {"huge": Constraint.parse("huge", "table_wise")})
+    message = str(err.value)
+    assert "table 'huge'" in message and "does not fit" in message
+    assert "the config forces it to be table_wise" in message
+    assert "row-wise over 4 ranks" in message and "which fits" in message
+    assert "fp16 weights" in message and "embedding store" in message
+    # without the override the planner finds the row-wise plan itself
+    assert plan_tables([big], Topology(4, memory_per_rank=16 * GIB), 512).plan.of("huge").sharding_type in (
+        ROW_WISE, COLUMN_WISE)
+
+
+def test_tables_too_big_for_all_ranks_are_explained():
+    tables = [TableSpec(f"t{i}", 20_000_000, 128) for i in range(4)]
+    with pytest.raises(PlanError, match=r"the 4 tables need .* but 2 ranks x 16.00 GiB hold 32.00 GiB"):
+        plan_tables(tables, Topology(2, memory_per_rank=16 * GIB), 512)
+
+
+# ---------------------------------------------------------------------------- plan checks
+def test_plan_validation_catches_dropped_repeated_and_torn_tables():
+    shapes = {"a": (10, 4), "b": (10, 4)}
+    whole = TableSharding("a", TABLE_WISE, (Shard(0, 0, 10, 0, 4),))
+    with pytest.raises(PlanError, match="does not place: b"):
+        ShardingPlan(2, (whole,)).validate(shapes)
+    with pytest.raises(PlanError, match="more than once: a"):
+        ShardingPlan(2, (whole, whole)).validate(shapes)
+    torn = TableSharding("b", ROW_WISE, (Shard(0, 0, 4, 0, 4), Shard(1, 5, 5, 0, 4)))
+    with pytest.raises(PlanError, match="must tile its 10 rows"):
+        ShardingPlan(2, (whole, torn)).validate(shapes)
+    plan = ShardingPlan(2, (whole, TableSharding("b", DATA_PARALLEL, (Shard(0, 0, 10, 0, 4), Shard(1, 0, 10, 0, 4)))))
+    plan.validate(shapes)
+    assert ShardingPlan.from_dict(plan.to_dict()) == plan
