@@ -31,27 +31,32 @@ checkpoint = false
 """
 
 
+GLOBAL_BATCHES = {1024: 250, 4096: 60}
+"""Global batch size: training steps per run."""
+
+
 def run(quick: bool = False, nproc: int = 2) -> dict[str, Any]:
-    rows, steps, rounds = (30_000, 20, 1) if quick else (300_000, 250, 3)
-    global_batch = 1024
-    qps: dict[str, list[float]] = {"single": [], "sharded": []}
+    rows, rounds, scale = (30_000, 1, 10) if quick else (300_000, 3, 1)
+    results: dict[str, Any] = {
+        "benchmark": "train --nproc",
+        "model": "DLRM criteo profile, 26 tables x dim 16 (<= 200k rows), tables sharded by the planner",
+        "nproc": nproc,
+        "global_batches": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         generate(SynthSpec(rows=rows, eval_fraction=0.02), Path(tmp) / "data")
-        for _ in range(rounds):
-            for name, procs in (("single", 1), ("sharded", nproc)):
-                qps[name].append(_train_qps(Path(tmp), procs, global_batch // procs, steps))
-    single, sharded = statistics.median(qps["single"]), statistics.median(qps["sharded"])
-    return {
-        "benchmark": "train --nproc",
-        "model": "DLRM criteo profile, 26 tables x dim 16 (<= 200k rows), global batch 1024",
-        "nproc": nproc,
-        "steps": steps,
-        "single_process_qps": single,
-        "sharded_qps": sharded,
-        "runs": qps,
-        "ratio": sharded / single,
-        "overhead": 1 - sharded / single,
-    }
+        for global_batch, steps in GLOBAL_BATCHES.items():
+            steps = max(steps // scale, 2)
+            qps: dict[str, list[float]] = {"single": [], "sharded": []}
+            for _ in range(rounds):
+                for name, procs in (("single", 1), ("sharded", nproc)):
+                    qps[name].append(_train_qps(Path(tmp), procs, global_batch // procs, steps))
+            single, sharded = statistics.median(qps["single"]), statistics.median(qps["sharded"])
+            results["global_batches"][str(global_batch)] = {
+                "steps": steps, "single_process_qps": single, "sharded_qps": sharded, "runs": qps,
+                "ratio": sharded / single, "overhead": 1 - sharded / single,
+            }
+    return results
 
 
 def _train_qps(tmp: Path, nproc: int, batch: int, steps: int) -> float:
