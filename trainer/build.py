@@ -59,10 +59,11 @@ def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None
     schema = dataset.schema
     seed = config.train.seed
     tables = table_configs(schema, config)
+    storage = {"weight_dtype": config.model.weight_dtype, "stochastic_rounding": config.model.stochastic_rounding}
     if plan is None:
-        embeddings = FusedEmbeddingBagCollection(tables, sparse_optimizer(config), seed=seed)
+        embeddings = FusedEmbeddingBagCollection(tables, sparse_optimizer(config), seed=seed, **storage)
     else:
-        embeddings = ShardedEmbeddingBagCollection(tables, sparse_optimizer(config), plan, seed=seed)
+        embeddings = ShardedEmbeddingBagCollection(tables, sparse_optimizer(config), plan, seed=seed, **storage)
     if embeddings.feature_names != schema.feature_names:
         raise AssertionError("tables must list the schema's features in schema order")
     return DLRM(
@@ -86,7 +87,9 @@ def single_process_model(model: DLRM, dataset: Dataset, config: TrainConfig) -> 
     if dist.get_rank(sharded.group) != 0:
         return None
     full = FusedEmbeddingBagCollection(list(sharded.tables), sparse_optimizer(config),
-                                       initial_weights=[gathered[t.name][0] for t in sharded.tables])
+                                       initial_weights=[gathered[t.name][0] for t in sharded.tables],
+                                       weight_dtype=config.model.weight_dtype,
+                                       stochastic_rounding=config.model.stochastic_rounding, seed=config.train.seed)
     for name, (_, states) in gathered.items():
         for target, state in zip(full.table_state(name), states):
             target.copy_(state)

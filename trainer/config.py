@@ -12,7 +12,7 @@ from typing import Any
 from ingest.client import COMPRESSIONS, check_address
 from ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
 from ingest.plan import REMAINDER_POLICIES
-from trainer.embedding_config import POOLINGS, SPARSE_OPTIMIZERS
+from trainer.embedding_config import POOLINGS, SPARSE_OPTIMIZERS, WEIGHT_DTYPES
 from trainer.planner.enumerate import Constraint
 from trainer.planner.inputs import parse_bytes
 from trainer.sharding.plan import PlanError
@@ -59,6 +59,10 @@ class ModelConfig:
     top_mlp: list[int] = field(default_factory=lambda: [128, 64])
     max_table_rows: int = 200_000
     pooling: str = "sum"
+    weight_dtype: str = "fp32"
+    """Embedding weight storage: fp32, fp16 or bf16 (compute and optimizer state stay fp32)."""
+    stochastic_rounding: bool = True
+    """Round fp16/bf16 weight updates stochastically (else to nearest even)."""
 
     def validate(self) -> None:
         _positive("model.embedding_dim", self.embedding_dim)
@@ -67,6 +71,7 @@ class ModelConfig:
             if any(s <= 0 for s in sizes):
                 raise ConfigError(f"{name}: layer sizes must be positive, got {sizes}")
         _one_of("model.pooling", self.pooling, POOLINGS)
+        _one_of("model.weight_dtype", self.weight_dtype, tuple(WEIGHT_DTYPES))
 
 
 @dataclass

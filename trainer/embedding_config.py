@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 POOLINGS = ("sum", "mean")
 SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+WEIGHT_DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2}
+"""Embedding weight storage types and their bytes per element."""
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,9 @@ from trainer.batch import KeyedJaggedTensor
 from trainer.embedding_config import SparseOptimizer, TableConfig
 from trainer.kernels import backward as backward_kernels
 from trainer.kernels.forward import pooled_forward
+from trainer.kernels.precision import FP32, PRECISIONS
+
+_STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 _OPTIMIZER_CODES = {
     "sgd": backward_kernels.SGD,
@@ -42,9 +45,19 @@ class FusedEmbeddingBagCollection(nn.Module):
     """
 
     def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimizer, *, seed: int = 0,
-                 initial_weights: Sequence[torch.Tensor] | None = None) -> None:
+                 initial_weights: Sequence[torch.Tensor] | None = None, weight_dtype: str = "fp32",
+                 stochastic_rounding: bool = True,
+                 shard_origins: Sequence[tuple[int, int, int, int]] | None = None) -> None:
         """``initial_weights``: float32 ``[rows, dim]`` per table; default
-        :func:`initial_table_weight` of each table from ``seed``."""
+        :func:`initial_table_weight` of each table from ``seed``.
+
+        ``weight_dtype`` ``"fp16"`` or ``"bf16"`` stores the weights in half the memory
+        (lookups, gradients and optimizer state stay float32); each update is rounded to
+        it stochastically (from ``seed``, the step and the element) or, with
+        ``stochastic_rounding=False``, to nearest even. ``shard_origins`` places each table
+        in a larger one (table id, first row, first column, full width) when the tables are
+        shards, so that an element's rounding noise is that of the unsharded table.
+        """
         super().__init__()
         if not tables:
             raise ValueError("a fused embedding module needs at least one table")
@@ -81,7 +94,16 @@ class FusedEmbeddingBagCollection(nn.Module):
             initial_weights = [initial_table_weight(t, n, d, seed) for t, (n, d) in enumerate(zip(rows, dims))]
         if [tuple(w.shape) for w in initial_weights] != [(int(n), int(d)) for n, d in zip(rows, dims)]:
             raise ValueError("initial_weights must be one [rows, dim] tensor per table")
-        self.register_buffer("weights", torch.cat([w.reshape(-1).to(torch.float32) for w in initial_weights]))
+        if weight_dtype not in _STORAGE:
+            raise ValueError(f"weight_dtype must be one of {tuple(_STORAGE)}, got {weight_dtype!r}")
+        self.weight_dtype = weight_dtype
+        self._precision = PRECISIONS[weight_dtype]
+        self._rounding_seed = seed if stochastic_rounding and weight_dtype != "fp32" else -1
+        if shard_origins is None:
+            shard_origins = [(t, 0, 0, int(d)) for t, d in enumerate(dims)]
+        self._noise_origin = np.array(shard_origins, dtype=np.int64).reshape(len(tables), 4)
+        storage = _STORAGE[weight_dtype]
+        self.register_buffer("weights", torch.cat([w.reshape(-1).to(storage) for w in initial_weights]))
         self.register_buffer("state1", torch.zeros(state_size if optimizer.num_states >= 1 else 0))
         self.register_buffer("state2", torch.zeros(state_size if optimizer.num_states >= 2 else 0))
         self.register_buffer("optimizer_step", torch.zeros((), dtype=torch.int64))
@@ -97,7 +119,8 @@ class FusedEmbeddingBagCollection(nn.Module):
         return slice(start, start + int(self._dims[self._feature_table[f]]))
 
     def table_weight(self, name: str) -> torch.Tensor:
-        """View ``[rows, dim]`` of table ``name``'s weights (shares storage)."""
+        """View ``[rows, dim]`` of table ``name``'s weights (shares storage; the storage
+        dtype)."""
         t = self._table_index(name)
         start = int(self._table_offsets[t])
         size = int(self._rows[t] * self._dims[t])
@@ -115,7 +138,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         """Copies of rows ``rows`` (int64 ``[n]``) of table ``name``: weights float32
         ``[n, dim]`` and each optimizer state array's ``[n, width]``."""
         rows = self._checked_rows(name, rows)
-        return (self.table_weight(name).index_select(0, rows),
+        return (self.table_weight(name).index_select(0, rows).to(torch.float32),
                 [state.index_select(0, rows) for state in self.table_state(name)])
 
     def write_rows(self, name: str, rows: torch.Tensor, weights: torch.Tensor, states: list[torch.Tensor]) -> None:
@@ -127,7 +150,7 @@ class FusedEmbeddingBagCollection(nn.Module):
             raise ValueError(f"table {name!r} has {len(table_states)} optimizer states, got {len(states)}")
         if torch.unique(rows).numel() != rows.numel():
             raise ValueError("rows to write must be distinct")
-        self.table_weight(name).index_copy_(0, rows, weights.to(torch.float32))
+        self.table_weight(name).index_copy_(0, rows, weights.to(self.weights.dtype))
         for target, source in zip(table_states, states):
             target.index_copy_(0, rows, source.to(torch.float32))
 
@@ -172,19 +195,26 @@ class FusedEmbeddingBagCollection(nn.Module):
             source=self._feature_source(sparse),
             bag_offsets=sparse.offsets().numpy(),
             values=sparse.values.numpy(),
-            id_weights=_empty_f32() if sparse.weights is None else sparse.weights.numpy(),
+            id_weights=_EMPTY_F32 if sparse.weights is None else sparse.weights.numpy(),
             batch_size=batch_size,
             bag_of_id=np.empty(sparse.values.numel(), dtype=np.int32),
         )
         out = torch.empty(batch_size, self.output_dim, dtype=torch.float32)
         bad = pooled_forward(
-            self.weights.numpy(), self._table_offsets, self._dims, self._rows, self._feature_table,
+            *self._kernel_weights(), self._table_offsets, self._dims, self._rows, self._feature_table,
             ctx.source, self._out_columns, self._mean_pooling, ctx.bag_offsets, ctx.values,
             ctx.id_weights, batch_size, out.view(-1).numpy(), ctx.bag_of_id,
         )
         if bad:
             raise IndexError(f"{bad} ids are outside their table's rows {self._describe_ranges()}")
         return out, ctx
+
+    def _kernel_weights(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """The kernels' view of the weights: float32 array, uint16 half array (one of them
+        empty) and the precision code."""
+        if self._precision == FP32:
+            return self.weights.numpy(), _EMPTY_U16, FP32
+        return _EMPTY_F32, self.weights.view(torch.int16).numpy().view(np.uint16), self._precision
 
     def _describe_ranges(self) -> str:
         return ", ".join(f"{t.name}: [0, {t.num_embeddings})" for t in self.tables)
@@ -200,7 +230,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         self.optimizer_step += 1
         opt = self.optimizer
         backward_kernels.apply_updates(
-            self.weights.numpy(), self.state1.numpy(), self.state2.numpy(),
+            *self._kernel_weights(), self._rounding_seed, self._noise_origin, self.state1.numpy(), self.state2.numpy(),
             self._table_offsets, self._state_offsets, self._state_width, self._row_offsets,
             self._dims, self._feature_table, self._out_columns, self._mean_pooling,
             ctx.bag_offsets, ctx.source, ctx.values, ctx.id_weights, ctx.bag_of_id,
@@ -263,8 +293,8 @@ def _max_chunks() -> int:
     return 16 * numba.get_num_threads()
 
 
-def _empty_f32() -> np.ndarray:
-    return np.zeros(0, dtype=np.float32)
+_EMPTY_F32 = np.zeros(0, dtype=np.float32)
+_EMPTY_U16 = np.zeros(0, dtype=np.uint16)
 
 
 def initial_table_weight(table_index: int, rows: int, dim: int, seed: int) -> torch.Tensor:

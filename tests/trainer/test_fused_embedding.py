@@ -28,16 +28,28 @@ OPTIMIZERS = [
 ]
 
 
+HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+TOLERANCE = {"fp32": (1e-6, 1e-7), "fp16": (1e-3, 1e-6), "bf16": (8e-3, 1e-5)}
+"""(rtol, atol) of the stored weights: about one unit in the last place of the storage;
+a float32 rounding difference of the update can move a half value across a rounding
+boundary."""
+
+
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: f"{o.kind}-wd{o.weight_decay}")
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_matches_pytorch_reference_over_steps(optimizer, pooling, weighted, seed):
+@pytest.mark.parametrize("weight_dtype", ["fp32", "fp16", "bf16"])
+def test_matches_pytorch_reference_over_steps(optimizer, pooling, weighted, seed, weight_dtype):
+    """The reference trains float32 copies and rounds them to the storage type after each
+    update (to nearest even, as the module is told to)."""
     rng = np.random.default_rng(seed)
     tables = _tables(rng, pooling)
-    module = FusedEmbeddingBagCollection(tables, optimizer, seed=seed)
-    weights = {t.name: module.table_weight(t.name).clone() for t in tables}
+    module = FusedEmbeddingBagCollection(tables, optimizer, seed=seed, weight_dtype=weight_dtype,
+                                         stochastic_rounding=False)
+    weights = {t.name: module.table_weight(t.name).float() for t in tables}
     reference = ReferenceOptimizer(tables, optimizer)
+    rtol, atol = TOLERANCE[weight_dtype]
     for _ in range(3):
         kjt = random_kjt(tables, int(rng.integers(1, 12)), rng, weighted=weighted)
         out = module(kjt)
@@ -48,8 +60,12 @@ def test_matches_pytorch_reference_over_steps(optimizer, pooling, weighted, seed
         (out * upstream).sum().backward()
         (expected * upstream).sum().backward()
         reference.apply(weights, {n: leaves[n].grad for n in leaves}, touched_rows(tables, kjt))
+        if weight_dtype in HALF:
+            weights = {n: w.to(HALF[weight_dtype]).float() for n, w in weights.items()}
         for t in tables:
-            torch.testing.assert_close(module.table_weight(t.name), weights[t.name], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(module.table_weight(t.name).float(), weights[t.name], rtol=rtol, atol=atol)
+            if weight_dtype in HALF:  # a value one ulp off would drift apart: continue from the module's
+                weights[t.name] = module.table_weight(t.name).float()
 
 
 def test_adagrad_and_adam_match_torch_optimizers():
@@ -80,7 +96,10 @@ def test_adagrad_and_adam_match_torch_optimizers():
                                            rtol=1e-6, atol=1e-7)
 
 
-def test_bit_identical_with_one_and_two_threads():
+@pytest.mark.parametrize("weight_dtype", ["fp32", "bf16"])
+def test_bit_identical_with_one_and_two_threads(weight_dtype):
+    """Stochastic rounding of bf16 updates included: its noise depends on the element and
+    the step, not on the thread."""
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("needs two cores")
     tables = [TableConfig("big", 500, 16, ("a", "b")), TableConfig("small", 20, 8, ("c",))]
@@ -88,12 +107,12 @@ def test_bit_identical_with_one_and_two_threads():
     def run(threads: int) -> torch.Tensor:
         numba.set_num_threads(threads)
         rng = np.random.default_rng(9)
-        module = FusedEmbeddingBagCollection(tables, SparseOptimizer("adam", 0.05), seed=2)
+        module = FusedEmbeddingBagCollection(tables, SparseOptimizer("adam", 0.05), seed=2, weight_dtype=weight_dtype)
         for _ in range(4):
             kjt = random_kjt(tables, 256, rng, max_len=8, weighted=True)
             out = module(kjt)
             (out * torch.from_numpy(rng.standard_normal(out.shape).astype(np.float32))).sum().backward()
-        return torch.cat([module.weights, module.state1, module.state2])
+        return torch.cat([module.weights.float(), module.state1, module.state2])
 
     try:
         one, two = run(1), run(2)
@@ -153,3 +172,26 @@ def test_rows_move_between_modules_with_their_optimizer_state(kind):
         source.read_rows("t", torch.tensor([40]))
     with pytest.raises(ValueError, match="distinct"):
         target.write_rows("t", torch.tensor([1, 1]), weights[:2], [s[:2] for s in states])
+
+
+@pytest.mark.parametrize("weight_dtype", ["fp16", "bf16"])
+def test_half_weights_take_half_the_memory_and_round_stochastically(weight_dtype):
+    """Updates far below half an ulp: rounding to nearest never moves the weights, stochastic
+    rounding moves them by the right amount on average."""
+    tables = [TableConfig("t", 1, 4096, ("a",))]
+    kjt = KeyedJaggedTensor(("a",), torch.tensor([1], dtype=torch.int32), torch.tensor([0]))
+    start = torch.ones(1, 4096)
+    steps, lr = 50, 1e-4  # each step moves a weight by 1e-4: ulp(1.0) is 2**-10 (fp16), 2**-7 (bf16)
+    results = {}
+    for stochastic in (False, True):
+        module = FusedEmbeddingBagCollection(tables, SparseOptimizer("sgd", lr), initial_weights=[start],
+                                             weight_dtype=weight_dtype, stochastic_rounding=stochastic)
+        assert module.weights.element_size() == 2 and module.weights.dtype == HALF[weight_dtype]
+        for _ in range(steps):
+            module(kjt).sum().backward()  # gradient 1 for every weight
+        results[stochastic] = module.table_weight("t").float()
+    assert torch.equal(results[False], start)
+    mean = float(results[True].mean())
+    assert abs(mean - (1 - steps * lr)) < 2e-4, mean
+    weights, _ = module.read_rows("t", torch.tensor([0]))
+    assert weights.dtype == torch.float32

@@ -8,13 +8,16 @@ Two phases:
 2. :func:`apply_updates` gives every distinct row to one thread, which sums the row's
    gradient contributions in that fixed order and applies the optimizer to the row.
 
-So the result is bit-identical whatever the number of threads.
+So the result is bit-identical whatever the number of threads. Half-precision rows are
+updated in float32 and rounded back once per step.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+
+from trainer.kernels.precision import FP32, decode, encode, uniform_noise
 
 SGD = 0
 ADAGRAD = 1
@@ -49,7 +52,12 @@ def group_by_row(
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def apply_updates(
-    weights: np.ndarray,        # float32 [sum(rows * dims)], updated in place
+    weights: np.ndarray,        # float32 [sum(rows * dims)] or [0], updated in place
+    weights16: np.ndarray,      # uint16 fp16/bf16 bit patterns [sum(rows * dims)] or [0], updated
+    precision: int,             # precision.FP32, FP16 or BF16
+    stochastic_seed: int,       # half precision: < 0 rounds to nearest even, else the rounding noise's seed
+    noise_origin: np.ndarray,   # int64 [T, 4]: (table id, first row, first column, full width) of each
+                                # table in its whole table, so a weight's noise does not depend on sharding
     state1: np.ndarray,         # float32 optimizer state (see SparseOptimizer), updated
     state2: np.ndarray,         # float32 second optimizer state (Adam), same layout as state1
     table_offsets: np.ndarray,  # int64 [T]
@@ -90,6 +98,7 @@ def apply_updates(
     chunks = min(num_runs, max_chunks)
     for c in numba.prange(chunks):
         grad = np.empty(max_dim, dtype=np.float32)
+        row_copy = np.empty(max_dim, dtype=np.float32)  # a half-precision row, in float32
         for r in range(c * num_runs // chunks, (c + 1) * num_runs // chunks):
             t = run_table[r]
             dim = dims[t]
@@ -109,9 +118,21 @@ def apply_updates(
                 for d in range(dim):
                     grad[d] += scale * grad_out[o + d]
             touched[row_offsets[t] + row] = 1
-            _update_row(weights, state1, state2, table_offsets[t] + row * dim,
-                        state_offsets[t] + row * state_width[t], grad, dim, optimizer, learning_rates[t],
+            w0 = table_offsets[t] + row * dim
+            s0 = state_offsets[t] + row * state_width[t]
+            if precision == FP32:
+                _update_row(weights, state1, state2, w0, s0, grad, dim, optimizer, learning_rates[t],
+                            np.float32(eps), beta1, beta2, np.float32(weight_decay), adam_step_size)
+                continue
+            for d in range(dim):
+                row_copy[d] = decode(weights16[w0 + d], precision)
+            _update_row(row_copy, state1, state2, 0, s0, grad, dim, optimizer, learning_rates[t],
                         np.float32(eps), beta1, beta2, np.float32(weight_decay), adam_step_size)
+            element = ((noise_origin[t, 0] << 40) + (noise_origin[t, 1] + row) * noise_origin[t, 3]
+                       + noise_origin[t, 2])
+            for d in range(dim):
+                noise = -1.0 if stochastic_seed < 0 else uniform_noise(stochastic_seed, step, element + d)
+                weights16[w0 + d] = encode(row_copy[d], precision, noise)
 
 
 @numba.njit(inline="always")

@@ -1,7 +1,8 @@
 """Pooled forward over all tables of a fused module in one parallel kernel.
 
-Weights of all tables live in one flat float32 array; table ``t`` occupies
-``weights[table_offsets[t] : table_offsets[t] + rows[t] * dims[t]]`` row-major.
+Weights of all tables live in one flat array (float32, or fp16/bf16 bit patterns);
+table ``t`` occupies ``weights[table_offsets[t] : table_offsets[t] + rows[t] * dims[t]]``
+row-major. Pooling is in float32 whatever the storage.
 """
 
 from __future__ import annotations
@@ -9,10 +10,14 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from trainer.kernels.precision import FP32, decode
+
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def pooled_forward(
-    weights: np.ndarray,         # float32 [sum(rows * dims)]
+    weights: np.ndarray,         # float32 [sum(rows * dims)], or [0] when weights16 holds them
+    weights16: np.ndarray,       # uint16 fp16/bf16 bit patterns [sum(rows * dims)], or [0]
+    precision: int,              # precision.FP32, FP16 or BF16
     table_offsets: np.ndarray,   # int64 [T]
     dims: np.ndarray,            # int64 [T]
     rows: np.ndarray,            # int64 [T]
@@ -57,8 +62,12 @@ def pooled_forward(
                 continue
             row = base + idx * dim
             w = id_weights[p] if weighted else np.float32(1.0)
-            for d in range(dim):
-                out[o + d] += w * weights[row + d]
+            if precision == FP32:
+                for d in range(dim):
+                    out[o + d] += w * weights[row + d]
+            else:
+                for d in range(dim):
+                    out[o + d] += w * decode(weights16[row + d], precision)
         if mean_pooling[t] and end > start:
             count = np.float32(end - start)
             for d in range(dim):

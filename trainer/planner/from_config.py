@@ -10,7 +10,7 @@ from ingest.schema import Dataset
 from trainer.build import decode_options, table_configs
 from trainer.config import TrainConfig
 from trainer.distributed import DistributedContext
-from trainer.embedding_config import TableConfig
+from trainer.embedding_config import WEIGHT_DTYPES, TableConfig
 from trainer.planner.enumerate import Constraint
 from trainer.planner.inputs import TableSpec, Topology, parse_bytes
 from trainer.planner.planner import PlanResult, plan_tables
@@ -45,7 +45,7 @@ def table_specs(tables: list[TableConfig], config: TrainConfig, pooling: dict[st
     return [
         TableSpec(t.name, t.num_embeddings, t.embedding_dim, num_features=len(t.feature_names),
                   pooling_factor=max(float(np.mean([pooling[f] for f in t.feature_names])), 1e-3),
-                  optimizer=config.optimizer.sparse)
+                  weight_bytes=WEIGHT_DTYPES[config.model.weight_dtype], optimizer=config.optimizer.sparse)
         for t in tables
     ]
 

@@ -49,9 +49,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimizer, plan: ShardingPlan, *,
                  seed: int = 0, group: dist.ProcessGroup | None = None,
-                 full_weights: dict[str, torch.Tensor] | None = None) -> None:
+                 full_weights: dict[str, torch.Tensor] | None = None, weight_dtype: str = "fp32",
+                 stochastic_rounding: bool = True) -> None:
         """``full_weights``: float32 ``[rows, dim]`` of any table (each rank slices its
-        shards); other tables start from :func:`initial_table_weight` with ``seed``."""
+        shards); other tables start from :func:`initial_table_weight` with ``seed``.
+        ``weight_dtype`` and ``stochastic_rounding`` as for the fused module (rounding noise
+        is drawn per element of the whole table, so it does not depend on the plan)."""
         super().__init__()
         if dist.get_world_size(group) != plan.world_size:
             raise ValueError(f"the plan is for {plan.world_size} ranks, the process group has "
@@ -74,8 +77,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.optimizer = optimizer
         self.local = None  # a rank may hold no shard (more ranks than table pieces)
         if shard_weights:
-            self.local = FusedEmbeddingBagCollection([s.config for s in self.layout.local_shards], optimizer,
-                                                     initial_weights=shard_weights)
+            self.local = FusedEmbeddingBagCollection(
+                [s.config for s in self.layout.local_shards], optimizer, initial_weights=shard_weights,
+                weight_dtype=weight_dtype, stochastic_rounding=stochastic_rounding, seed=seed,
+                shard_origins=[(s.table, s.shard.row_offset, s.shard.col_offset, tables[s.table].embedding_dim)
+                               for s in self.layout.local_shards],
+            )
         self.input_dist = SparseAllToAll(self.layout)
         self.output_dist = PooledAllToAll(self.layout, group)
         self.input_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))

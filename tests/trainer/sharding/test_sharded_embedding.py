@@ -52,16 +52,19 @@ def plan_of(kinds: list[str], world: int) -> ShardingPlan:
     return ShardingPlan(world, tuple(sharding(t, i, k, world) for i, (t, k) in enumerate(zip(TABLES, kinds))))
 
 
-def cases(world: int) -> dict[str, tuple[ShardingPlan, SparseOptimizer]]:
+def cases(world: int) -> dict[str, tuple[ShardingPlan, SparseOptimizer, str]]:
+    """name: (plan, optimizer, weight dtype)."""
     rowwise, adagrad = SparseOptimizer("rowwise_adagrad", 0.1), SparseOptimizer("adagrad", 0.1)
     kinds = [TABLE_WISE, ROW_WISE, COLUMN_WISE, DATA_PARALLEL] + ([TABLE_ROW_WISE] if world == 4 else [])
     found = {}
     for kind in kinds:
         # column-wise shards keep a row-wise state per shard: compared with element-wise Adagrad
-        found[kind] = (plan_of([kind] * len(TABLES), world), adagrad if kind == COLUMN_WISE else rowwise)
+        found[kind] = (plan_of([kind] * len(TABLES), world), adagrad if kind == COLUMN_WISE else rowwise, "fp32")
     mixed = [TABLE_ROW_WISE if world == 4 else ROW_WISE, COLUMN_WISE, DATA_PARALLEL]
-    found["mixed"] = (plan_of(mixed, world), SparseOptimizer("adam", 0.05))
-    found["mixed-sgd"] = (plan_of([TABLE_WISE, ROW_WISE, COLUMN_WISE], world), SparseOptimizer("sgd", 0.3))
+    found["mixed"] = (plan_of(mixed, world), SparseOptimizer("adam", 0.05), "fp32")
+    found["mixed-sgd"] = (plan_of([TABLE_WISE, ROW_WISE, COLUMN_WISE], world), SparseOptimizer("sgd", 0.3), "fp32")
+    # stochastic rounding noise is drawn per element of the whole table: sharding does not change it
+    found["mixed-bf16"] = (plan_of([COLUMN_WISE, TABLE_WISE, DATA_PARALLEL], world), adagrad, "bf16")
     return found
 
 
@@ -75,8 +78,8 @@ def make_steps(world: int, seed: int) -> list[tuple[list[KeyedJaggedTensor], tor
             for _ in range(STEPS)]
 
 
-def reference(optimizer: SparseOptimizer, steps) -> tuple[torch.Tensor, FusedEmbeddingBagCollection]:
-    module = FusedEmbeddingBagCollection(TABLES, optimizer, seed=1)
+def reference(optimizer: SparseOptimizer, weight_dtype: str, steps) -> tuple[torch.Tensor, FusedEmbeddingBagCollection]:
+    module = FusedEmbeddingBagCollection(TABLES, optimizer, seed=1, weight_dtype=weight_dtype)
     outputs = []
     for kjts, grad in steps:
         out = module(concat_kjts(kjts))
@@ -87,8 +90,8 @@ def reference(optimizer: SparseOptimizer, steps) -> tuple[torch.Tensor, FusedEmb
 
 def run_cases(rank: int, world: int, steps) -> dict[str, tuple[torch.Tensor, dict]]:
     results = {}
-    for name, (plan, optimizer) in cases(world).items():
-        module = ShardedEmbeddingBagCollection(TABLES, optimizer, plan, seed=1)
+    for name, (plan, optimizer, weight_dtype) in cases(world).items():
+        module = ShardedEmbeddingBagCollection(TABLES, optimizer, plan, seed=1, weight_dtype=weight_dtype)
         outputs = []
         for kjts, grad in steps:
             out = module(kjts[rank])
@@ -102,15 +105,15 @@ def run_cases(rank: int, world: int, steps) -> dict[str, tuple[torch.Tensor, dic
 def test_sharded_matches_single_process(world):
     steps = make_steps(world, seed=world)
     per_rank = run_ranks(run_cases, world, steps)
-    for name, (plan, optimizer) in cases(world).items():
-        expected_out, module = reference(optimizer, steps)
+    for name, (plan, optimizer, weight_dtype) in cases(world).items():
+        expected_out, module = reference(optimizer, weight_dtype, steps)
         got_out = torch.cat([per_rank[r][name][0] for r in range(world)], dim=1)
         exact = all(plan.of(t.name).sharding_type in EXACT for t in TABLES)
         _compare(got_out, expected_out, exact, f"{name}: outputs")
         for table in TABLES:
             weight, states = per_rank[0][name][1][table.name]
             table_exact = plan.of(table.name).sharding_type in EXACT
-            _compare(weight, module.table_weight(table.name), table_exact, f"{name}: table {table.name}")
+            _compare(weight, module.table_weight(table.name).float(), table_exact, f"{name}: table {table.name}")
             for got, want in zip(states, module.table_state(table.name)):
                 _compare(got, want, table_exact, f"{name}: table {table.name} optimizer state")
         for r in range(1, world):  # every rank gathered the same tables
