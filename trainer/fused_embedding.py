@@ -21,6 +21,7 @@ from trainer.embedding_config import SparseOptimizer, TableConfig
 from trainer.kernels import backward as backward_kernels
 from trainer.kernels.forward import pooled_forward
 from trainer.kernels.precision import FP32, PRECISIONS
+from trainer.memory import huge_page_empty
 
 _STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -67,6 +68,9 @@ class FusedEmbeddingBagCollection(nn.Module):
         self.tables = tuple(tables)
         self.optimizer = optimizer
         self.feature_names = tuple(f for t in tables for f in t.feature_names)
+        too_big = [t.name for t in tables if t.num_embeddings >= 2**31]
+        if too_big:
+            raise ValueError(f"tables of 2**31 rows or more are not supported: {too_big}")
         if len(set(self.feature_names)) != len(self.feature_names):
             raise ValueError(f"a feature looks up more than one table: {self.feature_names}")
 
@@ -102,10 +106,13 @@ class FusedEmbeddingBagCollection(nn.Module):
         if shard_origins is None:
             shard_origins = [(t, 0, 0, int(d)) for t, d in enumerate(dims)]
         self._noise_origin = np.array(shard_origins, dtype=np.int64).reshape(len(tables), 4)
-        storage = _STORAGE[weight_dtype]
-        self.register_buffer("weights", torch.cat([w.reshape(-1).to(storage) for w in initial_weights]))
-        self.register_buffer("state1", torch.zeros(state_size if optimizer.num_states >= 1 else 0))
-        self.register_buffer("state2", torch.zeros(state_size if optimizer.num_states >= 2 else 0))
+        self.register_buffer("weights", huge_page_empty(int((rows * dims).sum()), _STORAGE[weight_dtype]))
+        for offset, weight in zip(self._table_offsets.tolist(), initial_weights):
+            self.weights[offset : offset + weight.numel()].copy_(weight.reshape(-1))
+        self.register_buffer("state1", huge_page_empty(state_size if optimizer.num_states >= 1 else 0,
+                                                       torch.float32).zero_())
+        self.register_buffer("state2", huge_page_empty(state_size if optimizer.num_states >= 2 else 0,
+                                                       torch.float32).zero_())
         self.register_buffer("optimizer_step", torch.zeros((), dtype=torch.int64))
         self.register_buffer("touched", torch.zeros(int(rows.sum()), dtype=torch.uint8), persistent=False)
         self._anchor = torch.zeros((), requires_grad=True)

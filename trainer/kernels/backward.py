@@ -18,11 +18,15 @@ import numba
 import numpy as np
 
 from trainer.kernels.precision import FP32, decode, encode, uniform_noise
+from trainer.kernels.prefetch import prefetch
 
 SGD = 0
 ADAGRAD = 1
 ROWWISE_ADAGRAD = 2
 ADAM = 3
+
+PREFETCH_ROWS = 4
+"""How many rows ahead the update prefetches."""
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -38,16 +42,18 @@ def group_by_row(
         hi = table_starts[t + 1]
         if hi == lo:
             continue
-        mine = positions[lo:hi]
-        keys = values[mine]
-        order = np.argsort(keys, kind="mergesort")
+        # one sort of (row, index in this table's positions) packed in an int64: rows are
+        # < 2**31 and a batch has < 2**32 ids, so the order is by row, then position order
+        keys = np.empty(hi - lo, dtype=np.int64)
+        for i in range(hi - lo):
+            keys[i] = (values[positions[lo + i]] << 32) | i
+        keys.sort()
         previous = -1
         for i in range(hi - lo):
-            p = mine[order[i]]
-            sorted_positions[lo + i] = p
-            key = values[p]
-            run_start[lo + i] = i == 0 or key != previous
-            previous = key
+            row = keys[i] >> 32
+            sorted_positions[lo + i] = positions[lo + (keys[i] & 0xFFFFFFFF)]
+            run_start[lo + i] = i == 0 or row != previous
+            previous = row
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -99,7 +105,12 @@ def apply_updates(
     for c in numba.prange(chunks):
         grad = np.empty(max_dim, dtype=np.float32)
         row_copy = np.empty(max_dim, dtype=np.float32)  # a half-precision row, in float32
-        for r in range(c * num_runs // chunks, (c + 1) * num_runs // chunks):
+        last = (c + 1) * num_runs // chunks
+        for r in range(c * num_runs // chunks, last):
+            if r + PREFETCH_ROWS < last:
+                _prefetch_run(r + PREFETCH_ROWS, weights, weights16, precision, state1, table_offsets, state_offsets,
+                              state_width, dims, feature_table, out_columns, values, bag_of_id, sorted_positions,
+                              runs, run_table, grad_out, batch_size, width)
             t = run_table[r]
             dim = dims[t]
             for d in range(dim):
@@ -115,54 +126,85 @@ def apply_updates(
                     source_bag = feature_source[f] * batch_size + b
                     scale = scale / np.float32(bag_offsets[source_bag + 1] - bag_offsets[source_bag])
                 o = b * width + out_columns[f]
+                upstream = grad_out[o : o + dim]  # slices indexed by the loop counter vectorize
                 for d in range(dim):
-                    grad[d] += scale * grad_out[o + d]
+                    grad[d] += scale * upstream[d]
             touched[row_offsets[t] + row] = 1
             w0 = table_offsets[t] + row * dim
             s0 = state_offsets[t] + row * state_width[t]
+            s1 = state1[s0 : s0 + state_width[t]]
+            s2 = state2[s0 : s0 + state_width[t]] if optimizer == ADAM else state2
             if precision == FP32:
-                _update_row(weights, state1, state2, w0, s0, grad, dim, optimizer, learning_rates[t],
+                _update_row(weights[w0 : w0 + dim], s1, s2, grad, dim, optimizer, learning_rates[t],
                             np.float32(eps), beta1, beta2, np.float32(weight_decay), adam_step_size)
                 continue
+            bits = weights16[w0 : w0 + dim]
             for d in range(dim):
-                row_copy[d] = decode(weights16[w0 + d], precision)
-            _update_row(row_copy, state1, state2, 0, s0, grad, dim, optimizer, learning_rates[t],
+                row_copy[d] = decode(bits[d], precision)
+            _update_row(row_copy, s1, s2, grad, dim, optimizer, learning_rates[t],
                         np.float32(eps), beta1, beta2, np.float32(weight_decay), adam_step_size)
             element = ((noise_origin[t, 0] << 40) + (noise_origin[t, 1] + row) * noise_origin[t, 3]
                        + noise_origin[t, 2])
             for d in range(dim):
                 noise = -1.0 if stochastic_seed < 0 else uniform_noise(stochastic_seed, step, element + d)
-                weights16[w0 + d] = encode(row_copy[d], precision, noise)
+                bits[d] = encode(row_copy[d], precision, noise)
 
 
 @numba.njit(inline="always")
-def _update_row(weights, state1, state2, w0, s0, grad, dim, optimizer, lr, eps, beta1, beta2, weight_decay,
+def _prefetch_run(r, weights, weights16, precision, state1, table_offsets, state_offsets, state_width, dims,
+                  feature_table, out_columns, values, bag_of_id, sorted_positions, runs, run_table, grad_out,
+                  batch_size, width):
+    """Prefetch what run ``r`` will touch: its row's weights and state, and the upstream
+    gradient of its first id."""
+    t = run_table[r]
+    dim = dims[t]
+    p = sorted_positions[runs[r]]
+    row = values[p]
+    w0 = table_offsets[t] + row * dim
+    if precision == FP32:
+        for d in range(0, dim, 16):
+            prefetch(weights, w0 + d)
+    else:
+        for d in range(0, dim, 32):
+            prefetch(weights16, w0 + d)
+    if state1.shape[0] > 0:
+        prefetch(state1, state_offsets[t] + row * state_width[t])
+    bag = bag_of_id[p]
+    f = bag // batch_size
+    o = (bag - f * batch_size) * width + out_columns[f]
+    for d in range(0, dim, 16):
+        prefetch(grad_out, o + d)
+
+
+@numba.njit(inline="always")
+def _update_row(weights, state1, state2, grad, dim, optimizer, lr, eps, beta1, beta2, weight_decay,
                 adam_step_size):
-    """Apply ``optimizer`` to one row given its summed gradient ``grad[:dim]``."""
+    """Apply ``optimizer`` to one row (``weights[:dim]``, its state ``state1``/``state2``:
+    views of the row) given its summed gradient ``grad[:dim]``."""
     if weight_decay != 0.0:
         for d in range(dim):
-            grad[d] += weight_decay * weights[w0 + d]
+            grad[d] += weight_decay * weights[d]
     if optimizer == SGD:
         for d in range(dim):
-            weights[w0 + d] -= lr * grad[d]
+            weights[d] -= lr * grad[d]
     elif optimizer == ADAGRAD:
         for d in range(dim):
-            state1[s0 + d] += grad[d] * grad[d]
-            weights[w0 + d] -= lr * grad[d] / (np.sqrt(state1[s0 + d]) + eps)
+            state1[d] += grad[d] * grad[d]
+            weights[d] -= lr * grad[d] / (np.sqrt(state1[d]) + eps)
     elif optimizer == ROWWISE_ADAGRAD:
         square_sum = np.float32(0.0)
         for d in range(dim):
             square_sum += grad[d] * grad[d]
-        state1[s0] += square_sum / np.float32(dim)
-        multiplier = lr / (np.sqrt(state1[s0]) + eps)
+        state1[0] += square_sum / np.float32(dim)
+        multiplier = lr / (np.sqrt(state1[0]) + eps)
         for d in range(dim):
-            weights[w0 + d] -= multiplier * grad[d]
+            weights[d] -= multiplier * grad[d]
     else:  # ADAM; (1 - beta) is formed in float64, as torch does with its Python scalars
         b1, b2 = np.float32(beta1), np.float32(beta2)
         c1, c2 = np.float32(1.0 - beta1), np.float32(1.0 - beta2)
         for d in range(dim):
-            m = b1 * state1[s0 + d] + c1 * grad[d]
-            v = b2 * state2[s0 + d] + c2 * grad[d] * grad[d]
-            state1[s0 + d] = m
-            state2[s0 + d] = v
-            weights[w0 + d] -= lr * adam_step_size * m / (np.sqrt(v) + eps)
+            m = b1 * state1[d] + c1 * grad[d]
+            v = b2 * state2[d] + c2 * grad[d] * grad[d]
+            state1[d] = m
+            state2[d] = v
+            weights[d] -= lr * adam_step_size * m / (np.sqrt(v) + eps)

@@ -11,6 +11,21 @@ import numba
 import numpy as np
 
 from trainer.kernels.precision import FP32, decode
+from trainer.kernels.prefetch import prefetch
+
+PREFETCH_IDS = 8
+"""How many ids ahead the forward prefetches rows."""
+
+
+@numba.njit(inline="always")
+def _prefetch_row(weights, weights16, precision, start, dim):
+    """Prefetch the cache lines of one row of ``dim`` weights starting at ``start``."""
+    if precision == FP32:
+        for d in range(0, dim, 16):
+            prefetch(weights, start + d)
+    else:
+        for d in range(0, dim, 32):
+            prefetch(weights16, start + d)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -49,12 +64,17 @@ def pooled_forward(
         dim = dims[t]
         base = table_offsets[t]
         o = b * width + out_columns[f]
+        pooled = out[o : o + dim]  # slices indexed by the loop counter vectorize
         source_bag = feature_source[f] * batch_size + b
         start = bag_offsets[source_bag]
         end = bag_offsets[source_bag + 1]
+        feature_end = bag_offsets[(feature_source[f] + 1) * batch_size]
         for d in range(dim):
-            out[o + d] = 0.0
+            pooled[d] = 0.0
         for p in range(start, end):
+            ahead = p + PREFETCH_IDS
+            if ahead < feature_end and 0 <= values[ahead] < rows[t]:  # ids of one feature are contiguous
+                _prefetch_row(weights, weights16, precision, base + values[ahead] * dim, dim)
             idx = values[p]
             bag_of_id[p] = bag
             if idx < 0 or idx >= rows[t]:
@@ -63,13 +83,15 @@ def pooled_forward(
             row = base + idx * dim
             w = id_weights[p] if weighted else np.float32(1.0)
             if precision == FP32:
+                row_weights = weights[row : row + dim]
                 for d in range(dim):
-                    out[o + d] += w * weights[row + d]
+                    pooled[d] += w * row_weights[d]
             else:
+                row_bits = weights16[row : row + dim]
                 for d in range(dim):
-                    out[o + d] += w * decode(weights16[row + d], precision)
+                    pooled[d] += w * decode(row_bits[d], precision)
         if mean_pooling[t] and end > start:
             count = np.float32(end - start)
             for d in range(dim):
-                out[o + d] /= count
+                pooled[d] /= count
     return int(bad.sum())
