@@ -18,7 +18,7 @@ import numba
 import numpy as np
 
 from trainer.kernels.precision import FP32, decode, encode, uniform_noise
-from trainer.kernels.prefetch import prefetch
+from trainer.kernels.prefetch import prefetch, prefetch_row
 
 SGD = 0
 ADAGRAD = 1
@@ -160,13 +160,7 @@ def _prefetch_run(r, weights, weights16, precision, state1, table_offsets, state
     dim = dims[t]
     p = sorted_positions[runs[r]]
     row = values[p]
-    w0 = table_offsets[t] + row * dim
-    if precision == FP32:
-        for d in range(0, dim, 16):
-            prefetch(weights, w0 + d)
-    else:
-        for d in range(0, dim, 32):
-            prefetch(weights16, w0 + d)
+    prefetch_row(weights, weights16, precision, table_offsets[t] + row * dim, dim)
     if state1.shape[0] > 0:
         prefetch(state1, state_offsets[t] + row * state_width[t])
     bag = bag_of_id[p]

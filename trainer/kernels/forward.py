@@ -11,21 +11,10 @@ import numba
 import numpy as np
 
 from trainer.kernels.precision import FP32, decode
-from trainer.kernels.prefetch import prefetch
+from trainer.kernels.prefetch import prefetch_row
 
 PREFETCH_IDS = 8
 """How many ids ahead the forward prefetches rows."""
-
-
-@numba.njit(inline="always")
-def _prefetch_row(weights, weights16, precision, start, dim):
-    """Prefetch the cache lines of one row of ``dim`` weights starting at ``start``."""
-    if precision == FP32:
-        for d in range(0, dim, 16):
-            prefetch(weights, start + d)
-    else:
-        for d in range(0, dim, 32):
-            prefetch(weights16, start + d)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -74,7 +63,7 @@ def pooled_forward(
         for p in range(start, end):
             ahead = p + PREFETCH_IDS
             if ahead < feature_end and 0 <= values[ahead] < rows[t]:  # ids of one feature are contiguous
-                _prefetch_row(weights, weights16, precision, base + values[ahead] * dim, dim)
+                prefetch_row(weights, weights16, precision, base + values[ahead] * dim, dim)
             idx = values[p]
             bag_of_id[p] = bag
             if idx < 0 or idx >= rows[t]:

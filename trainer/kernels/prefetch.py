@@ -8,10 +8,13 @@ never faults, and an index past the end is harmless (the line is just not used).
 
 from __future__ import annotations
 
+import numba
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from trainer.kernels.precision import FP32
 
 _READ, _HIGH_LOCALITY, _DATA_CACHE = 0, 3, 1
 
@@ -35,3 +38,15 @@ def prefetch(typingctx, array, index):
         return context.get_dummy_value()
 
     return signature, codegen
+
+
+@numba.njit(inline="always")
+def prefetch_row(weights, weights16, precision, start, dim):
+    """Prefetch the cache lines of one row of ``dim`` weights from ``start``: float32
+    ``weights`` or, in half precision, uint16 ``weights16``."""
+    if precision == FP32:
+        for d in range(0, dim, 16):
+            prefetch(weights, start + d)
+    else:
+        for d in range(0, dim, 32):
+            prefetch(weights16, start + d)
