@@ -19,6 +19,7 @@ from torch import nn
 from trainer.batch import KeyedJaggedTensor
 from trainer.embedding_config import SparseOptimizer, TableConfig
 from trainer.kernels import backward as backward_kernels
+from trainer.kernels import torch_ops
 from trainer.kernels.forward import pooled_forward
 from trainer.kernels.precision import FP32, PRECISIONS
 from trainer.memory import huge_page_empty
@@ -48,7 +49,7 @@ class FusedEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimizer, *, seed: int = 0,
                  initial_weights: Sequence[torch.Tensor] | None = None, weight_dtype: str = "fp32",
                  stochastic_rounding: bool = True,
-                 shard_origins: Sequence[tuple[int, int, int, int]] | None = None) -> None:
+                 shard_origins: Sequence[tuple[int, int, int, int]] | None = None, kernels: str = "auto") -> None:
         """``initial_weights``: float32 ``[rows, dim]`` per table; default
         :func:`initial_table_weight` of each table from ``seed``.
 
@@ -58,6 +59,9 @@ class FusedEmbeddingBagCollection(nn.Module):
         ``stochastic_rounding=False``, to nearest even. ``shard_origins`` places each table
         in a larger one (table id, first row, first column, full width) when the tables are
         shards, so that an element's rounding noise is that of the unsharded table.
+
+        ``kernels``: ``"numba"`` (CPU), ``"torch"`` (torch ops, any device) or ``"auto"``:
+        Numba on CPU, torch ops when the module is on CUDA.
         """
         super().__init__()
         if not tables:
@@ -98,6 +102,9 @@ class FusedEmbeddingBagCollection(nn.Module):
             initial_weights = [initial_table_weight(t, n, d, seed) for t, (n, d) in enumerate(zip(rows, dims))]
         if [tuple(w.shape) for w in initial_weights] != [(int(n), int(d)) for n, d in zip(rows, dims)]:
             raise ValueError("initial_weights must be one [rows, dim] tensor per table")
+        if kernels not in ("auto", "numba", "torch"):
+            raise ValueError(f"kernels must be auto, numba or torch, got {kernels!r}")
+        self.kernels = kernels
         if weight_dtype not in _STORAGE:
             raise ValueError(f"weight_dtype must be one of {tuple(_STORAGE)}, got {weight_dtype!r}")
         self.weight_dtype = weight_dtype
@@ -128,7 +135,9 @@ class FusedEmbeddingBagCollection(nn.Module):
     def table_weight(self, name: str) -> torch.Tensor:
         """View ``[rows, dim]`` of table ``name``'s weights (shares storage; the storage
         dtype)."""
-        t = self._table_index(name)
+        return self._table_view(self._table_index(name))
+
+    def _table_view(self, t: int) -> torch.Tensor:
         start = int(self._table_offsets[t])
         size = int(self._rows[t] * self._dims[t])
         return self.weights[start : start + size].view(int(self._rows[t]), int(self._dims[t]))
@@ -170,9 +179,11 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     def table_touched(self, name: str) -> torch.Tensor:
         """bool ``[rows]``: rows of table ``name`` updated since :meth:`clear_touched`."""
-        t = self._table_index(name)
+        return self._touched_view(self._table_index(name)).bool()
+
+    def _touched_view(self, t: int) -> torch.Tensor:
         start = int(self._row_offsets[t])
-        return self.touched[start : start + int(self._rows[t])].bool()
+        return self.touched[start : start + int(self._rows[t])]
 
     def clear_touched(self) -> None:
         self.touched.zero_()
@@ -196,7 +207,16 @@ class FusedEmbeddingBagCollection(nn.Module):
             self._source_cache[sparse.keys] = source
         return source
 
-    def _lookup(self, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, "_LookupContext"]:
+    def _uses_torch_ops(self) -> bool:
+        return self.kernels == "torch" or (self.kernels == "auto" and self.weights.device.type != "cpu")
+
+    def _lookup(self, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, "_LookupContext | torch_ops.TorchLookup"]:
+        if self._uses_torch_ops():
+            return torch_ops.pooled_forward(
+                [self._table_view(t) for t in range(len(self.tables))], self._feature_table.tolist(),
+                self._feature_source(sparse).tolist(), self._out_columns.tolist(), self._mean_pooling.tolist(),
+                sparse.lengths, sparse.values, sparse.weights, sparse.batch_size,
+            )
         batch_size = sparse.batch_size
         ctx = _LookupContext(
             source=self._feature_source(sparse),
@@ -226,7 +246,19 @@ class FusedEmbeddingBagCollection(nn.Module):
     def _describe_ranges(self) -> str:
         return ", ".join(f"{t.name}: [0, {t.num_embeddings})" for t in self.tables)
 
-    def _backward_update(self, ctx: "_LookupContext", grad_out: torch.Tensor) -> None:
+    def _backward_update(self, ctx: "_LookupContext | torch_ops.TorchLookup", grad_out: torch.Tensor) -> None:
+        if isinstance(ctx, torch_ops.TorchLookup):
+            self.optimizer_step += 1
+            names = [t.name for t in self.tables]
+            torch_ops.apply_updates(
+                [self._table_view(t) for t in range(len(names))], [self.table_state(n) for n in names],
+                [self._touched_view(t) for t in range(len(names))], self._feature_table.tolist(),
+                self._out_columns.tolist(), ctx, grad_out, self.optimizer, self._learning_rates.tolist(),
+                int(self.optimizer_step), torch_ops.Rounding(
+                    None if self._precision == FP32 else self.weights.dtype, self._rounding_seed),
+                [tuple(o) for o in self._noise_origin.tolist()],
+            )
+            return
         positions, table_starts = self._positions_by_table(ctx)
         sorted_positions = np.empty_like(positions)
         run_start = np.empty(positions.shape[0], dtype=np.bool_)

@@ -40,13 +40,15 @@ boundary."""
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("weight_dtype", ["fp32", "fp16", "bf16"])
-def test_matches_pytorch_reference_over_steps(optimizer, pooling, weighted, seed, weight_dtype):
+@pytest.mark.parametrize("kernels", ["numba", "torch"])
+def test_matches_pytorch_reference_over_steps(optimizer, pooling, weighted, seed, weight_dtype, kernels):
     """The reference trains float32 copies and rounds them to the storage type after each
-    update (to nearest even, as the module is told to)."""
+    update (to nearest even, as the module is told to). ``kernels="torch"`` is the path a
+    CUDA module takes, run here on CPU."""
     rng = np.random.default_rng(seed)
     tables = _tables(rng, pooling)
     module = FusedEmbeddingBagCollection(tables, optimizer, seed=seed, weight_dtype=weight_dtype,
-                                         stochastic_rounding=False)
+                                         stochastic_rounding=False, kernels=kernels)
     weights = {t.name: module.table_weight(t.name).float() for t in tables}
     reference = ReferenceOptimizer(tables, optimizer)
     rtol, atol = TOLERANCE[weight_dtype]
@@ -195,3 +197,21 @@ def test_half_weights_take_half_the_memory_and_round_stochastically(weight_dtype
     assert abs(mean - (1 - steps * lr)) < 2e-4, mean
     weights, _ = module.read_rows("t", torch.tensor([0]))
     assert weights.dtype == torch.float32
+
+
+@pytest.mark.parametrize("weight_dtype", ["fp16", "bf16"])
+def test_torch_ops_round_stochastically_like_the_numba_kernels(weight_dtype):
+    """Same noise, same rounding: SGD updates with stochastic rounding are bit-identical."""
+    rng = np.random.default_rng(4)
+    tables = _tables(rng, "sum")
+    modules = [FusedEmbeddingBagCollection(tables, SparseOptimizer("sgd", 0.05), seed=3, weight_dtype=weight_dtype,
+                                           kernels=k) for k in ("numba", "torch")]
+    for _ in range(4):
+        kjt = random_kjt(tables, 16, rng, weighted=True)
+        upstream = torch.from_numpy(rng.standard_normal((16, modules[0].output_dim)).astype(np.float32))
+        outputs = [m(kjt) for m in modules]
+        torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-6, atol=1e-7)
+        for out in outputs:
+            (out * upstream).sum().backward()
+    assert torch.equal(modules[0].weights, modules[1].weights)
+    assert torch.equal(modules[0].touched, modules[1].touched)
