@@ -18,10 +18,17 @@ class SparseAllToAll:
     each of its slots, the bags of all ``world * B`` samples of the global batch (rank 0's
     samples first), ids made local to the shard."""
 
-    def __init__(self, layout: ShardedLayout) -> None:
+    def __init__(self, layout: ShardedLayout, torch_routing: bool = False) -> None:
+        """``torch_routing``: route with torch ops (as on CUDA, where it is always used)
+        rather than the Numba kernel."""
         self.layout = layout
+        self.torch_routing = torch_routing
         self._source_cache: dict[tuple[str, ...], torch.Tensor] = {}
         self._slot_rank = torch.tensor([slot.rank for slot in layout.slots], dtype=torch.int64)
+        # torch routing: route r of unit u starts at key u * stride + its first row
+        self._stride = max(t.num_embeddings for t in layout.tables) + 1
+        unit_of_route = np.repeat(np.arange(len(layout.unit_feature)), np.diff(layout.unit_routes))
+        self._route_keys = torch.from_numpy(unit_of_route * self._stride + layout.route_rows)
 
     def __call__(self, sparse: KeyedJaggedTensor, group: dist.ProcessGroup | None = None) -> KeyedJaggedTensor:
         """The all-to-alls run on ``group``. Raises ``IndexError`` on every rank when any
@@ -30,15 +37,18 @@ class SparseAllToAll:
         layout, batch = self.layout, sparse.batch_size
         world, me = layout.world_size, layout.rank
         num_slots = len(layout.slots)
-        lengths, send_values, send_weights, bad_id = self._route(sparse)
+        device = sparse.values.device
+        route = self._route_torch if self.torch_routing or device.type != "cpu" else self._route
+        lengths, send_values, send_weights, bad_id = route(sparse)
+        slot_rank = self._slot_rank.to(device)
         slot_totals = lengths.view(num_slots, batch).sum(1, dtype=torch.int64)
-        per_rank = torch.zeros(world, dtype=torch.int64).index_add_(0, self._slot_rank, slot_totals)
+        per_rank = torch.zeros(world, dtype=torch.int64, device=device).index_add_(0, slot_rank, slot_totals)
 
         # each rank's lengths for a destination end with one flag: 1 if its batch is invalid
         mine = int(layout.slots_per_rank[me])
         length_sizes = (layout.slots_per_rank * batch + 1).tolist()
-        flagged = torch.full((num_slots * batch + world,), int(bad_id is not None), dtype=torch.int32)
-        length_positions = torch.arange(num_slots * batch) + torch.repeat_interleave(self._slot_rank, batch)
+        flagged = torch.full((num_slots * batch + world,), int(bad_id is not None), dtype=torch.int32, device=device)
+        length_positions = torch.arange(num_slots * batch, device=device) + torch.repeat_interleave(slot_rank, batch)
         flagged[length_positions] = lengths
         received = all_to_all(flagged, length_sizes, [mine * batch + 1] * world, group).view(world, -1)
         _raise_if_flagged(bad_id, received[:, -1])
@@ -83,6 +93,37 @@ class SparseAllToAll:
         send_weights = torch.from_numpy(weights[:total]) if sparse.weights is not None else None
         return torch.from_numpy(lengths), torch.from_numpy(values[:total]), send_weights, message
 
+    def _route_torch(self, sparse: KeyedJaggedTensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, str | None]:
+        """:meth:`_route` in torch ops (any device): expand each unit's ids, find each id's
+        route by ``searchsorted`` over ``unit * stride + first row``, stable-sort by slot."""
+        layout, batch, device = self.layout, sparse.batch_size, sparse.values.device
+        unit_feature = torch.from_numpy(layout.unit_feature).to(device)
+        source = self.feature_positions(sparse).to(device)[unit_feature]
+        offsets = sparse.offsets().to(device)
+        starts = offsets[source * batch]
+        counts = offsets[(source + 1) * batch] - starts
+        positions = _segment_gather(starts, counts)
+        unit = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts)
+        ids = sparse.values[positions]
+        rows = torch.from_numpy(layout.unit_rows).to(device)[unit]
+        bad = (ids < 0) | (ids >= rows)
+        message = None
+        if bool(bad.any()):
+            first = int(torch.nonzero(bad)[0])
+            feature = layout.feature_names[int(layout.unit_feature[int(unit[first])])]
+            message = f"feature {feature!r}: id {int(ids[first])} is outside its table's rows [0, {int(rows[first])})"
+            ids = torch.where(bad, 0, ids)
+        route = torch.searchsorted(self._route_keys.to(device), unit * self._stride + ids, right=True) - 1
+        slot = torch.from_numpy(layout.route_slot).to(device)[route]
+        local_ids = ids - torch.from_numpy(layout.route_rows).to(device)[route]
+        bag_of_value = torch.repeat_interleave(torch.arange(sparse.lengths.numel(), device=device) % batch,
+                                               sparse.lengths.to(torch.int64))[positions]
+        order = torch.argsort(slot, stable=True)
+        lengths = torch.bincount(slot * batch + bag_of_value, minlength=len(layout.slots) * batch)
+        weights = None if sparse.weights is None else sparse.weights[positions][order]
+        return lengths.to(torch.int32), local_ids[order], weights, message
+
     def feature_positions(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """int64 ``[F]``: index in the batch's keys of each feature of the collection."""
         source = self._source_cache.get(sparse.keys)
@@ -108,4 +149,4 @@ def _segment_gather(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """int64 ``[sum(counts)]``: ``starts[0] .. starts[0] + counts[0] - 1``, then segment 1's…"""
     total = int(counts.sum())
     shift = torch.repeat_interleave(starts - _exclusive_cumsum(counts), counts, output_size=total)
-    return shift + torch.arange(total)
+    return shift + torch.arange(total, device=starts.device)

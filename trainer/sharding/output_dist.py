@@ -40,9 +40,10 @@ class PooledAllToAll:
         if pooled.shape[1] > sent_cols:
             blocks.append(RankSlice.apply(pooled[:, sent_cols:], self.group))
         columns = torch.cat(blocks, dim=1)
-        out = columns.index_select(1, layout.primary)
+        device = columns.device
+        out = columns.index_select(1, layout.primary.to(device))
         for out_cols, src_cols in layout.extra:
-            out = out.index_add(1, out_cols, columns.index_select(1, src_cols))
+            out = out.index_add(1, out_cols.to(device), columns.index_select(1, src_cols.to(device)))
         if layout.mean_row_split:
             out = self._divide_by_lengths(out, lengths)
         return out

@@ -50,11 +50,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimizer, plan: ShardingPlan, *,
                  seed: int = 0, group: dist.ProcessGroup | None = None,
                  full_weights: dict[str, torch.Tensor] | None = None, weight_dtype: str = "fp32",
-                 stochastic_rounding: bool = True) -> None:
+                 stochastic_rounding: bool = True, kernels: str = "auto") -> None:
         """``full_weights``: float32 ``[rows, dim]`` of any table (each rank slices its
         shards); other tables start from :func:`initial_table_weight` with ``seed``.
         ``weight_dtype`` and ``stochastic_rounding`` as for the fused module (rounding noise
-        is drawn per element of the whole table, so it does not depend on the plan)."""
+        is drawn per element of the whole table, so it does not depend on the plan).
+        ``kernels="torch"`` runs routing, lookup and update in torch ops, as on CUDA."""
         super().__init__()
         if dist.get_world_size(group) != plan.world_size:
             raise ValueError(f"the plan is for {plan.world_size} ranks, the process group has "
@@ -81,9 +82,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 [s.config for s in self.layout.local_shards], optimizer, initial_weights=shard_weights,
                 weight_dtype=weight_dtype, stochastic_rounding=stochastic_rounding, seed=seed,
                 shard_origins=[(s.table, s.shard.row_offset, s.shard.col_offset, tables[s.table].embedding_dim)
-                               for s in self.layout.local_shards],
+                               for s in self.layout.local_shards], kernels=kernels,
             )
-        self.input_dist = SparseAllToAll(self.layout)
+        self.input_dist = SparseAllToAll(self.layout, torch_routing=kernels == "torch")
         self.output_dist = PooledAllToAll(self.layout, group)
         self.input_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
 
@@ -94,7 +95,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return self._distribute(sparse, self.input_group)
 
     def _distribute(self, sparse: KeyedJaggedTensor, group: dist.ProcessGroup | None) -> DistributedSparse:
-        source = self.input_dist.feature_positions(sparse)
+        source = self.input_dist.feature_positions(sparse).to(sparse.lengths.device)
         lengths = sparse.lengths.view(len(sparse.keys), sparse.batch_size)[source]
         return DistributedSparse(self.input_dist(sparse, group), lengths, sparse.batch_size)
 
@@ -105,7 +106,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if self.local is not None:
             pooled = self.local(sparse.local)
         else:  # still takes part in the output all-to-all, forward and backward
-            pooled = torch.zeros(sparse.local.batch_size, 0,
+            pooled = torch.zeros(sparse.local.batch_size, 0, device=sparse.lengths.device,
                                  requires_grad=self.training and torch.is_grad_enabled())
         return self.output_dist(pooled, sparse.lengths, sparse.batch_size)
 

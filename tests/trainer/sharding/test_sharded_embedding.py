@@ -65,6 +65,8 @@ def cases(world: int) -> dict[str, tuple[ShardingPlan, SparseOptimizer, str]]:
     found["mixed-sgd"] = (plan_of([TABLE_WISE, ROW_WISE, COLUMN_WISE], world), SparseOptimizer("sgd", 0.3), "fp32")
     # stochastic rounding noise is drawn per element of the whole table: sharding does not change it
     found["mixed-bf16"] = (plan_of([COLUMN_WISE, TABLE_WISE, DATA_PARALLEL], world), adagrad, "bf16")
+    # the CUDA code path (torch ops for routing, lookup and update), run on CPU
+    found["mixed-torch-ops"] = (plan_of([ROW_WISE, COLUMN_WISE, DATA_PARALLEL], world), adagrad, "bf16")
     return found
 
 
@@ -91,7 +93,8 @@ def reference(optimizer: SparseOptimizer, weight_dtype: str, steps) -> tuple[tor
 def run_cases(rank: int, world: int, steps) -> dict[str, tuple[torch.Tensor, dict]]:
     results = {}
     for name, (plan, optimizer, weight_dtype) in cases(world).items():
-        module = ShardedEmbeddingBagCollection(TABLES, optimizer, plan, seed=1, weight_dtype=weight_dtype)
+        module = ShardedEmbeddingBagCollection(TABLES, optimizer, plan, seed=1, weight_dtype=weight_dtype,
+                                               kernels="torch" if name.endswith("torch-ops") else "auto")
         outputs = []
         for kjts, grad in steps:
             out = module(kjts[rank])
