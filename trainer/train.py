@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numba
+import pyarrow
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
@@ -47,12 +48,13 @@ ProgressFn = Callable[[StepReport], None]
 
 
 def set_threads(threads: int, ranks_on_host: int = 1) -> int:
-    """Use ``threads`` threads in torch and the Numba kernels (0: the host's cores shared by
-    its ``ranks_on_host`` ranks); returns it."""
+    """Use ``threads`` threads in torch, the Numba kernels and Arrow's decoding (0: the
+    host's cores shared by its ``ranks_on_host`` ranks); returns it."""
     cores = numba.config.NUMBA_NUM_THREADS
     count = max(1, cores // ranks_on_host) if threads == 0 else min(threads, cores)
     torch.set_num_threads(count)
     numba.set_num_threads(count)
+    pyarrow.set_cpu_count(count)
     return count
 
 
