@@ -101,7 +101,9 @@ class TrainLoopConfig:
     log_every: int = 50
     eval_every: int = 0
     threads: int = 0
-    prefetch: int = 2
+    prefetch: int = 16
+    """Batches read ahead in a background thread (enough to cover decoding the next row
+    group); 0: read in the training thread."""
 
     def validate(self) -> None:
         for key in ("batch_size", "eval_batch_size", "epochs", "log_every"):

@@ -112,10 +112,6 @@ def train(config: TrainConfig, progress: ProgressFn | None = None,
     set_threads(loop.threads, context.local_world_size)
     torch.manual_seed(loop.seed)
     dataset = Dataset.load(config.data.path)
-    plan = shared_plan(dataset, config, context) if context.distributed else None
-    dlrm = build_model(dataset, config, plan)
-    optimizer = dense_optimizer(dlrm, config)
-    model = wrap_data_parallel(dlrm) if context.distributed else dlrm
     options = decode_options(dataset.schema, config)
     rank = {"rank": context.rank, "world_size": context.world_size}
     train_reader = make_reader(
@@ -129,6 +125,12 @@ def train(config: TrainConfig, progress: ProgressFn | None = None,
         ReaderConfig(batch_size=loop.eval_batch_size, seed=loop.seed, remainder="pad", shuffle=False, **rank),
         config,
     )
+    # a single process starts reading its first epoch while the model is built
+    early = Prefetcher(batches(train_reader, 0), loop.prefetch) if loop.prefetch and not context.distributed else None
+    plan = shared_plan(dataset, config, context) if context.distributed else None
+    dlrm = build_model(dataset, config, plan)
+    optimizer = dense_optimizer(dlrm, config)
+    model = wrap_data_parallel(dlrm) if context.distributed else dlrm
     run_dir = Path(config.run.dir)
     if context.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -157,7 +159,10 @@ def train(config: TrainConfig, progress: ProgressFn | None = None,
             epoch_batches = batches(train_reader, epoch)
             if context.distributed:
                 epoch_batches = _distributed(dlrm, epoch_batches, min(steps_per_epoch, total_steps - global_step))
-            source = Prefetcher(epoch_batches, loop.prefetch) if loop.prefetch else None
+            if early is not None:
+                source, early = early, None
+            else:
+                source = Prefetcher(epoch_batches, loop.prefetch) if loop.prefetch else None
             stream = source if source is not None else epoch_batches
             interval = _Interval(context)
             try:
@@ -189,6 +194,8 @@ def train(config: TrainConfig, progress: ProgressFn | None = None,
         if not eval_metrics:
             eval_metrics = evaluate_split(global_step, 0)
     finally:
+        if early is not None:
+            early.close()
         log.close()
         train_reader.close()
         eval_reader.close()
