@@ -30,8 +30,8 @@ from ingest.decoder import DecodeOptions
 from ingest.plan import RankPlan, ReadTask
 from ingest.reader import ReaderConfig, SplitPlanner
 from ingest.schema import Dataset
-from ingest.wire import MAX_MESSAGE_BYTES, WireError, decode_batch
-from protos import ingest_pb2, ingest_pb2_grpc
+from ingest.wire import MAX_MESSAGE_BYTES, READ_METHOD, WireError, decode_batch
+from protos import ingest_pb2
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,8 @@ class _Worker:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ])
-        self.stub = ingest_pb2_grpc.ReaderStub(self.channel)
+        # raw responses: decode_batch reads the tensors straight out of the received bytes
+        self.read = self.channel.unary_stream(READ_METHOD, request_serializer=ingest_pb2.ReadRequest.SerializeToString)
         self.lock = threading.Lock()
         self.failures = 0
         self.retry_at = 0.0
@@ -268,7 +269,7 @@ class _EpochFetch:
         """Stream ``task`` from ``worker``, parking each checked batch; returns how many
         arrived. Raises :class:`_WorkerFault` (retry elsewhere) or :class:`IngestError`."""
         request = self.reader.request_for(task)
-        call = worker.stub.Read(request, timeout=self.reader.client.call_timeout_s)
+        call = worker.read(request, timeout=self.reader.client.call_timeout_s)
         with self.cond:
             if self.closed:
                 call.cancel()
@@ -293,7 +294,7 @@ class _EpochFetch:
                 self.calls.discard(call)
         return delivered
 
-    def _checked(self, worker: _Worker, task: ReadTask, index: int, message: ingest_pb2.Batch) -> HostBatch:
+    def _checked(self, worker: _Worker, task: ReadTask, index: int, message: bytes) -> HostBatch:
         """Decode a message and check it is the task's ``index``-th batch, row for row."""
         try:
             batch = decode_batch(message, self.keys)

@@ -33,12 +33,11 @@ from ingest.errors import DataError
 from ingest.plan import ReadTask
 from ingest.reader import batches_from_chunks
 from ingest.schema import Dataset
-from ingest.wire import MAX_MESSAGE_BYTES, serialize_batch
+from ingest.wire import MAX_MESSAGE_BYTES, SERVICE_NAME, serialize_batch
 from protos import ingest_pb2, ingest_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "neorec.ingest.Reader"
 MAX_BATCH_SIZE = 1 << 20
 MAX_BATCHES_PER_REQUEST = 1 << 20
 RATE_WINDOW_S = 5.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import zstandard
+from google.protobuf.message import DecodeError
 
 from ingest.batch import HostBatch, Provenance, RowRange
 from protos import ingest_pb2
@@ -64,7 +65,59 @@ def serialize_batch(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_
     return b"".join([header.SerializeToString(), _BODY_TAG, _varint(body_size), *views])
 
 
-_BODY_TAG = bytes([11 << 3 | 2])  # field 11, wire type 2 (length-delimited)
+_BODY_FIELD = 11
+_BODY_TAG = bytes([_BODY_FIELD << 3 | 2])  # wire type 2 (length-delimited)
+SERVICE_NAME = "neorec.ingest.Reader"
+READ_METHOD = f"/{SERVICE_NAME}/Read"
+"""Full name of the streaming RPC (its responses travel as raw serialized messages)."""
+
+
+def split_body(data: bytes) -> tuple[ingest_pb2.Batch, memoryview]:
+    """The message's header fields (parsed by protobuf) and a view of its body field,
+    found by walking the top-level fields of the protobuf wire format."""
+    view = memoryview(data)
+    header_parts = []
+    body = view[0:0]
+    position = 0
+    try:
+        while position < len(data):
+            key, start = _read_varint(data, position)
+            wire_type = key & 7
+            if wire_type == 0:
+                end = _read_varint(data, start)[1]
+            elif wire_type == 1:
+                end = start + 8
+            elif wire_type == 5:
+                end = start + 4
+            elif wire_type == 2:
+                length, start = _read_varint(data, start)
+                end = start + length
+                if key >> 3 == _BODY_FIELD:
+                    body = view[start:end]
+            else:
+                raise WireError(f"unsupported protobuf wire type {wire_type}")
+            if end > len(data):
+                raise WireError("message is truncated")
+            if key >> 3 != _BODY_FIELD:
+                header_parts.append(view[position:end])
+            position = end
+        return ingest_pb2.Batch.FromString(b"".join(header_parts)), body
+    except (IndexError, DecodeError) as err:
+        raise WireError(f"message is not a Batch: {err}") from None
+
+
+def _read_varint(data: bytes, position: int) -> tuple[int, int]:
+    """The varint at ``position`` and the position after it."""
+    value = shift = 0
+    while True:
+        byte = data[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position
+        shift += 7
+        if shift > 63:
+            raise WireError("varint longer than 10 bytes")
 
 
 def _varint(value: int) -> bytes:
@@ -76,20 +129,20 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def decode_batch(message: ingest_pb2.Batch, keys: tuple[str, ...]) -> HostBatch:
-    """The batch a message holds; ``keys`` are the dataset's feature names (schema order).
+def decode_batch(data: bytes, keys: tuple[str, ...]) -> HostBatch:
+    """The batch a serialized ``Batch`` message holds; ``keys`` are the dataset's feature
+    names (schema order).
 
-    The arrays are read-only views of one buffer (the message body, or its decompressed
-    copy): batches are inputs, nothing writes to them. Raises :class:`WireError` if the
-    sizes in the header do not match the body.
+    The arrays are read-only views into ``data`` itself (or into its decompressed body):
+    only the small header goes through protobuf, so the tensors are never copied. Raises
+    :class:`WireError` if the message is malformed or its sizes do not match its body.
     """
+    message, body = split_body(data)
     if message.num_features != len(keys):
         raise WireError(f"batch has {message.num_features} features, the dataset {len(keys)}")
     if message.compression == ingest_pb2.COMPRESSION_ZSTD:
-        body = zstandard.ZstdDecompressor().decompress(message.body)
-    elif message.compression == ingest_pb2.COMPRESSION_NONE:
-        body = message.body
-    else:
+        body = zstandard.ZstdDecompressor().decompress(body)
+    elif message.compression != ingest_pb2.COMPRESSION_NONE:
         raise WireError(f"unknown compression {message.compression}")
     size, num_values, num_dense = message.batch_size, message.num_values, message.num_dense
     layout = [("<i8", num_values), ("<f4", size * num_dense), ("<f4", size), ("<i4", len(keys) * size)]

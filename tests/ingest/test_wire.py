@@ -11,9 +11,9 @@ from tests.ingest.workers import assert_same_batches
 COMPRESSIONS = [ingest_pb2.COMPRESSION_NONE, ingest_pb2.COMPRESSION_ZSTD]
 
 
-def _message(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_NONE) -> ingest_pb2.Batch:
-    """The batch as a client receives it: serialized, parsed by protobuf."""
-    return ingest_pb2.Batch.FromString(serialize_batch(batch, compression))
+def _message(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_NONE) -> bytes:
+    """The batch as a client receives it: the serialized message."""
+    return serialize_batch(batch, compression)
 
 
 @pytest.mark.parametrize("compression", COMPRESSIONS)
@@ -48,9 +48,13 @@ def test_weights_and_empty_bags_round_trip(compression):
 
 
 def test_a_body_that_does_not_match_its_header_is_refused():
-    message = _message(_weighted_batch())
+    message = ingest_pb2.Batch.FromString(_message(_weighted_batch()))  # protobuf's own encoding
     message.num_values += 1
     with pytest.raises(WireError, match="step 9: body holds"):
-        decode_batch(message, ("a", "b"))
+        decode_batch(message.SerializeToString(), ("a", "b"))
+    with pytest.raises(WireError, match="truncated|not a Batch"):
+        decode_batch(_message(_weighted_batch())[:-5], ("a", "b"))
+    with pytest.raises(WireError, match="not a Batch|wire type"):
+        decode_batch(b"\xff\xff\xff", ("a", "b"))
     with pytest.raises(WireError, match="2 features, the dataset 3"):
         decode_batch(_message(_weighted_batch()), ("a", "b", "c"))
