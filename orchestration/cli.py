@@ -160,6 +160,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc: must be at least 1, got {args.nproc}")
     if args.nproc > 1 and not launched_by_torchrun():
+        from trainer.warmup import compile_kernels
+
+        compile_kernels()  # the ranks then load Numba's cache instead of racing to write it
         return run_torchrun(args.nproc, ["train", args.config, *[a for o in overrides for a in ("--set", o)]])
     context = init_from_torchrun() if launched_by_torchrun() else SINGLE_PROCESS
     try:

@@ -12,10 +12,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from trainer.warmup import compile_kernels
+
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined in a gloo
     group on a loopback port; returns each rank's result (``torch.save``-able), rank order."""
+    compile_kernels()  # the ranks load Numba's cache rather than compile at the same time
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank_main, args=(world_size, _free_port(), tmp, fn, args), nprocs=world_size, join=True)
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -38,7 +38,7 @@ class SparseAllToAll:
         world, me = layout.world_size, layout.rank
         num_slots = len(layout.slots)
         device = sparse.values.device
-        route = self._route_torch if self.torch_routing or device.type != "cpu" else self._route
+        route = self._route_torch if self.torch_routing or device.type != "cpu" else self.route
         lengths, send_values, send_weights, bad_id = route(sparse)
         slot_rank = self._slot_rank.to(device)
         slot_totals = lengths.view(num_slots, batch).sum(1, dtype=torch.int64)
@@ -69,7 +69,7 @@ class SparseAllToAll:
             None if received_weights is None else received_weights[regroup],
         )
 
-    def _route(self, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, str | None]:
+    def route(self, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, str | None]:
         """The batch's ids routed to their slots: int32 lengths ``[num_slots * B]``, local
         ids int64 and weights float32 (slot-major, then bag), and a message naming the
         first id outside its table's rows, if any."""
@@ -95,7 +95,7 @@ class SparseAllToAll:
 
     def _route_torch(self, sparse: KeyedJaggedTensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, str | None]:
-        """:meth:`_route` in torch ops (any device): expand each unit's ids, find each id's
+        """:meth:`route` in torch ops (any device): expand each unit's ids, find each id's
         route by ``searchsorted`` over ``unit * stride + first row``, stable-sort by slot."""
         layout, batch, device = self.layout, sparse.batch_size, sparse.values.device
         unit_feature = torch.from_numpy(layout.unit_feature).to(device)

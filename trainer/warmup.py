@@ -1,0 +1,30 @@
+"""Compile every Numba kernel once in this process, before several processes start.
+
+Numba's on-disk cache is not safe when processes compile the same function at the same
+time (numba/numba#4807: a process may crash reading a half-written entry). Launchers call
+:func:`compile_kernels` first; the processes they start then only load the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.batch import KeyedJaggedTensor
+from trainer.embedding_config import SparseOptimizer, TableConfig
+from trainer.fused_embedding import FusedEmbeddingBagCollection
+from trainer.sharding.input_dist import SparseAllToAll
+from trainer.sharding.layout import ShardedLayout
+from trainer.sharding.plan import ROW_WISE, Shard, ShardingPlan, TableSharding
+
+
+def compile_kernels() -> None:
+    """Run the lookup, the fused update and the id routing once on a tiny table (the
+    argument types are the ones training uses, so this compiles or loads what it will
+    call)."""
+    tables = [TableConfig("t", 4, 4, ("a",))]
+    kjt = KeyedJaggedTensor(("a",), torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 1, 3]),
+                            torch.ones(3))
+    module = FusedEmbeddingBagCollection(tables, SparseOptimizer("sgd", 0.1))
+    module(kjt).sum().backward()
+    plan = ShardingPlan(1, (TableSharding("t", ROW_WISE, (Shard(0, 0, 4, 0, 4),)),))
+    SparseAllToAll(ShardedLayout(tables, plan, rank=0)).route(kjt)
