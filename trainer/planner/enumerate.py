@@ -32,15 +32,6 @@ class Option:
     shapes: tuple[ShardShape, ...]
     ranks: tuple[int, ...] | None = None
 
-    def describe(self) -> str:
-        if self.sharding_type == COLUMN_WISE:
-            return f"{COLUMN_WISE} in {len(self.shapes)} shards"
-        if self.sharding_type == TABLE_ROW_WISE:
-            return f"{TABLE_ROW_WISE} on ranks {self.ranks[0]}-{self.ranks[-1]}"
-        if self.sharding_type == TABLE_WISE and self.ranks is not None:
-            return f"{TABLE_WISE} on rank {self.ranks[0]}"
-        return self.sharding_type
-
 
 @dataclass(frozen=True)
 class Constraint:

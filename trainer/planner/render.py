@@ -25,7 +25,8 @@ def render(result: PlanResult, baseline: PlanResult | None = None) -> str:
         compute, comm = result.compute[rank] * 1e3, result.comm[rank] * 1e3
         lines.append(f"{rank:<6} {format_bytes(result.memory[rank]):>12} {compute:>11.3f} {comm:>9.3f} "
                      f"{compute + comm:>9.3f}")
-    lines += ["", f"estimated step (slowest rank): {result.step_seconds * 1e3:.3f} ms"]
+    lines += ["", f"estimated step (slowest rank): {result.step_seconds * 1e3:.3f} ms "
+                  f"(the local search moved {result.refine_moves} tables off the slowest rank)"]
     if baseline is not None:
         lines.append(f"round-robin table-wise would take {baseline.step_seconds * 1e3:.3f} ms "
                      f"({baseline.step_seconds / result.step_seconds:.2f}x the plan)")

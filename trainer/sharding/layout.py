@@ -26,7 +26,6 @@ class Slot:
     feature: int
     """Index of the feature in the collection's feature order."""
     rank: int
-    row_offset: int
     cols: int
     replicated: bool
 
@@ -69,7 +68,7 @@ class ShardedLayout:
                             continue
                         names = []
                         for feature in table.feature_names:
-                            slots.append(Slot(t, k, feature_index[feature], dest, shard.row_offset, shard.cols,
+                            slots.append(Slot(t, k, feature_index[feature], dest, shard.cols,
                                               replicated))
                             names.append(f"{feature}@{k}")
                             self.slots_per_rank[dest] += 1
