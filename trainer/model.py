@@ -80,6 +80,9 @@ class DLRM(nn.Module):
         return [*self.bottom.parameters(), *self.top.parameters()]
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        dense = self.bottom(batch.dense)
+        # embeddings first: autograd runs the later branch first, so the bottom MLP's
+        # backward completes the dense gradients (and a sharded run's all-reduce starts)
+        # before the embeddings' backward
         pooled = self.embeddings(batch.sparse)
+        dense = self.bottom(batch.dense)
         return self.top(self.interaction(dense, pooled)).squeeze(1)
