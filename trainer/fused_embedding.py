@@ -144,7 +144,9 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     def table_state(self, name: str) -> list[torch.Tensor]:
         """Views ``[rows, width]`` of table ``name``'s optimizer state arrays."""
-        t = self._table_index(name)
+        return self._state_views(self._table_index(name))
+
+    def _state_views(self, t: int) -> list[torch.Tensor]:
         start, width = int(self._state_offsets[t]), int(self._state_width[t])
         size = int(self._rows[t]) * width
         states = [self.state1, self.state2][: self.optimizer.num_states]
@@ -247,12 +249,12 @@ class FusedEmbeddingBagCollection(nn.Module):
         return ", ".join(f"{t.name}: [0, {t.num_embeddings})" for t in self.tables)
 
     def _backward_update(self, ctx: "_LookupContext | torch_ops.TorchLookup", grad_out: torch.Tensor) -> None:
+        self.optimizer_step += 1
         if isinstance(ctx, torch_ops.TorchLookup):
-            self.optimizer_step += 1
-            names = [t.name for t in self.tables]
+            tables = range(len(self.tables))
             torch_ops.apply_updates(
-                [self._table_view(t) for t in range(len(names))], [self.table_state(n) for n in names],
-                [self._touched_view(t) for t in range(len(names))], self._feature_table.tolist(),
+                [self._table_view(t) for t in tables], [self._state_views(t) for t in tables],
+                [self._touched_view(t) for t in tables], self._feature_table.tolist(),
                 self._out_columns.tolist(), ctx, grad_out, self.optimizer, self._learning_rates.tolist(),
                 int(self.optimizer_step), torch_ops.Rounding(
                     None if self._precision == FP32 else self.weights.dtype, self._rounding_seed),
@@ -266,7 +268,6 @@ class FusedEmbeddingBagCollection(nn.Module):
         runs = np.flatnonzero(run_start)
         run_table = np.searchsorted(table_starts, runs, side="right") - 1
         runs = np.append(runs, positions.shape[0])
-        self.optimizer_step += 1
         opt = self.optimizer
         backward_kernels.apply_updates(
             *self._kernel_weights(), self._rounding_seed, self._noise_origin, self.state1.numpy(), self.state2.numpy(),

@@ -48,6 +48,11 @@ def route_ids(
     weighted = id_weights.shape[0] > 0
     lengths[:] = 0
     bad_unit, bad_id = -1, 0
+    capacity = out_values.shape[0]
+    target = np.empty(capacity, dtype=np.int64)  # per routed id: slot * B + bag
+    local = np.empty(capacity, dtype=np.int64)   # the id within its shard
+    origin = np.empty(capacity, dtype=np.int64)  # its position in the batch
+    k = 0
     for u in range(unit_source.shape[0]):
         first, count = unit_routes[u], unit_routes[u + 1] - unit_routes[u]
         for b in range(batch_size):
@@ -58,25 +63,21 @@ def route_ids(
                     if bad_unit < 0:
                         bad_unit, bad_id = u, row
                     row = 0
-                slot = route_slot[_route_of(row, route_rows, first, count)]
-                lengths[slot * batch_size + b] += 1
+                r = _route_of(row, route_rows, first, count)
+                target[k] = route_slot[r] * batch_size + b
+                local[k] = row - route_rows[r]
+                origin[k] = p
+                lengths[target[k]] += 1
+                k += 1
     cursor = np.empty(num_slots * batch_size, dtype=np.int64)
     total = 0
     for i in range(num_slots * batch_size):
         cursor[i] = total
         total += lengths[i]
-    for u in range(unit_source.shape[0]):
-        first, count = unit_routes[u], unit_routes[u + 1] - unit_routes[u]
-        for b in range(batch_size):
-            bag = unit_source[u] * batch_size + b
-            for p in range(bag_offsets[bag], bag_offsets[bag + 1]):
-                row = values[p]
-                if row < 0 or row >= unit_rows[u]:
-                    row = 0
-                r = _route_of(row, route_rows, first, count)
-                at = cursor[route_slot[r] * batch_size + b]
-                out_values[at] = row - route_rows[r]
-                if weighted:
-                    out_weights[at] = id_weights[p]
-                cursor[route_slot[r] * batch_size + b] = at + 1
+    for i in range(k):  # scatter in routing order: within a (slot, bag), ids keep their order
+        at = cursor[target[i]]
+        out_values[at] = local[i]
+        if weighted:
+            out_weights[at] = id_weights[origin[i]]
+        cursor[target[i]] = at + 1
     return total, bad_unit, bad_id

@@ -16,7 +16,7 @@ from functools import cached_property
 import numpy as np
 
 from trainer.planner.enumerate import Option
-from trainer.planner.inputs import STATE_FLOATS, TableSpec, Topology
+from trainer.planner.inputs import TableSpec, Topology
 from trainer.sharding.plan import DATA_PARALLEL, ROW_SPLIT_TYPES
 
 LOOKUP_PASSES = 3
@@ -44,7 +44,7 @@ def estimate(table: TableSpec, option: Option, topology: Topology, batch_size: i
     bags = topology.world_size * batch_size * table.num_features
     ids = bags * table.pooling_factor
     shard_ids = ids * rows / table.rows if option.sharding_type in ROW_SPLIT_TYPES else np.full(rows.size, ids)
-    row_traffic = cols * (table.weight_bytes + 4 * STATE_FLOATS[table.optimizer])
+    row_traffic = cols * table.weight_bytes + 4 * table.state_floats(cols)
     compute = LOOKUP_PASSES * shard_ids * row_traffic / topology.lookup_bandwidth
     outputs = (1 if option.sharding_type == DATA_PARALLEL else 2) * bags * cols * 4
     comm = (bags * 4 + shard_ids * 8 + outputs) * topology.seconds_per_byte()

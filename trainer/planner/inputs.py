@@ -7,9 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-STATE_FLOATS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 0, "adam": 2}
-"""Optimizer state floats per weight element (``rowwise_adagrad`` keeps one per row)."""
-_ROW_STATE = {"rowwise_adagrad": 1}
+from trainer.embedding_config import SPARSE_OPTIMIZERS, SparseOptimizer
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -35,14 +33,19 @@ class TableSpec:
     def __post_init__(self) -> None:
         if self.rows <= 0 or self.dim <= 0 or self.num_features <= 0:
             raise ValueError(f"table {self.name!r}: rows, dim and num_features must be positive")
-        if self.optimizer not in STATE_FLOATS:
+        if self.optimizer not in SPARSE_OPTIMIZERS:
             raise ValueError(f"table {self.name!r}: unknown optimizer {self.optimizer!r}")
+
+    def state_floats(self, cols: int | np.ndarray) -> int | np.ndarray:
+        """Optimizer state floats of one row of a ``cols``-column shard (as the fused
+        module keeps them)."""
+        optimizer = SparseOptimizer(self.optimizer)
+        return optimizer.state_width(cols) * optimizer.num_states
 
     def row_bytes(self, cols: int | np.ndarray) -> int | np.ndarray:
         """Bytes one row of a ``cols``-column shard takes: weights, optimizer state, the
         one-byte modified mask."""
-        state = STATE_FLOATS[self.optimizer] * cols + _ROW_STATE.get(self.optimizer, 0)
-        return cols * self.weight_bytes + 4 * state + 1
+        return cols * self.weight_bytes + 4 * self.state_floats(cols) + 1
 
     def bytes(self) -> int:
         return self.rows * self.row_bytes(self.dim)

@@ -24,11 +24,18 @@ class SparseAllToAll:
         self.layout = layout
         self.torch_routing = torch_routing
         self._source_cache: dict[tuple[str, ...], torch.Tensor] = {}
-        self._slot_rank = torch.tensor([slot.rank for slot in layout.slots], dtype=torch.int64)
         # torch routing: route r of unit u starts at key u * stride + its first row
         self._stride = max(t.num_embeddings for t in layout.tables) + 1
         unit_of_route = np.repeat(np.arange(len(layout.unit_feature)), np.diff(layout.unit_routes))
-        self._route_keys = torch.from_numpy(unit_of_route * self._stride + layout.route_rows)
+        self._torch_tables = {
+            "route_keys": torch.from_numpy(unit_of_route * self._stride + layout.route_rows),
+            "route_slot": torch.from_numpy(layout.route_slot),
+            "route_rows": torch.from_numpy(layout.route_rows),
+            "unit_feature": torch.from_numpy(layout.unit_feature),
+            "unit_rows": torch.from_numpy(layout.unit_rows),
+            "slot_rank": torch.tensor([slot.rank for slot in layout.slots], dtype=torch.int64),
+        }
+        self._device_tables: dict[torch.device, dict[str, torch.Tensor]] = {}
 
     def __call__(self, sparse: KeyedJaggedTensor, group: dist.ProcessGroup | None = None) -> KeyedJaggedTensor:
         """The all-to-alls run on ``group``. Raises ``IndexError`` on every rank when any
@@ -40,7 +47,7 @@ class SparseAllToAll:
         device = sparse.values.device
         route = self._route_torch if self.torch_routing or device.type != "cpu" else self.route
         lengths, send_values, send_weights, bad_id = route(sparse)
-        slot_rank = self._slot_rank.to(device)
+        slot_rank = self._tables(device)["slot_rank"]
         slot_totals = lengths.view(num_slots, batch).sum(1, dtype=torch.int64)
         per_rank = torch.zeros(world, dtype=torch.int64, device=device).index_add_(0, slot_rank, slot_totals)
 
@@ -85,11 +92,7 @@ class SparseAllToAll:
             sparse.values.numpy(), id_weights, offsets, unit_source, layout.unit_rows, layout.unit_routes,
             layout.route_rows, layout.route_slot, len(layout.slots), batch, lengths, values, weights,
         )
-        message = None
-        if bad_unit >= 0:
-            feature = layout.feature_names[int(layout.unit_feature[bad_unit])]
-            message = (f"feature {feature!r}: id {bad_id} is outside its table's rows "
-                       f"[0, {int(layout.unit_rows[bad_unit])})")
+        message = self._bad_id_message(bad_unit, bad_id) if bad_unit >= 0 else None
         send_weights = torch.from_numpy(weights[:total]) if sparse.weights is not None else None
         return torch.from_numpy(lengths), torch.from_numpy(values[:total]), send_weights, message
 
@@ -98,31 +101,41 @@ class SparseAllToAll:
         """:meth:`route` in torch ops (any device): expand each unit's ids, find each id's
         route by ``searchsorted`` over ``unit * stride + first row``, stable-sort by slot."""
         layout, batch, device = self.layout, sparse.batch_size, sparse.values.device
-        unit_feature = torch.from_numpy(layout.unit_feature).to(device)
-        source = self.feature_positions(sparse).to(device)[unit_feature]
+        tables = self._tables(device)
+        source = self.feature_positions(sparse).to(device)[tables["unit_feature"]]
         offsets = sparse.offsets().to(device)
         starts = offsets[source * batch]
         counts = offsets[(source + 1) * batch] - starts
         positions = _segment_gather(starts, counts)
         unit = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts)
         ids = sparse.values[positions]
-        rows = torch.from_numpy(layout.unit_rows).to(device)[unit]
+        rows = tables["unit_rows"][unit]
         bad = (ids < 0) | (ids >= rows)
         message = None
         if bool(bad.any()):
             first = int(torch.nonzero(bad)[0])
-            feature = layout.feature_names[int(layout.unit_feature[int(unit[first])])]
-            message = f"feature {feature!r}: id {int(ids[first])} is outside its table's rows [0, {int(rows[first])})"
+            message = self._bad_id_message(int(unit[first]), int(ids[first]))
             ids = torch.where(bad, 0, ids)
-        route = torch.searchsorted(self._route_keys.to(device), unit * self._stride + ids, right=True) - 1
-        slot = torch.from_numpy(layout.route_slot).to(device)[route]
-        local_ids = ids - torch.from_numpy(layout.route_rows).to(device)[route]
+        route = torch.searchsorted(tables["route_keys"], unit * self._stride + ids, right=True) - 1
+        slot = tables["route_slot"][route]
+        local_ids = ids - tables["route_rows"][route]
         bag_of_value = torch.repeat_interleave(torch.arange(sparse.lengths.numel(), device=device) % batch,
                                                sparse.lengths.to(torch.int64))[positions]
         order = torch.argsort(slot, stable=True)
         lengths = torch.bincount(slot * batch + bag_of_value, minlength=len(layout.slots) * batch)
         weights = None if sparse.weights is None else sparse.weights[positions][order]
         return lengths.to(torch.int32), local_ids[order], weights, message
+
+    def _tables(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The routing index tensors on ``device`` (copied there once)."""
+        if device not in self._device_tables:
+            self._device_tables[device] = {k: v.to(device) for k, v in self._torch_tables.items()}
+        return self._device_tables[device]
+
+    def _bad_id_message(self, unit: int, bad_id: int) -> str:
+        layout = self.layout
+        feature = layout.feature_names[int(layout.unit_feature[unit])]
+        return f"feature {feature!r}: id {bad_id} is outside its table's rows [0, {int(layout.unit_rows[unit])})"
 
     def feature_positions(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         """int64 ``[F]``: index in the batch's keys of each feature of the collection."""

@@ -51,7 +51,8 @@ class ShardedLayout:
         self.rank = rank
         self.shardings = [plan.of(t.name) for t in tables]
         self.feature_names = tuple(f for t in tables for f in t.feature_names)
-        self.feature_rows = [t.num_embeddings for t in tables for _ in t.feature_names]
+        self.feature_table = [t for t, table in enumerate(tables) for _ in table.feature_names]
+        self.feature_rows = [tables[t].num_embeddings for t in self.feature_table]
         feature_index = {f: i for i, f in enumerate(self.feature_names)}
 
         slots: list[Slot] = []
@@ -97,17 +98,16 @@ class ShardedLayout:
         features give one unit per shard, which every id goes to."""
         slot_of = {(s.table, s.shard, s.feature): i for i, s in enumerate(self.slots)}
         unit_feature, unit_routes, route_rows, route_slot = [], [0], [], []
-        for t, (table, sharding) in enumerate(zip(self.tables, self.shardings)):
+        for f, t in enumerate(self.feature_table):
+            sharding = self.shardings[t]
             row_split = sharding.sharding_type in ROW_SPLIT_TYPES
             shards = range(len(sharding.shards))
-            for feature in table.feature_names:
-                f = self.feature_names.index(feature)
-                for group in ([list(shards)] if row_split else [[k] for k in shards]):
-                    unit_feature.append(f)
-                    for k in group:
-                        route_rows.append(sharding.shards[k].row_offset if row_split else 0)
-                        route_slot.append(slot_of[(t, k, f)])
-                    unit_routes.append(len(route_rows))
+            for group in ([list(shards)] if row_split else [[k] for k in shards]):
+                unit_feature.append(f)
+                for k in group:
+                    route_rows.append(sharding.shards[k].row_offset if row_split else 0)
+                    route_slot.append(slot_of[(t, k, f)])
+                unit_routes.append(len(route_rows))
         self.unit_feature = np.array(unit_feature, dtype=np.int64)
         self.unit_rows = np.array([self.feature_rows[f] for f in unit_feature], dtype=np.int64)
         self.unit_routes = np.array(unit_routes, dtype=np.int64)
@@ -130,7 +130,7 @@ class ShardedLayout:
             if s.replicated and s.rank == self.rank:
                 received_start[i] = column
                 column += s.cols
-        dims = [self.tables[self._table_of_feature(f)].embedding_dim for f in range(len(self.feature_names))]
+        dims = [self.tables[t].embedding_dim for t in self.feature_table]
         out_start = np.concatenate([[0], np.cumsum(dims)[:-1]]).astype(np.int64)
         self.output_dim = int(sum(dims))
         primary = np.full(self.output_dim, -1, dtype=np.int64)
@@ -158,7 +158,3 @@ class ShardedLayout:
             raise AssertionError("an output column has no source")
         self.primary = torch.from_numpy(primary)
         self.extra = [(torch.tensor(o, dtype=torch.int64), torch.tensor(c, dtype=torch.int64)) for o, c in extra]
-
-    def _table_of_feature(self, f: int) -> int:
-        name = self.feature_names[f]
-        return next(t for t, table in enumerate(self.tables) if name in table.feature_names)

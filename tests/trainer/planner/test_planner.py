@@ -56,7 +56,8 @@ def test_constraints_restrict_options_and_reject_nonsense():
 
 # ------------------------------------------------------------------------------- estimate
 def test_estimates_split_work_and_memory_as_the_sharding_does():
-    table, topo = TableSpec("t", 10_000, 64, pooling_factor=10.0), Topology(4)
+    # element-wise Adagrad state: column shards split it exactly (row-wise state is per shard, below)
+    table, topo = TableSpec("t", 10_000, 64, pooling_factor=10.0, optimizer="adagrad"), Topology(4)
     options = {o.sharding_type: o for o in enumerate_options(table, topo)}
     whole = estimate(table, options[TABLE_WISE], topo, 512)
     rows = estimate(table, options[ROW_WISE], topo, 512)
@@ -69,6 +70,10 @@ def test_estimates_split_work_and_memory_as_the_sharding_does():
                        topo, 512)
     assert columns.compute.sum() == pytest.approx(whole.compute[0])
     assert columns.comm.sum() > whole.comm[0]  # ids go to every column shard
+    rowwise = TableSpec("t", 10_000, 64, pooling_factor=10.0)
+    column_option = next(o for o in enumerate_options(rowwise, topo) if o.sharding_type == COLUMN_WISE)
+    assert estimate(rowwise, column_option, topo, 512).compute.sum() > estimate(
+        rowwise, options[TABLE_WISE], topo, 512).compute[0]  # each column shard keeps its own row state
 
 
 def test_state_and_precision_change_memory():
