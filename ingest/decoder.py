@@ -84,11 +84,24 @@ def read_row_range(
     options: DecodeOptions,
 ) -> HostBatch:
     """Decode rows ``[start, stop)`` of one row group."""
+    table = read_row_group(parquet_file, path, row_range.row_group, schema)
+    return decode_row_range(table, path, row_range, schema, options)
+
+
+def read_row_group(parquet_file: pq.ParquetFile, path: str, row_group: int, schema: DatasetSchema) -> pa.Table:
+    """The schema's columns of one whole row group, as read from Parquet (not yet decoded)."""
     try:
-        table = parquet_file.read_row_group(row_range.row_group, columns=schema.columns)
+        return parquet_file.read_row_group(row_group, columns=schema.columns)
     except (OSError, ValueError) as err:
-        raise DataError(f"cannot read row group: {err}", file=path, row_group=row_range.row_group) from err
-    table = table.slice(row_range.start, row_range.num_rows)
+        raise DataError(f"cannot read row group: {err}", file=path, row_group=row_group) from err
+
+
+def decode_row_range(
+    row_group: pa.Table, path: str, row_range: RowRange, schema: DatasetSchema, options: DecodeOptions
+) -> HostBatch:
+    """Decode rows ``[start, stop)`` of ``row_group``, the table :func:`read_row_group`
+    read for ``row_range.row_group``; only those rows are decoded and checked."""
+    table = row_group.slice(row_range.start, row_range.num_rows)
     return decode_table(
         table, schema, options, file=path, row_group=row_range.row_group, first_row=row_range.start
     )

@@ -24,14 +24,16 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import grpc
+import pyarrow as pa
 import pyarrow.parquet as pq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ingest.batch import HostBatch, RowRange
-from ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS, DecodeOptions, open_files, read_row_range
+from ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS, DecodeOptions, decode_row_range, open_files, read_row_group
 from ingest.errors import DataError
 from ingest.plan import ReadTask
 from ingest.reader import batches_from_chunks
+from ingest.row_group_cache import DEFAULT_CAPACITY_BYTES, RowGroupCache
 from ingest.schema import Dataset
 from ingest.wire import MAX_MESSAGE_BYTES, SERVICE_NAME, serialize_batch
 from protos import ingest_pb2, ingest_pb2_grpc
@@ -197,10 +199,12 @@ class ServiceCounters:
 
 
 class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
-    """Serves ``Read`` and ``Status``; decodes on a shared pool of ``decode_threads``."""
+    """Serves ``Read`` and ``Status``; decodes on a shared pool of ``decode_threads``,
+    reading row groups through a :class:`RowGroupCache` of ``cache_bytes``."""
 
-    def __init__(self, decode_threads: int) -> None:
+    def __init__(self, decode_threads: int, cache_bytes: int = DEFAULT_CAPACITY_BYTES) -> None:
         self.counters = ServiceCounters()
+        self.row_groups = RowGroupCache(cache_bytes)
         self.draining = threading.Event()
         """Set: new calls are refused with UNAVAILABLE."""
         self.aborting = threading.Event()
@@ -225,7 +229,10 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
             self.counters.stream_closed()
 
     def Status(self, request: ingest_pb2.StatusRequest, context: grpc.ServicerContext) -> ingest_pb2.StatusReply:
-        return self.counters.snapshot(self.draining.is_set())
+        reply = self.counters.snapshot(self.draining.is_set())
+        reply.row_groups_read = self.row_groups.misses
+        reply.row_group_cache_hits = self.row_groups.hits
+        return reply
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -248,11 +255,18 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
     def _decoded(self, job: ReadJob) -> Iterator[tuple[RowRange, HostBatch]]:
         """The job's ranges decoded in order, up to ``decode_threads`` of them ahead."""
 
+        schema = job.dataset.schema
+
         def decode(r: RowRange) -> HostBatch:
-            # A file object per range: decodes run concurrently, footers are parsed once.
             path = job.paths[r.file_index]
-            parquet_file = pq.ParquetFile(path, metadata=job.metadata[r.file_index])
-            return read_row_range(parquet_file, path, r, job.dataset.schema, job.options)
+
+            def read() -> pa.Table:
+                # A file object per read: reads run concurrently, footers are parsed once.
+                parquet_file = pq.ParquetFile(path, metadata=job.metadata[r.file_index])
+                return read_row_group(parquet_file, path, r.row_group, schema)
+
+            table = self.row_groups.read(path, r.row_group, tuple(schema.columns), job.task.epoch, read)
+            return decode_row_range(table, path, r, schema, job.options)
 
         ahead: deque[tuple[RowRange, Future]] = deque()
         ranges = iter(job.task.ranges)
@@ -284,8 +298,10 @@ class ReaderServer:
     ``grace_s`` seconds to finish, then end with UNAVAILABLE.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, threads: int = 4) -> None:
-        self.servicer = ReaderServicer(threads)
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, threads: int = 4, cache_bytes: int = DEFAULT_CAPACITY_BYTES
+    ) -> None:
+        self.servicer = ReaderServicer(threads, cache_bytes)
         self.health = health.HealthServicer(
             experimental_non_blocking=True,
             experimental_thread_pool=ThreadPoolExecutor(2, thread_name_prefix="health"),

@@ -2,7 +2,9 @@
 
 Tensors travel as raw little-endian bytes in one ``body`` field (optionally one zstd
 frame); decoding is ``numpy.frombuffer`` on that body, never a loop over rows or ids.
-The body starts with the int64 values so that every tensor lies at an aligned offset.
+Ids and bag lengths travel in the narrowest unsigned width that holds the batch's
+largest (ids are never negative: the decoder rejects them), which halves a typical
+batch's bytes; the receiver widens them back to int64 and int32.
 """
 
 from __future__ import annotations
@@ -35,14 +37,16 @@ def serialize_batch(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_
     provenance = batch.provenance
     if provenance is None:
         raise ValueError("only batches with a provenance go on the wire")
+    value_kind = _narrowest(batch.values, VALUE_KINDS)
+    length_kind = _narrowest(batch.lengths, LENGTH_KINDS)
     parts = [
-        np.ascontiguousarray(batch.values, dtype="<i8"),
+        batch.values.astype(value_kind, copy=False),
         np.ascontiguousarray(batch.dense, dtype="<f4"),
         np.ascontiguousarray(batch.labels, dtype="<f4"),
-        np.ascontiguousarray(batch.lengths, dtype="<i4"),
     ]
     if batch.weights is not None:
         parts.append(np.ascontiguousarray(batch.weights, dtype="<f4"))
+    parts.append(batch.lengths.astype(length_kind, copy=False))
     views = [memoryview(p).cast("B") for p in parts]
     if compression == ingest_pb2.COMPRESSION_ZSTD:
         views = [memoryview(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(b"".join(views)))]
@@ -60,9 +64,33 @@ def serialize_batch(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_
         num_values=batch.values.shape[0],
         has_weights=batch.weights is not None,
         compression=compression,
+        value_bytes=value_kind.itemsize,
+        length_bytes=length_kind.itemsize,
     )
     body_size = sum(v.nbytes for v in views)
     return b"".join([header.SerializeToString(), _BODY_TAG, _varint(body_size), *views])
+
+
+VALUE_KINDS = tuple(np.dtype(k) for k in ("<u4", "<i8"))
+LENGTH_KINDS = tuple(np.dtype(k) for k in ("<u1", "<u2", "<i4"))
+"""Wire widths of ids and of bag lengths, narrowest first (the last is the batch's own)."""
+
+
+def _narrowest(array: np.ndarray, kinds: tuple[np.dtype, ...]) -> np.dtype:
+    """The first of ``kinds`` that holds every element of ``array`` (the last holds all)."""
+    if array.size == 0:
+        return kinds[0]
+    if array.min() < 0:
+        return kinds[-1]
+    largest = int(array.max())
+    return next(k for k in kinds if largest <= np.iinfo(k).max)
+
+
+def _wire_kind(width: int, kinds: tuple[np.dtype, ...], field: str, step: int) -> np.dtype:
+    for kind in kinds:
+        if kind.itemsize == width:
+            return kind
+    raise WireError(f"batch step {step}: {field} is {width}, expected one of {[k.itemsize for k in kinds]}")
 
 
 _BODY_FIELD = 11
@@ -144,26 +172,29 @@ def decode_batch(data: bytes, keys: tuple[str, ...]) -> HostBatch:
         body = zstandard.ZstdDecompressor().decompress(body)
     elif message.compression != ingest_pb2.COMPRESSION_NONE:
         raise WireError(f"unknown compression {message.compression}")
-    size, num_values, num_dense = message.batch_size, message.num_values, message.num_dense
-    layout = [("<i8", num_values), ("<f4", size * num_dense), ("<f4", size), ("<i4", len(keys) * size)]
+    size, num_values, num_dense, step = message.batch_size, message.num_values, message.num_dense, message.step
+    value_kind = _wire_kind(message.value_bytes, VALUE_KINDS, "value_bytes", step)
+    length_kind = _wire_kind(message.length_bytes, LENGTH_KINDS, "length_bytes", step)
+    layout = [(value_kind, num_values), (np.dtype("<f4"), size * num_dense), (np.dtype("<f4"), size)]
     if message.has_weights:
-        layout.append(("<f4", num_values))
-    expected = sum(np.dtype(kind).itemsize * count for kind, count in layout)
+        layout.append((np.dtype("<f4"), num_values))
+    layout.append((length_kind, len(keys) * size))
+    expected = sum(kind.itemsize * count for kind, count in layout)
     if expected != len(body):
-        raise WireError(f"batch step {message.step}: body holds {len(body)} bytes, its header says {expected}")
+        raise WireError(f"batch step {step}: body holds {len(body)} bytes, its header says {expected}")
     arrays = []
     offset = 0
     for kind, count in layout:
         arrays.append(np.frombuffer(body, dtype=kind, count=count, offset=offset))
         offset += arrays[-1].nbytes
-    values, dense, labels, lengths = arrays[:4]
+    values, dense, labels = arrays[:3]
     return HostBatch(
         dense=dense.reshape(size, num_dense),
         labels=labels,
         keys=keys,
-        lengths=lengths,
-        values=values,
-        weights=arrays[4] if message.has_weights else None,
+        lengths=arrays[-1].astype(np.int32, copy=False),
+        values=values.astype(np.int64, copy=False),
+        weights=arrays[3] if message.has_weights else None,
         num_valid=message.num_valid,
         provenance=Provenance(
             epoch=message.epoch,

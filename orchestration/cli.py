@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from ingest.client import IngestError
 from ingest.errors import DataError
+from ingest.row_group_cache import DEFAULT_CAPACITY_BYTES
 from trainer.config import ConfigError
 from trainer.sharding.plan import PlanError
 
@@ -60,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="interface to bind (loopback unless told otherwise, e.g. 0.0.0.0)")
     serve.add_argument("--worker-threads", "--workers-threads", dest="threads", type=int, default=2,
                        help="decode threads")
+    serve.add_argument("--row-group-cache-mib", type=int, default=DEFAULT_CAPACITY_BYTES >> 20,
+                       help="memory for row groups shared by concurrent reads of one epoch")
     serve.add_argument("--grace", type=float, default=5.0, help="seconds open streams get to finish on shutdown")
     serve.set_defaults(run=_ingest_serve)
     status = ingest.add_parser("status", help="print a reader service's live counters")
@@ -123,7 +126,8 @@ def _convert(args: argparse.Namespace) -> int:
 def _ingest_serve(args: argparse.Namespace) -> int:
     from ingest.service import ReaderServer, serve_until_signal
 
-    server = ReaderServer(host=args.host, port=args.port, threads=args.threads)
+    server = ReaderServer(host=args.host, port=args.port, threads=args.threads,
+                          cache_bytes=args.row_group_cache_mib << 20)
 
     def ready(address: str) -> None:
         print(f"neorec ingest: serving on {address}", flush=True)

@@ -67,6 +67,21 @@ def test_serves_the_requested_batches_and_counts_them(channel, criteo_dataset):
     assert after.active_streams == 0 and after.batches_per_second > 0 and not after.shutting_down
 
 
+def test_a_row_group_is_read_from_parquet_once_per_epoch(channel, criteo_dataset):
+    request = _request(criteo_dataset, batch_size=100, num_batches=3)
+    request.epoch = 1000  # an epoch the module's other tests do not read
+    groups = len({(r.file, r.row_group) for r in request.ranges})
+    before = _status(channel)
+    first, again = _read_all(channel, request), _read_all(channel, request)
+    assert first == again
+    middle = _status(channel)
+    assert middle.row_groups_read - before.row_groups_read == groups
+    assert middle.row_group_cache_hits - before.row_group_cache_hits == groups
+    request.epoch += 1  # another epoch reads from Parquet again
+    _read_all(channel, request)
+    assert _status(channel).row_groups_read - middle.row_groups_read == groups
+
+
 def _mutations(dataset: Dataset):
     """(name, change to a valid request, expected status code)."""
     def set_field(name, value):

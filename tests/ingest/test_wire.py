@@ -47,6 +47,25 @@ def test_weights_and_empty_bags_round_trip(compression):
     assert_same_batches([decode_batch(_message(batch, compression), batch.keys)], [batch])
 
 
+@pytest.mark.parametrize("largest_id, value_bytes", [(7, 4), ((1 << 32) - 1, 4), (1 << 32, 8), (-1, 8)])
+@pytest.mark.parametrize("longest_bag, length_bytes", [(3, 1), (255, 1), (256, 2), (65_536, 4)])
+def test_ids_and_lengths_travel_narrow_and_come_back_wide(largest_id, value_bytes, longest_bag, length_bytes):
+    lengths = np.array([longest_bag, 1, 0, 2], dtype=np.int32)  # features "a", "b" of samples 0, 1
+    values = np.arange(lengths.sum(), dtype=np.int64) % 5
+    values[-1] = largest_id
+    batch = HostBatch(
+        dense=np.ones((2, 1), dtype=np.float32), labels=np.array([1, 0], dtype=np.float32), keys=("a", "b"),
+        lengths=lengths, values=values, weights=np.linspace(0, 1, values.size, dtype=np.float32),
+        provenance=Provenance(epoch=0, step=1, rows=(RowRange(0, 0, 0, 2),)),
+    )
+    message = _message(batch)
+    header = ingest_pb2.Batch.FromString(message)
+    assert (header.value_bytes, header.length_bytes) == (value_bytes, length_bytes)
+    decoded = decode_batch(message, batch.keys)
+    assert decoded.values.dtype == np.int64 and decoded.lengths.dtype == np.int32
+    assert_same_batches([decoded], [batch])
+
+
 def test_a_body_that_does_not_match_its_header_is_refused():
     message = ingest_pb2.Batch.FromString(_message(_weighted_batch()))  # protobuf's own encoding
     message.num_values += 1
@@ -58,3 +77,7 @@ def test_a_body_that_does_not_match_its_header_is_refused():
         decode_batch(b"\xff\xff\xff", ("a", "b"))
     with pytest.raises(WireError, match="2 features, the dataset 3"):
         decode_batch(_message(_weighted_batch()), ("a", "b", "c"))
+    message.num_values -= 1
+    message.value_bytes = 3
+    with pytest.raises(WireError, match="step 9: value_bytes is 3"):
+        decode_batch(message.SerializeToString(), ("a", "b"))

@@ -1,0 +1,87 @@
+"""Recently read Parquet row groups, shared by a reader service's concurrent reads.
+
+Tasks end at batch boundaries and row groups do not, so the row group where one task
+ends is usually where the next one starts, and a worker serving both (a client streams
+consecutive tasks from each worker at once) would read and decompress it twice. The
+cache keeps the Arrow tables of the last row groups read, up to a byte budget, and
+lets a second reader of a row group being read wait for the first one's result.
+
+Entries are per epoch: an epoch reads every row once, so within it a row group is read
+again only for its other pieces, which is the waste the cache removes. Across epochs it
+never serves a table, so that a small data set is not read from memory epoch after epoch
+(which would make a worker look faster than decoding is).
+
+Only Parquet reading is shared: each task still decodes and checks just its own rows,
+so what a request returns, and which errors it raises, do not depend on the cache.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+from typing import Callable, Hashable
+
+import pyarrow as pa
+
+DEFAULT_CAPACITY_BYTES = 512 << 20
+
+
+class RowGroupCache:
+    """Arrow tables by row group, least recently used evicted beyond ``capacity_bytes``.
+
+    The table just read is always kept, even when it alone exceeds the budget.
+    """
+
+    def __init__(self, capacity_bytes: int = DEFAULT_CAPACITY_BYTES) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must not be negative, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.hits = 0
+        self.misses = 0
+        self._lock = threading.Lock()
+        self._tables: OrderedDict[Hashable, Future] = OrderedDict()
+        self._sizes: dict[Hashable, int] = {}  # bytes of each table read (not of those in flight)
+
+    def read(
+        self, path: str, row_group: int, columns: tuple[str, ...], epoch: int, load: Callable[[], pa.Table]
+    ) -> pa.Table:
+        """Row group ``row_group`` of the file at ``path`` (its ``columns``) for a read of
+        ``epoch``: cached, being read by another thread, or read now by ``load()``, whose
+        errors propagate to every thread waiting for it (and are not cached)."""
+        stat = os.stat(path)
+        key = (path, stat.st_mtime_ns, stat.st_size, row_group, columns, epoch)  # a rewritten file is another key
+        with self._lock:
+            future = self._tables.get(key)
+            reader = future is None
+            if reader:
+                future = self._tables[key] = Future()
+                self.misses += 1
+            else:
+                self._tables.move_to_end(key)
+                self.hits += 1
+        if reader:
+            try:
+                table = load()
+            except BaseException as err:
+                with self._lock:
+                    del self._tables[key]
+                future.set_exception(err)
+                raise
+            with self._lock:
+                self._sizes[key] = table.nbytes
+                self._evict(keep=key)
+            future.set_result(table)
+        return future.result()
+
+    def _evict(self, keep: Hashable) -> None:
+        """Drop the least recently used tables read, except ``keep``, until the rest fit
+        (lock held)."""
+        total = sum(self._sizes.values())
+        for key in list(self._tables):
+            if total <= self.capacity_bytes:
+                break
+            if key in self._sizes and key != keep:
+                total -= self._sizes.pop(key)
+                del self._tables[key]

@@ -1,0 +1,109 @@
+"""The reader service's row group cache: one read per row group and epoch, bounded memory."""
+
+import os
+import threading
+import time
+
+import pyarrow as pa
+import pytest
+
+from ingest.row_group_cache import RowGroupCache
+
+COLUMNS = ("a",)
+
+
+def _table(rows: int) -> pa.Table:
+    return pa.table({"a": pa.array(range(rows), type=pa.int64())})
+
+
+class CountingLoader:
+    """``load`` callables that count their calls per row group (and can be slow or fail)."""
+
+    def __init__(self, rows: int = 1000, delay_s: float = 0.0, error: Exception | None = None) -> None:
+        self.calls: dict[int, int] = {}
+        self.rows, self.delay_s, self.error = rows, delay_s, error
+
+    def __call__(self, row_group: int):
+        def load() -> pa.Table:
+            self.calls[row_group] = self.calls.get(row_group, 0) + 1
+            time.sleep(self.delay_s)
+            if self.error is not None:
+                raise self.error
+            return _table(self.rows)
+        return load
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    path = tmp_path / "part.parquet"
+    path.write_bytes(b"stand-in: the cache only stats the file")
+    return str(path)
+
+
+def test_concurrent_readers_of_a_row_group_share_one_read(data_file):
+    cache, loader = RowGroupCache(), CountingLoader(delay_s=0.2)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(cache.read(data_file, 3, COLUMNS, 0, loader(3))))
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert loader.calls == {3: 1} and (cache.misses, cache.hits) == (1, 3)
+    assert all(table is results[0] for table in results)
+
+
+def test_other_epochs_columns_and_rewritten_files_read_again(data_file):
+    cache, loader = RowGroupCache(), CountingLoader()
+    cache.read(data_file, 0, COLUMNS, 0, loader(0))
+    cache.read(data_file, 0, COLUMNS, 0, loader(0))
+    assert loader.calls == {0: 1}
+    cache.read(data_file, 0, COLUMNS, 1, loader(0))  # the next epoch reads from Parquet
+    cache.read(data_file, 0, ("a", "b"), 1, loader(0))
+    stat = os.stat(data_file)
+    os.utime(data_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    cache.read(data_file, 0, COLUMNS, 1, loader(0))
+    assert loader.calls == {0: 4}
+
+
+def test_a_failed_read_reaches_every_waiter_and_is_not_kept(data_file):
+    cache = RowGroupCache()
+    failing = CountingLoader(delay_s=0.2, error=OSError("disk on fire"))
+    errors = []
+
+    def read():
+        try:
+            cache.read(data_file, 1, COLUMNS, 0, failing(1))
+        except OSError as err:
+            errors.append(str(err))
+
+    threads = [threading.Thread(target=read) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == ["disk on fire"] * 3 and failing.calls == {1: 1}
+    working = CountingLoader()
+    assert cache.read(data_file, 1, COLUMNS, 0, working(1)).num_rows == 1000
+    assert working.calls == {1: 1}
+
+
+def test_least_recently_used_tables_go_beyond_the_budget(data_file):
+    size = _table(1000).nbytes
+    cache, loader = RowGroupCache(capacity_bytes=2 * size), CountingLoader()
+    for row_group in (0, 1):
+        cache.read(data_file, row_group, COLUMNS, 0, loader(row_group))
+    cache.read(data_file, 0, COLUMNS, 0, loader(0))  # 0 is now the most recently used
+    cache.read(data_file, 2, COLUMNS, 0, loader(2))  # evicts 1
+    for row_group in (0, 2, 1):
+        cache.read(data_file, row_group, COLUMNS, 0, loader(row_group))
+    assert loader.calls == {0: 1, 1: 2, 2: 1}
+
+
+def test_a_table_above_the_budget_is_kept_until_the_next_read(data_file):
+    cache, loader = RowGroupCache(capacity_bytes=1), CountingLoader()
+    cache.read(data_file, 0, COLUMNS, 0, loader(0))
+    cache.read(data_file, 0, COLUMNS, 0, loader(0))
+    cache.read(data_file, 1, COLUMNS, 0, loader(1))
+    cache.read(data_file, 0, COLUMNS, 0, loader(0))
+    assert loader.calls == {0: 2, 1: 1}
