@@ -30,6 +30,9 @@ from trainer.metrics import MetricsLog, evaluate
 from trainer.model import DLRM
 from trainer.planner.from_config import shared_plan
 from trainer.prefetch import Prefetcher
+from trainer.sharding.input_pipeline import InputPipeline
+from trainer.sharding.sharded_embedding import PreparedSparse
+from trainer.warmup import compile_kernels
 
 
 @dataclass(frozen=True)
@@ -125,10 +128,19 @@ def train(config: TrainConfig, progress: ProgressFn | None = None,
         ReaderConfig(batch_size=loop.eval_batch_size, seed=loop.seed, remainder="pad", shuffle=False, **rank),
         config,
     )
-    # a single process starts reading its first epoch while the model is built
+    full_batches = config.data.remainder == "drop"
+    steps_per_epoch = train_reader.plan(0).num_batches
+    total_steps = steps_per_epoch * loop.epochs
+    if loop.max_steps:
+        total_steps = min(total_steps, loop.max_steps)
+    # the first epoch's reading starts before training: a single process's while the model
+    # is built, a sharded run's (whose routing needs the model) once it is
     early = Prefetcher(batches(train_reader, 0), loop.prefetch) if loop.prefetch and not context.distributed else None
     plan = shared_plan(dataset, config, context) if context.distributed else None
     dlrm = build_model(dataset, config, plan)
+    if loop.prefetch and context.distributed:
+        early = Prefetcher(_prepared(dlrm, batches(train_reader, 0), min(steps_per_epoch, total_steps)), loop.prefetch)
+    compile_kernels()  # load the Numba kernels now, not in the first steps
     optimizer = dense_optimizer(dlrm, config)
     model = wrap_data_parallel(dlrm) if context.distributed else dlrm
     run_dir = Path(config.run.dir)
@@ -140,13 +152,8 @@ def train(config: TrainConfig, progress: ProgressFn | None = None,
     log = MetricsLog(run_dir / "metrics.jsonl" if context.is_main else None)
     evaluate_split = partial(_log_eval, log, model, eval_reader, context)
 
-    full_batches = config.data.remainder == "drop"
-    steps_per_epoch = train_reader.plan(0).num_batches
     check_same_steps(context, steps_per_epoch, "train")
     check_same_steps(context, eval_reader.plan(0).num_batches, "eval")
-    total_steps = steps_per_epoch * loop.epochs
-    if loop.max_steps:
-        total_steps = min(total_steps, loop.max_steps)
     global_step = 0
     train_seconds = 0.0
     wait_seconds = 0.0
@@ -156,14 +163,17 @@ def train(config: TrainConfig, progress: ProgressFn | None = None,
         for epoch in range(loop.epochs):
             if global_step >= total_steps:
                 break
-            epoch_batches = batches(train_reader, epoch)
-            if context.distributed:
-                epoch_batches = _distributed(dlrm, epoch_batches, min(steps_per_epoch, total_steps - global_step))
             if early is not None:
                 source, early = early, None
+                stream = source
             else:
-                source = Prefetcher(epoch_batches, loop.prefetch) if loop.prefetch else None
-            stream = source if source is not None else epoch_batches
+                stream = batches(train_reader, epoch)
+                if context.distributed:
+                    stream = _prepared(dlrm, stream, min(steps_per_epoch, total_steps - global_step))
+                source = Prefetcher(stream, loop.prefetch) if loop.prefetch else None
+                stream = source or stream
+            if context.distributed:
+                stream = _distributed(dlrm, stream)
             interval = _Interval(context)
             try:
                 for batch in stream:
@@ -240,13 +250,19 @@ def evaluate_checkpoint(config: TrainConfig, checkpoint_dir: str | Path) -> dict
         reader.close()
 
 
-def _distributed(model: DLRM, epoch_batches: Iterator[Batch], steps: int) -> Iterator[Batch]:
-    """The first ``steps`` batches with their ids already sent to the ranks holding their
-    rows: run in the prefetch thread, each batch's input all-to-all overlaps the steps
-    before it. Exactly ``steps`` on every rank, so no rank waits for a batch another rank
-    never sends."""
+def _prepared(model: DLRM, epoch_batches: Iterator[Batch], steps: int) -> Iterator[tuple[Batch, PreparedSparse]]:
+    """The first ``steps`` batches, each with its ids routed for the input all-to-all (run
+    in the prefetch thread). Exactly ``steps`` on every rank, so no rank waits for a batch
+    another rank never sends."""
     for batch in islice(epoch_batches, steps):
-        yield replace(batch, sparse=model.embeddings.distribute(batch.sparse))
+        yield batch, model.embeddings.prepare(batch.sparse)
+
+
+def _distributed(model: DLRM, prepared: Iterator[tuple[Batch, PreparedSparse]]) -> Iterator[Batch]:
+    """The batches with their ids sent to the ranks that hold their rows; the all-to-alls
+    of the next batches are in flight while the caller trains on one."""
+    for batch, distributed in InputPipeline(model.embeddings)(prepared):
+        yield replace(batch, sparse=distributed)
 
 
 def _log_eval(log: MetricsLog, model: DLRM | DistributedDataParallel, reader: BatchReader, context: DistributedContext, step: int,

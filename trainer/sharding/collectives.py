@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -13,6 +15,26 @@ def all_to_all(values: torch.Tensor, send_sizes: list[int], receive_sizes: list[
     out = values.new_empty(sum(receive_sizes))
     dist.all_to_all_single(out, values.contiguous(), receive_sizes, send_sizes, group=group)
     return out
+
+
+@dataclass
+class PendingTensor:
+    """A tensor an asynchronous collective is filling."""
+
+    tensor: torch.Tensor
+    work: dist.Work
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.tensor
+
+
+def start_all_to_all(values: torch.Tensor, send_sizes: list[int], receive_sizes: list[int],
+                     group: dist.ProcessGroup | None = None) -> PendingTensor:
+    """:func:`all_to_all`, started asynchronously."""
+    out = values.new_empty(sum(receive_sizes))
+    work = dist.all_to_all_single(out, values.contiguous(), receive_sizes, send_sizes, group=group, async_op=True)
+    return PendingTensor(out, work)
 
 
 class AllToAll(torch.autograd.Function):

@@ -3,14 +3,54 @@ all-to-all of lengths, then of ids (then of per-id weights)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from trainer.batch import KeyedJaggedTensor
 from trainer.kernels.routing import route_ids
-from trainer.sharding.collectives import all_to_all
+from trainer.sharding.collectives import PendingTensor, start_all_to_all
 from trainer.sharding.layout import ShardedLayout
+
+
+@dataclass
+class RoutedSparse:
+    """A rank's batch routed to the ranks that hold its rows, not sent yet.
+
+    ``flagged_lengths`` int32: per destination rank, the lengths of its slots' bags then an
+    invalid-batch flag; ``send_values`` int64 / ``send_weights`` float32: the ids (local to
+    their shards) and weights, destination by destination, ``send_sizes[r]`` of them for
+    rank ``r``; ``bad_id``: this rank's message when its batch has an invalid id.
+    """
+
+    flagged_lengths: torch.Tensor
+    send_values: torch.Tensor
+    send_weights: torch.Tensor | None
+    send_sizes: list[int]
+    bad_id: str | None
+    batch_size: int
+
+
+@dataclass
+class LengthsInFlight:
+    """The lengths all-to-all of a :class:`RoutedSparse`, started on ``group``."""
+
+    routed: RoutedSparse
+    received: PendingTensor
+    group: dist.ProcessGroup | None
+
+
+@dataclass
+class ValuesInFlight:
+    """The ids all-to-all started; ``lengths`` int32 ``[world, slots, B]`` and ``segments``
+    int64 ``[world, slots]`` (ids per source rank and slot) already received."""
+
+    lengths: torch.Tensor
+    segments: torch.Tensor
+    values: PendingTensor
+    weights: PendingTensor | None
 
 
 class SparseAllToAll:
@@ -37,12 +77,20 @@ class SparseAllToAll:
         }
         self._device_tables: dict[torch.device, dict[str, torch.Tensor]] = {}
 
-    def __call__(self, sparse: KeyedJaggedTensor, group: dist.ProcessGroup | None = None) -> KeyedJaggedTensor:
-        """The all-to-alls run on ``group``. Raises ``IndexError`` on every rank when any
-        rank's batch has an id outside its table (naming it on that rank), so no rank is
-        left waiting in a collective."""
+    def __call__(self, routed: RoutedSparse, group: dist.ProcessGroup | None = None) -> KeyedJaggedTensor:
+        """Send a :meth:`prepare` d batch: the all-to-alls run on ``group``. Raises
+        ``IndexError`` on every rank when any rank's batch has an id outside its table
+        (naming it on that rank), so no rank is left waiting in a collective.
+
+        The same as :meth:`receive` of :meth:`send_values` of :meth:`send_lengths`: those
+        stages let a caller keep the collectives of later batches in flight."""
+        return self.receive(self.send_values(self.send_lengths(routed, group)))
+
+    def prepare(self, sparse: KeyedJaggedTensor) -> RoutedSparse:
+        """Route the batch's ids to their slots and build what the all-to-alls send (no
+        collective: any thread may call it)."""
         layout, batch = self.layout, sparse.batch_size
-        world, me = layout.world_size, layout.rank
+        world = layout.world_size
         num_slots = len(layout.slots)
         device = sparse.values.device
         route = self._route_torch if self.torch_routing or device.type != "cpu" else self.route
@@ -50,30 +98,49 @@ class SparseAllToAll:
         slot_rank = self._tables(device)["slot_rank"]
         slot_totals = lengths.view(num_slots, batch).sum(1, dtype=torch.int64)
         per_rank = torch.zeros(world, dtype=torch.int64, device=device).index_add_(0, slot_rank, slot_totals)
-
         # each rank's lengths for a destination end with one flag: 1 if its batch is invalid
-        mine = int(layout.slots_per_rank[me])
-        length_sizes = (layout.slots_per_rank * batch + 1).tolist()
         flagged = torch.full((num_slots * batch + world,), int(bad_id is not None), dtype=torch.int32, device=device)
         length_positions = torch.arange(num_slots * batch, device=device) + torch.repeat_interleave(slot_rank, batch)
         flagged[length_positions] = lengths
-        received = all_to_all(flagged, length_sizes, [mine * batch + 1] * world, group).view(world, -1)
-        _raise_if_flagged(bad_id, received[:, -1])
-        received_lengths = received[:, :-1].reshape(world, mine, batch)
+        return RoutedSparse(flagged, send_values, send_weights, per_rank.tolist(), bad_id, batch)
+
+    def send_lengths(self, routed: RoutedSparse, group: dist.ProcessGroup | None = None) -> LengthsInFlight:
+        """Start the all-to-all of the routed batch's lengths (and invalid-batch flags)."""
+        layout, batch = self.layout, routed.batch_size
+        mine = int(layout.slots_per_rank[layout.rank])
+        received = start_all_to_all(routed.flagged_lengths, (layout.slots_per_rank * batch + 1).tolist(),
+                                    [mine * batch + 1] * layout.world_size, group)
+        return LengthsInFlight(routed, received, group)
+
+    def send_values(self, lengths: LengthsInFlight) -> ValuesInFlight:
+        """Wait for the lengths; raise on every rank if any rank's batch is invalid; start
+        the all-to-all of the ids (and weights)."""
+        layout, routed = self.layout, lengths.routed
+        world, batch = layout.world_size, routed.batch_size
+        received = lengths.received.wait().view(world, -1)
+        _raise_if_flagged(routed.bad_id, received[:, -1])
+        received_lengths = received[:, :-1].reshape(world, int(layout.slots_per_rank[layout.rank]), batch)
         segments = received_lengths.sum(2, dtype=torch.int64)
         value_sizes = segments.sum(1).tolist()
-        send_sizes = per_rank.tolist()
-        values = all_to_all(send_values, send_sizes, value_sizes, group)
-        received_weights = None if send_weights is None else all_to_all(send_weights, send_sizes, value_sizes,
-                                                                         group)
+        values = start_all_to_all(routed.send_values, routed.send_sizes, value_sizes, lengths.group)
+        weights = None if routed.send_weights is None else start_all_to_all(
+            routed.send_weights, routed.send_sizes, value_sizes, lengths.group)
+        return ValuesInFlight(received_lengths, segments, values, weights)
+
+    def receive(self, in_flight: ValuesInFlight) -> KeyedJaggedTensor:
+        """Wait for the ids: the local module's input."""
+        world, mine = in_flight.lengths.shape[:2]
+        segments = in_flight.segments
+        values = in_flight.values.wait()
+        weights = None if in_flight.weights is None else in_flight.weights.wait()
         # received: rank-major, then slot; the local module wants slot-major, then rank
         regroup = _segment_gather(_exclusive_cumsum(segments.flatten()).view(world, mine).T.flatten(),
                                   segments.T.flatten())
         return KeyedJaggedTensor(
-            layout.local_feature_names,
-            received_lengths.permute(1, 0, 2).flatten().contiguous(),
+            self.layout.local_feature_names,
+            in_flight.lengths.permute(1, 0, 2).flatten().contiguous(),
             values[regroup],
-            None if received_weights is None else received_weights[regroup],
+            None if weights is None else weights[regroup],
         )
 
     def route(self, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, str | None]:

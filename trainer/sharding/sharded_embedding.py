@@ -12,16 +12,25 @@ from torch import nn
 from trainer.batch import KeyedJaggedTensor
 from trainer.embedding_config import SparseOptimizer, TableConfig
 from trainer.fused_embedding import FusedEmbeddingBagCollection, initial_table_weight
-from trainer.sharding.input_dist import SparseAllToAll
+from trainer.sharding.input_dist import RoutedSparse, SparseAllToAll
 from trainer.sharding.layout import ShardedLayout
 from trainer.sharding.output_dist import PooledAllToAll
 from trainer.sharding.plan import DATA_PARALLEL, ShardingPlan
 
 
 @dataclass
+class PreparedSparse:
+    """A rank's sparse input routed for the input all-to-all (see
+    :meth:`ShardedEmbeddingBagCollection.prepare`), and its own int32 ``[F, B]`` bag
+    lengths (collection feature order)."""
+
+    routed: RoutedSparse
+    lengths: torch.Tensor
+
+
+@dataclass
 class DistributedSparse:
-    """A rank's sparse input already sent through the input all-to-all (see
-    :meth:`ShardedEmbeddingBagCollection.distribute`): the local module's input for the
+    """A rank's sparse input after the input all-to-all: the local module's input for the
     global batch, and the rank's own ``[F, B]`` bag lengths (collection feature order)."""
 
     local: KeyedJaggedTensor
@@ -39,8 +48,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
     rank's shards, output all-to-all (:class:`PooledAllToAll`); ``loss.backward()`` runs
     them in reverse and updates every shard in place with ``optimizer``.
 
-    The input all-to-all of a batch can run ahead, on its own process group, in the thread
-    that reads batches (:meth:`distribute`), so it overlaps the previous step's compute.
+    The input all-to-all of a batch can run ahead, on its own process group: routing in the
+    thread that reads batches (:meth:`prepare`), the collectives asynchronously a step or
+    two ahead (:class:`~trainer.sharding.input_pipeline.InputPipeline`), so they overlap
+    the steps before.
 
     Constructing it is a collective (it creates that process group). Column-wise shards
     with ``rowwise_adagrad`` keep one state per shard row (the mean
@@ -88,21 +99,18 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.output_dist = PooledAllToAll(self.layout, group)
         self.input_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
 
-    def distribute(self, sparse: KeyedJaggedTensor) -> DistributedSparse:
-        """Run the input all-to-all of ``sparse`` on :attr:`input_group`. Every rank must
-        distribute the same number of batches, in one thread (another than the one that
-        calls :meth:`forward` with undistributed input)."""
-        return self._distribute(sparse, self.input_group)
-
-    def _distribute(self, sparse: KeyedJaggedTensor, group: dist.ProcessGroup | None) -> DistributedSparse:
+    def prepare(self, sparse: KeyedJaggedTensor) -> PreparedSparse:
+        """Route ``sparse`` for the input all-to-all (no collective: any thread may call it)."""
         source = self.input_dist.feature_positions(sparse).to(sparse.lengths.device)
         lengths = sparse.lengths.view(len(sparse.keys), sparse.batch_size)[source]
-        return DistributedSparse(self.input_dist(sparse, group), lengths, sparse.batch_size)
+        return PreparedSparse(self.input_dist.prepare(sparse), lengths)
 
     def forward(self, sparse: KeyedJaggedTensor | DistributedSparse) -> torch.Tensor:
-        """``sparse``: this rank's batch, or its :meth:`distribute` result."""
+        """``sparse``: this rank's batch, or its input all-to-all's result."""
         if isinstance(sparse, KeyedJaggedTensor):
-            sparse = self._distribute(sparse, self.group)
+            prepared = self.prepare(sparse)
+            sparse = DistributedSparse(self.input_dist(prepared.routed, self.group), prepared.lengths,
+                                       prepared.routed.batch_size)
         if self.local is not None:
             pooled = self.local(sparse.local)
         else:  # still takes part in the output all-to-all, forward and backward
