@@ -194,7 +194,7 @@ def _train_rank(config: "TrainConfig", context: "DistributedContext") -> dict:
         if bar.total != report.total_steps:
             bar.total = report.total_steps
         bar.update(1)
-        bar.set_postfix(epoch=report.epoch, loss=f"{report.loss:.4f}", qps=f"{report.qps:,.0f}")
+        bar.set_postfix(epoch=report.epoch, loss=f"{report.loss:.4f}", qps=f"{report.qps:,.0f}", refresh=False)
 
     try:
         return train(config, progress=progress, context=context)
