@@ -56,7 +56,10 @@ class ClientOptions:
     """How the client uses the services.
 
     Attributes:
-        task_rows: rows per task (a task is a whole number of batches, at least one).
+        task_rows: rows per task (a task is a whole number of batches, at least one). Two of
+            the usual 64k-row groups: a worker decodes a task's second group while it sends
+            the first one's batches (with one group per task, both of a worker's streams
+            decode at once, then both send).
         streams_per_worker: concurrent streams to each worker.
         compression: ``none`` or ``zstd`` (the batch bodies).
         call_timeout_s: deadline of one task's stream.
@@ -64,7 +67,7 @@ class ClientOptions:
         backoff_s / max_backoff_s: first and longest wait before retrying a failed worker.
     """
 
-    task_rows: int = 65_536
+    task_rows: int = 131_072
     streams_per_worker: int = 2
     compression: str = "none"
     call_timeout_s: float = 120.0

@@ -253,9 +253,17 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
             self._abort(context, grpc.StatusCode.DATA_LOSS, str(err))
 
     def _decoded(self, job: ReadJob) -> Iterator[tuple[RowRange, HostBatch]]:
-        """The job's ranges decoded in order, up to ``decode_threads`` of them ahead."""
+        """The job's rows decoded in order, in pieces, up to ``decode_threads`` of them ahead.
 
+        A task of fewer ranges than decode threads is cut into that many pieces at batch
+        boundaries (so no batch's provenance changes), which its threads decode at once.
+        """
         schema = job.dataset.schema
+        task = job.task
+        pieces = task.ranges
+        if 0 < len(pieces) < self._decode_threads:
+            per_piece = -(-task.num_batches // self._decode_threads)
+            pieces = tuple(r for part in task.split(per_piece) for r in part.ranges)
 
         def decode(r: RowRange) -> HostBatch:
             path = job.paths[r.file_index]
@@ -265,11 +273,11 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
                 parquet_file = pq.ParquetFile(path, metadata=job.metadata[r.file_index])
                 return read_row_group(parquet_file, path, r.row_group, schema)
 
-            table = self.row_groups.read(path, r.row_group, tuple(schema.columns), job.task.epoch, read)
+            table = self.row_groups.read(path, r.row_group, tuple(schema.columns), task.epoch, read)
             return decode_row_range(table, path, r, schema, job.options)
 
         ahead: deque[tuple[RowRange, Future]] = deque()
-        ranges = iter(job.task.ranges)
+        ranges = iter(pieces)
         try:
             while True:
                 while len(ahead) < self._decode_threads:
