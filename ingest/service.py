@@ -273,7 +273,10 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
                 parquet_file = pq.ParquetFile(path, metadata=job.metadata[r.file_index])
                 return read_row_group(parquet_file, path, r.row_group, schema)
 
-            table = self.row_groups.read(path, r.row_group, tuple(schema.columns), task.epoch, read)
+            try:
+                table = self.row_groups.read(path, r.row_group, tuple(schema.columns), task.epoch, read)
+            except OSError as err:  # the file went away or became unreadable since the request
+                raise DataError(f"cannot read row group: {err}", file=path, row_group=r.row_group) from err
             return decode_row_range(table, path, r, schema, job.options)
 
         ahead: deque[tuple[RowRange, Future]] = deque()

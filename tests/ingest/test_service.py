@@ -13,6 +13,7 @@ from ingest.client import RemoteReader
 from ingest.decoder import DecodeOptions
 from ingest.reader import ReaderConfig
 from ingest.schema import Dataset
+from ingest import service
 from ingest.service import SERVICE_NAME, ReaderServer
 from protos import ingest_pb2, ingest_pb2_grpc
 from orchestration.processes import start_reader_service
@@ -146,6 +147,32 @@ def test_corrupt_file_is_data_loss_naming_the_file(channel, criteo_dataset, tmp_
     assert info.value.code() == grpc.StatusCode.DATA_LOSS
     assert victim.name in info.value.details()
     assert len(_read_all(channel, _request(criteo_dataset))) == 3
+
+
+def test_a_file_removed_after_the_request_was_checked_is_data_loss(criteo_dataset, tmp_path, monkeypatch):
+    copy = tmp_path / "dataset"
+    shutil.copytree(criteo_dataset.root, copy)
+    request = _request(criteo_dataset)
+    request.dataset = str(copy)
+    victim = copy / request.files[request.ranges[0].file]
+    validate = service.validate_request
+
+    def checked_then_removed(req):
+        job = validate(req)
+        victim.unlink()
+        return job
+
+    server = ReaderServer(threads=2)
+    monkeypatch.setattr(service, "validate_request", checked_then_removed)
+    server.start()
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                _read_all(channel, request)
+            assert info.value.code() == grpc.StatusCode.DATA_LOSS
+            assert victim.name in info.value.details()
+    finally:
+        server.stop(grace_s=0.5)
 
 
 def test_health_check_and_unknown_service(channel):
