@@ -2,9 +2,10 @@
 
 Tensors travel as raw little-endian bytes in one ``body`` field (optionally one zstd
 frame); decoding is ``numpy.frombuffer`` on that body, never a loop over rows or ids.
-Ids and bag lengths travel in the narrowest unsigned width that holds the batch's
-largest (ids are never negative: the decoder rejects them), which halves a typical
-batch's bytes; the receiver widens them back to int64 and int32.
+Ids travel as uint32 when the largest table has at most 2**32 rows (the decoder maps
+every id into its table, never negative), bag lengths in the narrowest width that holds
+the batch's longest bag, which halves a typical batch's bytes; the receiver widens them
+back to int64 and int32.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ class WireError(ValueError):
     """A message does not hold a well-formed batch."""
 
 
-def serialize_batch(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_NONE) -> bytes:
-    """The serialized ``Batch`` message for ``batch``, built with one copy of the tensors.
+def serialize_batch(batch: HostBatch, id_bound: int, compression: int = ingest_pb2.COMPRESSION_NONE) -> bytes:
+    """The serialized ``Batch`` message for ``batch``, whose ids all lie in ``[0, id_bound)``
+    (the largest table's rows: no scan of the ids), built with one copy of the tensors.
 
     The header fields are serialized by protobuf; the body field (number 11) is appended
     by hand (tag, length, bytes), which is a valid encoding of the same message: fields
@@ -37,7 +39,7 @@ def serialize_batch(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_
     provenance = batch.provenance
     if provenance is None:
         raise ValueError("only batches with a provenance go on the wire")
-    value_kind = _narrowest(batch.values, VALUE_KINDS)
+    value_kind = next(k for k in VALUE_KINDS if id_bound - 1 <= np.iinfo(k).max)
     length_kind = _narrowest(batch.lengths, LENGTH_KINDS)
     parts = [
         batch.values.astype(value_kind, copy=False),

@@ -11,9 +11,12 @@ from tests.ingest.workers import assert_same_batches
 COMPRESSIONS = [ingest_pb2.COMPRESSION_NONE, ingest_pb2.COMPRESSION_ZSTD]
 
 
-def _message(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_NONE) -> bytes:
-    """The batch as a client receives it: the serialized message."""
-    return serialize_batch(batch, compression)
+def _message(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_NONE, id_bound: int | None = None) -> bytes:
+    """The batch as a client receives it: the serialized message (ids bounded by the
+    largest + 1 unless ``id_bound`` says otherwise)."""
+    if id_bound is None:
+        id_bound = int(batch.values.max(initial=0)) + 1
+    return serialize_batch(batch, id_bound, compression)
 
 
 @pytest.mark.parametrize("compression", COMPRESSIONS)
@@ -47,18 +50,18 @@ def test_weights_and_empty_bags_round_trip(compression):
     assert_same_batches([decode_batch(_message(batch, compression), batch.keys)], [batch])
 
 
-@pytest.mark.parametrize("largest_id, value_bytes", [(7, 4), ((1 << 32) - 1, 4), (1 << 32, 8), (-1, 8)])
+@pytest.mark.parametrize("id_bound, value_bytes", [(8, 4), (1 << 32, 4), ((1 << 32) + 1, 8)])
 @pytest.mark.parametrize("longest_bag, length_bytes", [(3, 1), (255, 1), (256, 2), (65_536, 4)])
-def test_ids_and_lengths_travel_narrow_and_come_back_wide(largest_id, value_bytes, longest_bag, length_bytes):
+def test_ids_and_lengths_travel_narrow_and_come_back_wide(id_bound, value_bytes, longest_bag, length_bytes):
     lengths = np.array([longest_bag, 1, 0, 2], dtype=np.int32)  # features "a", "b" of samples 0, 1
     values = np.arange(lengths.sum(), dtype=np.int64) % 5
-    values[-1] = largest_id
+    values[-1] = id_bound - 1  # the largest id the bound allows
     batch = HostBatch(
         dense=np.ones((2, 1), dtype=np.float32), labels=np.array([1, 0], dtype=np.float32), keys=("a", "b"),
         lengths=lengths, values=values, weights=np.linspace(0, 1, values.size, dtype=np.float32),
         provenance=Provenance(epoch=0, step=1, rows=(RowRange(0, 0, 0, 2),)),
     )
-    message = _message(batch)
+    message = _message(batch, id_bound=id_bound)
     header = ingest_pb2.Batch.FromString(message)
     assert (header.value_bytes, header.length_bytes) == (value_bytes, length_bytes)
     decoded = decode_batch(message, batch.keys)
