@@ -35,7 +35,7 @@ class InputPipeline:
 
         def deliver() -> tuple[T, DistributedSparse]:
             item, batch, values = values_sent.popleft()
-            return item, DistributedSparse(dist_.receive(values), batch.lengths, batch.routed.batch_size)
+            return item, batch.distributed(dist_.receive(values))
 
         for item, batch in prepared:
             lengths_sent.append((item, batch, dist_.send_lengths(batch.routed, self.embeddings.input_group)))

@@ -27,6 +27,10 @@ class PreparedSparse:
     routed: RoutedSparse
     lengths: torch.Tensor
 
+    def distributed(self, local: KeyedJaggedTensor) -> DistributedSparse:
+        """This input after its all-to-alls delivered ``local``, the local module's input."""
+        return DistributedSparse(local, self.lengths, self.routed.batch_size)
+
 
 @dataclass
 class DistributedSparse:
@@ -109,8 +113,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """``sparse``: this rank's batch, or its input all-to-all's result."""
         if isinstance(sparse, KeyedJaggedTensor):
             prepared = self.prepare(sparse)
-            sparse = DistributedSparse(self.input_dist(prepared.routed, self.group), prepared.lengths,
-                                       prepared.routed.batch_size)
+            sparse = prepared.distributed(self.input_dist(prepared.routed, self.group))
         if self.local is not None:
             pooled = self.local(sparse.local)
         else:  # still takes part in the output all-to-all, forward and backward
