@@ -52,16 +52,20 @@ def sparse_optimizer(config: TrainConfig) -> SparseOptimizer:
     )
 
 
-def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None = None) -> DLRM:
+def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None = None,
+                table_weights: dict[str, torch.Tensor] | None = None) -> DLRM:
     """The DLRM with a fused embedding module over all tables (or, given a ``plan``, this
     rank's :class:`ShardedEmbeddingBagCollection`), initialised from the seed: the same
-    weights whichever it is."""
+    weights whichever it is. ``table_weights``: float32 ``[rows, dim]`` of every table, to
+    start the fused module from instead."""
     schema = dataset.schema
     seed = config.train.seed
     tables = table_configs(schema, config)
     storage = {"weight_dtype": config.model.weight_dtype, "stochastic_rounding": config.model.stochastic_rounding}
     if plan is None:
-        embeddings = FusedEmbeddingBagCollection(tables, sparse_optimizer(config), seed=seed, **storage)
+        initial = None if table_weights is None else [table_weights[t.name] for t in tables]
+        embeddings = FusedEmbeddingBagCollection(tables, sparse_optimizer(config), seed=seed,
+                                                 initial_weights=initial, **storage)
     else:
         embeddings = ShardedEmbeddingBagCollection(tables, sparse_optimizer(config), plan, seed=seed, **storage)
     if embeddings.feature_names != schema.feature_names:
@@ -86,16 +90,11 @@ def single_process_model(model: DLRM, dataset: Dataset, config: TrainConfig) -> 
     steps = sharded.optimizer_steps()
     if dist.get_rank(sharded.group) != 0:
         return None
-    full = FusedEmbeddingBagCollection(list(sharded.tables), sparse_optimizer(config),
-                                       initial_weights=[gathered[t.name][0] for t in sharded.tables],
-                                       weight_dtype=config.model.weight_dtype,
-                                       stochastic_rounding=config.model.stochastic_rounding, seed=config.train.seed)
+    single = build_model(dataset, config, table_weights={name: weight for name, (weight, _) in gathered.items()})
     for name, (_, states) in gathered.items():
-        for target, state in zip(full.table_state(name), states):
+        for target, state in zip(single.embeddings.table_state(name), states):
             target.copy_(state)
-    full.optimizer_step.fill_(steps)
-    single = build_model(dataset, config)
-    single.embeddings = full
+    single.embeddings.optimizer_step.fill_(steps)
     single.bottom.load_state_dict(model.bottom.state_dict())
     single.top.load_state_dict(model.top.state_dict())
     return single
