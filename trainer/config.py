@@ -101,6 +101,9 @@ class TrainLoopConfig:
     log_every: int = 50
     eval_every: int = 0
     threads: int = 0
+    pin_cores: bool = True
+    """When several ranks share a host, run each rank's threads on its own share of the
+    host's cores (see :mod:`trainer.affinity`)."""
     prefetch: int = 16
     """Batches read ahead in a background thread (enough to cover decoding the next row
     group); 0: read in the training thread."""

@@ -13,17 +13,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)
 class DistributedContext:
-    """Rank ``rank`` of ``world_size`` (``local_world_size`` of them on this host); a world of
-    one has no process group."""
+    """Rank ``rank`` of ``world_size`` (``local_world_size`` of them on this host, where it
+    is ``local_rank``); a world of one has no process group."""
 
     rank: int = 0
     world_size: int = 1
     local_world_size: int = 1
+    local_rank: int = 0
 
     @property
     def distributed(self) -> bool:
@@ -46,7 +47,8 @@ def init_from_torchrun(timeout_s: float = 600.0) -> DistributedContext:
     present, gloo otherwise."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return DistributedContext(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"]))
+    return DistributedContext(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"]),
+                              int(os.environ["LOCAL_RANK"]))
 
 
 def shutdown(context: DistributedContext) -> None:

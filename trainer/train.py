@@ -21,6 +21,7 @@ from ingest.decoder import DecodeOptions
 from ingest.reader import BatchReader, InProcessReader, ReaderConfig
 from ingest.schema import Dataset
 from trainer import checkpoint
+from trainer.affinity import pin_rank
 from trainer.batch import Batch
 from trainer.build import build_model, decode_options, dense_optimizer, single_process_model
 from trainer.config import TrainConfig
@@ -112,6 +113,8 @@ def train(config: TrainConfig, progress: ProgressFn | None = None,
     rates are global.
     """
     loop = config.train
+    if loop.pin_cores:
+        pin_rank(context.local_rank, context.local_world_size)
     set_threads(loop.threads, context.local_world_size)
     torch.manual_seed(loop.seed)
     dataset = Dataset.load(config.data.path)

@@ -7,7 +7,7 @@ from trainer.distributed import DistributedContext, check_same_steps, gather_arr
 
 
 def collectives(rank: int, world: int) -> dict:
-    context = DistributedContext(rank, world, world)
+    context = DistributedContext(rank, world, world, rank)
     found = {"sum": global_sum(context, [rank + 0.5, 1.0]),
              "gathered": gather_arrays(context, np.arange(rank + 1, dtype=np.float64) + 10 * rank)}
     check_same_steps(context, 5, "train")

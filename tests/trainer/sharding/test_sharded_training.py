@@ -51,7 +51,7 @@ def train_sharded(rank: int, world: int, path: str) -> dict:
     dlrm = build_model(dataset, config, plan)
     optimizer = dense_optimizer(dlrm, config)
     model = wrap_data_parallel(dlrm)
-    context = DistributedContext(rank, world, world)
+    context = DistributedContext(rank, world, world, rank)
     predictions = []
     for batch in rank_batches(dataset, config, rank, world):
         with torch.no_grad():
