@@ -11,6 +11,10 @@ def run_benchmark(name: str, quick: bool = False, nproc: int = 1) -> dict[str, A
         from benchmarks.sharded_train_bench import run
 
         return run(quick=quick, nproc=nproc)
+    if name == "collectives":
+        from benchmarks.collectives_bench import run
+
+        return run(quick=quick, nproc=max(nproc, 2))
     if name == "train":
         from benchmarks.train_bench import run
     elif name == "tbe":

@@ -95,11 +95,12 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(run=_eval)
 
     bench = commands.add_parser("bench", help="benchmarks: ours against a baseline, side by side")
-    bench.add_argument("name", choices=("train", "tbe", "ingest"))
+    bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives"))
     bench.add_argument("--json", help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (for smoke tests)")
     bench.add_argument("--nproc", type=int, default=1,
-                       help="train: compare N sharded trainer processes with one process")
+                       help="train: compare N sharded trainer processes with one process; "
+                            "collectives: ranks (at least 2)")
     bench.set_defaults(run=_bench)
     return parser
 

@@ -13,6 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer.sharding.collectives import start_sum
+
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -73,10 +75,9 @@ def wrap_data_parallel(model: nn.Module, rank_local: str = "embeddings") -> Dist
 
 
 def _sum_gradients(state, bucket):  # DDP checks real annotations; these would be strings here
-    """DDP communication hook: all-reduce (sum) ``bucket`` (a ``dist.GradBucket``); returns
-    the future of the summed buffer."""
-    work = dist.all_reduce(bucket.buffer(), async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    """DDP communication hook: the future of ``bucket``'s (a ``dist.GradBucket``) buffer
+    summed over the ranks (:func:`~trainer.sharding.collectives.start_sum`)."""
+    return start_sum(bucket.buffer())
 
 
 def global_sum(context: DistributedContext, values: list[float]) -> list[float]:

@@ -1,4 +1,6 @@
-"""Differentiable collectives the sharded module is built from (``torch.distributed``)."""
+"""Collectives the sharded module and the data-parallel layers are built from
+(``torch.distributed``): all-to-alls, differentiable ones, and sums and gathers that pick
+the faster way to run on the process group's backend."""
 
 from __future__ import annotations
 
@@ -37,6 +39,52 @@ def start_all_to_all(values: torch.Tensor, send_sizes: list[int], receive_sizes:
     return PendingTensor(out, work)
 
 
+WHOLE_TENSOR_ALL_TO_ALL_BYTES = 1 << 20
+"""On gloo, a sum or gather over ranks whose all-to-all would move at most this many bytes
+per rank (the tensor, once per rank) runs as that one all-to-all. Gloo's all-reduce and
+all-gather take several rounds of messages, each waking threads on both ends, which small
+tensors pay for in latency; for large ones the rounds move fewer bytes and win
+(``neorec bench collectives --nproc N`` measures both)."""
+
+
+def _whole_tensor_all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    world = dist.get_world_size(group)
+    return (dist.get_backend(group) == dist.Backend.GLOO
+            and world * tensor.numel() * tensor.element_size() <= WHOLE_TENSOR_ALL_TO_ALL_BYTES)
+
+
+def _exchange_whole(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> PendingTensor:
+    """Every rank's ``tensor`` to every rank: ``[world, *tensor.shape]`` in rank order."""
+    world = dist.get_world_size(group)
+    out = tensor.new_empty((world, *tensor.shape))
+    sent = tensor.contiguous().view(-1).repeat(world)
+    work = dist.all_to_all_single(out.view(-1), sent, group=group, async_op=True)
+    return PendingTensor(out, work)
+
+
+def start_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.futures.Future:
+    """Start summing ``tensor`` (same shape and dtype on every rank) over the ranks; a
+    future of the sum, bit-identical on every rank. Small tensors on gloo go as one
+    all-to-all (each rank adds the ``world`` copies itself), others as an all-reduce in
+    place."""
+    if _whole_tensor_all_to_all(tensor, group):
+        pending = _exchange_whole(tensor, group)
+        return pending.work.get_future().then(lambda _: pending.tensor.sum(0))
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return work.get_future().then(lambda future: future.value()[0])
+
+
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``[world * tensor.shape[0], ...]``: every rank's ``tensor`` (same shape on every
+    rank), in rank order. Small tensors on gloo go as one all-to-all."""
+    tensor = tensor.contiguous()
+    if _whole_tensor_all_to_all(tensor, group):
+        return _exchange_whole(tensor, group).wait().flatten(0, 1)
+    gathered = tensor.new_empty((dist.get_world_size(group) * tensor.shape[0], *tensor.shape[1:]))
+    dist.all_gather_single(gathered, tensor, group=group)
+    return gathered
+
+
 class AllToAll(torch.autograd.Function):
     """:func:`all_to_all` whose backward sends the gradients back the way they came."""
 
@@ -69,7 +117,4 @@ class RankSlice(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        gathered = grad.new_empty((dist.get_world_size(ctx.group) * grad.shape[0], *grad.shape[1:]))
-        dist.all_gather_single(gathered, grad, group=ctx.group)
-        return gathered, None
+        return all_gather(grad, ctx.group), None

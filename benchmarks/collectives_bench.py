@@ -1,0 +1,70 @@
+"""Sums over ranks on gloo: gloo's all-reduce against one all-to-all of the whole tensor
+(each rank adding the copies itself), at several sizes, on ``nproc`` ranks launched by
+torchrun and pinned like the trainer's. This measures the size limit
+:data:`trainer.sharding.collectives.WHOLE_TENSOR_ALL_TO_ALL_BYTES`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.timing import interleaved_rates
+from trainer.affinity import pin_rank
+from trainer.sharding.collectives import _exchange_whole
+
+SIZES_BYTES = (1 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+"""Bytes of the tensor each rank sums."""
+
+
+def run(quick: bool = False, nproc: int = 2) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "collectives.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   "--module", "benchmarks.collectives_bench", str(out), "quick" if quick else "full"]
+        result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
+        return json.loads(out.read_text())
+
+
+def _rank_main(out: Path, quick: bool) -> None:
+    pin_rank(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results: dict[str, Any] = {"benchmark": "collectives", "backend": "gloo", "nproc": world, "sizes": {}}
+    for size in SIZES_BYTES:
+        tensor = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
+
+        def all_reduce(_: int) -> int:
+            dist.all_reduce(tensor.clone())
+            return 1
+
+        def all_to_all_sum(_: int) -> int:
+            _exchange_whole(tensor, None).wait().sum(0)
+            return 1
+
+        steps = max(2, (20 if quick else 200) * (64 << 10) // max(size, 64 << 10))
+        rates = interleaved_rates({"all_reduce": all_reduce, "all_to_all_sum": all_to_all_sum},
+                                  steps=steps, rounds=3 if quick else 7)
+        results["sizes"][str(size)] = {
+            "all_reduce_ms": 1e3 / rates["all_reduce"],
+            "all_to_all_sum_ms": 1e3 / rates["all_to_all_sum"],
+            "all_to_all_bytes_per_rank": world * size,
+            "speedup": rates["all_to_all_sum"] / rates["all_reduce"],
+        }
+    if rank == 0:
+        out.write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _rank_main(Path(sys.argv[1]), sys.argv[2] == "quick")
