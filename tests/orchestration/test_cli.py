@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import FIXTURES
 from orchestration.processes import start_reader_service
 from tests.ingest.workers import stop_all
@@ -55,6 +57,16 @@ def test_bench_quick_prints_both_sides_and_ratio(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["ratio"] == report["fused_qps"] / report["baseline_qps"]
+
+
+def test_bench_collectives_quick_times_both_sums_at_every_size(tmp_path):
+    out = tmp_path / "bench.json"
+    result = _neorec("bench", "collectives", "--quick", "--nproc", "2", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["nproc"] == 2 and len(report["sizes"]) == 5
+    for size in report["sizes"].values():
+        assert size["speedup"] == pytest.approx(size["all_reduce_ms"] / size["all_to_all_sum_ms"])
 
 
 def test_train_through_a_reader_service_equals_in_process(criteo_dataset, tmp_path):
