@@ -115,6 +115,9 @@ class RemoteReader:
         self.requeued_batches = 0
         """Batches re-requested from another worker after a failure (all epochs)."""
         self.workers = [_Worker(a) for a in addresses]
+        self._fetches: set[_EpochFetch] = set()
+        """Epochs being read (their fetcher threads run until the epoch ends or closes)."""
+        self._lock = threading.Lock()
         self._request = ingest_pb2.ReadRequest(
             dataset=str(dataset.root.resolve()),
             split=split,
@@ -134,13 +137,23 @@ class RemoteReader:
     def epoch(self, epoch: int) -> Iterator[HostBatch]:
         plan = self.plan(epoch)
         batches_per_task = max(1, self.client.task_rows // plan.batch_size)
-        fetch = _EpochFetch(self, plan.tasks(batches_per_task), plan.num_batches)
+        with self._lock:
+            fetch = _EpochFetch(self, plan.tasks(batches_per_task), plan.num_batches)
+            self._fetches.add(fetch)
         try:
             yield from fetch.batches()
         finally:
             fetch.close()
+            with self._lock:
+                self._fetches.discard(fetch)
 
     def close(self) -> None:
+        """Stop the epochs still being read (their iterators then raise
+        :class:`IngestError`), then close the channels."""
+        with self._lock:
+            fetches = list(self._fetches)
+        for fetch in fetches:
+            fetch.close()
         self.planner.close()
         for worker in self.workers:
             worker.channel.close()
@@ -223,7 +236,7 @@ class _EpochFetch:
         stall = self.reader.client.stall_timeout_s
         for step in range(self.num_batches):
             with self.cond:
-                while step not in self.parked and self.failure is None:
+                while step not in self.parked and self.failure is None and not self.closed:
                     waited = time.monotonic() - self.last_progress
                     if waited >= stall:
                         raise IngestError(f"no reader service delivered a batch for {waited:.0f} s "
@@ -231,6 +244,8 @@ class _EpochFetch:
                     self.cond.wait(timeout=min(1.0, stall - waited))
                 if self.failure is not None:
                     raise self.failure
+                if self.closed:
+                    raise IngestError("the reader was closed while this epoch was being read")
                 batch = self.parked.pop(step)
                 self.next_step = step + 1
                 self.cond.notify_all()

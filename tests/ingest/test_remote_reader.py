@@ -2,6 +2,7 @@
 exactly once, whatever the workers do."""
 
 import shutil
+import threading
 
 import pytest
 
@@ -91,3 +92,18 @@ def test_corrupt_data_reaches_the_trainer_as_an_error_naming_the_file(criteo_dat
         scramble_data_pages(victim)  # after planning: the footers stay readable
         with pytest.raises(IngestError, match=f"DATA_LOSS: file {victim}"):
             list(reader.epoch(0))
+
+
+def test_closing_the_reader_mid_epoch_stops_its_fetchers_quietly(criteo_dataset, workers, monkeypatch):
+    thread_errors = []
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)
+    options = DecodeOptions.for_schema(criteo_dataset.schema)
+    reader = RemoteReader(criteo_dataset, "train", options, ReaderConfig(batch_size=64), [workers[0].address],
+                          SMALL_TASKS)
+    unfinished = reader.epoch(0)
+    next(unfinished)
+    reader.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("fetch-")]
+    assert thread_errors == []
+    with pytest.raises(IngestError, match="closed"):
+        next(unfinished)
