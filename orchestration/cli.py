@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from tqdm import tqdm
 
+from ingest.arrow_memory import MEMORY_POOLS, SERVICE_MEMORY_POOL, use_memory_pool
 from ingest.client import IngestError
 from ingest.errors import DataError
 from ingest.row_group_cache import DEFAULT_CAPACITY_BYTES
@@ -63,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="decode threads")
     serve.add_argument("--row-group-cache-mib", type=int, default=DEFAULT_CAPACITY_BYTES >> 20,
                        help="memory for row groups shared by concurrent reads of one epoch")
+    serve.add_argument("--memory-pool", choices=sorted(MEMORY_POOLS), default=SERVICE_MEMORY_POOL,
+                       help="Arrow's allocator in the service (see ingest/arrow_memory.py)")
     serve.add_argument("--grace", type=float, default=5.0, help="seconds open streams get to finish on shutdown")
     serve.set_defaults(run=_ingest_serve)
     status = ingest.add_parser("status", help="print a reader service's live counters")
@@ -127,6 +130,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _ingest_serve(args: argparse.Namespace) -> int:
     from ingest.service import ReaderServer, serve_until_signal
 
+    use_memory_pool(args.memory_pool)
     server = ReaderServer(host=args.host, port=args.port, threads=args.threads,
                           cache_bytes=args.row_group_cache_mib << 20)
 
