@@ -62,14 +62,20 @@ def _exchange_whole(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> Pe
     return PendingTensor(out, work)
 
 
+def start_all_to_all_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.futures.Future:
+    """Start summing ``tensor`` over the ranks as one all-to-all of the whole tensor, each
+    rank adding the ``world`` copies in rank order; a future of the sum, bit-identical on
+    every rank."""
+    pending = _exchange_whole(tensor, group)
+    return pending.work.get_future().then(lambda _: pending.tensor.sum(0))
+
+
 def start_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.futures.Future:
     """Start summing ``tensor`` (same shape and dtype on every rank) over the ranks; a
-    future of the sum, bit-identical on every rank. Small tensors on gloo go as one
-    all-to-all (each rank adds the ``world`` copies itself), others as an all-reduce in
-    place."""
+    future of the sum, bit-identical on every rank. Small tensors on gloo go as
+    :func:`start_all_to_all_sum`, others as an all-reduce in place."""
     if _whole_tensor_all_to_all(tensor, group):
-        pending = _exchange_whole(tensor, group)
-        return pending.work.get_future().then(lambda _: pending.tensor.sum(0))
+        return start_all_to_all_sum(tensor, group)
     work = dist.all_reduce(tensor, group=group, async_op=True)
     return work.get_future().then(lambda future: future.value()[0])
 
