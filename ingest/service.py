@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 MAX_BATCH_SIZE = 1 << 20
 MAX_BATCHES_PER_REQUEST = 1 << 20
 RATE_WINDOW_S = 5.0
+SIGNAL_POLL_S = 0.2
+"""How often the main thread of ``serve_until_signal`` wakes to run pending signal handlers."""
 
 
 class RequestError(Exception):
@@ -370,7 +372,10 @@ def serve_until_signal(server: ReaderServer, grace_s: float, on_ready: Callable[
     try:
         server.start()
         on_ready(server.address)
-        stop.wait()
+        # Python runs signal handlers on the main thread only; a signal the kernel hands to
+        # another thread would not wake an untimed wait, so the wait wakes up to look.
+        while not stop.wait(SIGNAL_POLL_S):
+            pass
         log.info("shutting down (grace %.1f s)", grace_s)
         server.stop(grace_s)
     finally:

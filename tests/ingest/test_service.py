@@ -1,5 +1,7 @@
 """The reader service on its own: requests, status codes, counters, health, shutdown."""
 
+import ctypes
+import os
 import shutil
 import signal
 import threading
@@ -196,7 +198,9 @@ def test_sigterm_drains_then_exits_cleanly(criteo_dataset):
             stream = ingest_pb2_grpc.ReaderStub(channel).Read(request, timeout=30)
             first = next(stream)
             assert first.step == 0
+            waiting_until = time.monotonic() + 10
             while _status(channel).active_streams != 1:
+                assert time.monotonic() < waiting_until, "the service never counted the open stream"
                 time.sleep(0.01)
             started = time.monotonic()
             worker.process.send_signal(signal.SIGTERM)
@@ -216,6 +220,20 @@ def test_sigterm_drains_then_exits_cleanly(criteo_dataset):
                 assert ended.code() == grpc.StatusCode.UNAVAILABLE
         assert worker.process.wait(timeout=15) == 0
         assert time.monotonic() - started < 10
+    finally:
+        stop_all([worker])
+
+
+def test_sigterm_handed_to_any_thread_stops_the_service():
+    """The kernel may deliver a process's SIGTERM to any of its threads, not only the main one."""
+    worker = start_reader_service()
+    try:
+        pid = worker.process.pid
+        other_threads = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+        assert other_threads, "the service runs gRPC threads besides its main thread"
+        tgkill = ctypes.CDLL(None, use_errno=True).tgkill
+        assert tgkill(pid, other_threads[-1], signal.SIGTERM) == 0, os.strerror(ctypes.get_errno())
+        assert worker.process.wait(timeout=10) == 0
     finally:
         stop_all([worker])
 
