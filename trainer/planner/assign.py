@@ -5,6 +5,7 @@ the slowest rank while that makes it faster."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -22,7 +23,7 @@ class Candidate:
     option: Option
     costs: ShardCosts
 
-    @property
+    @cached_property
     def total_seconds(self) -> float:
         return float(self.costs.seconds.sum())
 
@@ -123,7 +124,7 @@ class Assignment:
             if ranks is None:
                 continue
             index_array = np.asarray(ranks)
-            if np.any(free[index_array] < memory):
+            if (free[index_array] < memory).any():
                 continue
             new_peak = max(peak, float((load[index_array] + seconds).max()))
             added = candidate.total_seconds
