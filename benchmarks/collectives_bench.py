@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.timing import interleaved_rates
+from orchestration.processes import torchrun_command
 from trainer.affinity import pin_rank
 from trainer.sharding.collectives import start_all_to_all_sum
 
@@ -27,8 +28,7 @@ SIZES_BYTES = (1 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 def run(quick: bool = False, nproc: int = 2) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "collectives.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   "--module", "benchmarks.collectives_bench", str(out), "quick" if quick else "full"]
+        command = torchrun_command(nproc, "benchmarks.collectives_bench", [str(out), "quick" if quick else "full"])
         result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")

@@ -54,10 +54,16 @@ def start_reader_service(*args: str, host: str = "127.0.0.1") -> ServiceProcess:
     return ServiceProcess(process, match.group(1))
 
 
+def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:
+    """The command running ``python -m MODULE ARGS`` as ``nproc`` ranks on this host under
+    torchrun (its standalone rendezvous on a free local port)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "--module", module, *args]
+
+
 def run_torchrun(nproc: int, neorec_args: list[str]) -> int:
-    """Run ``neorec NEOREC_ARGS`` as ``nproc`` ranks on this host under torchrun (its
-    standalone rendezvous on a free local port); returns torchrun's exit status."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "--module", "orchestration.cli", *neorec_args]
+    """Run ``neorec NEOREC_ARGS`` as ``nproc`` ranks on this host under torchrun; returns
+    torchrun's exit status."""
     threads = str(max(1, (os.cpu_count() or 1) // nproc))  # the ranks share this host's cores
+    command = torchrun_command(nproc, "orchestration.cli", neorec_args)
     return subprocess.run(command, check=False, env={**os.environ, "OMP_NUM_THREADS": threads}).returncode

@@ -55,11 +55,9 @@ def _whole_tensor_all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | No
 
 def _exchange_whole(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> PendingTensor:
     """Every rank's ``tensor`` to every rank: ``[world, *tensor.shape]`` in rank order."""
-    world = dist.get_world_size(group)
-    out = tensor.new_empty((world, *tensor.shape))
-    sent = tensor.contiguous().view(-1).repeat(world)
-    work = dist.all_to_all_single(out.view(-1), sent, group=group, async_op=True)
-    return PendingTensor(out, work)
+    world, numel = dist.get_world_size(group), tensor.numel()
+    pending = start_all_to_all(tensor.reshape(-1).repeat(world), [numel] * world, [numel] * world, group)
+    return PendingTensor(pending.tensor.view(world, *tensor.shape), pending.work)
 
 
 def start_all_to_all_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.futures.Future:
