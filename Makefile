@@ -1,19 +1,23 @@
 # `make demo`: generate a criteo-profile dataset (once) and train one epoch on it.
-# `make test`: the test suite. Both set up .venv themselves.
+# `make test`: the test suite (`make test-slow`: the slow end-to-end runs, which CI runs too).
+# All set up .venv themselves.
 VENV := .venv/bin
 DEMO_DATA := data/criteo-250k
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test test-slow bench
 
 setup:
 	@bash scripts/setup.sh
 
 demo: setup
 	@test -f $(DEMO_DATA)/dataset.json || $(VENV)/neorec data synth --profile criteo --rows 250000 --out $(DEMO_DATA)
-	$(VENV)/neorec train configs/demo.toml
+	$(VENV)/neorec train configs/demo.toml --overwrite
 
 test: setup
 	$(VENV)/python -m pytest -q
+
+test-slow: setup
+	$(VENV)/python -m pytest -q -m slow
 
 bench: setup
 	$(VENV)/neorec bench train --json bench-train.json

@@ -1,5 +1,6 @@
 """Ingestion throughput: rows/s one reader service process delivers to a client over gRPC
-(uncompressed and zstd), against the in-process decoder on the same files, same plan."""
+(uncompressed and zstd), against the in-process decoder on the same files, same plan; and
+the cost of row-level shuffling against row-group shuffling, in process and over gRPC."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from orchestration.processes import start_reader_service
 
 PROFILES = {
     # profile: (rows, batch size), full and quick
-    "criteo": ((400_000, 4096), (20_000, 1024)),
+    "criteo": ((400_000, 4096), (20_000, 1024)),  # 400k rows: six 64k row groups, two row-shuffling windows
     "multihot": ((200_000, 1024), (4_000, 256)),
 }
 WORKER_THREADS = 2
@@ -23,18 +24,21 @@ WORKER_THREADS = 2
 
 def run(quick: bool = False) -> dict[str, Any]:
     results: dict[str, Any] = {"benchmark": "ingest", "worker_threads": WORKER_THREADS, "profiles": {}}
-    service = start_reader_service("--worker-threads", str(WORKER_THREADS))
+    service = start_reader_service("--worker-threads", str(WORKER_THREADS), data_roots=[tempfile.gettempdir()])
     try:
         for profile, (full, small) in PROFILES.items():
             rows, batch_size = small if quick else full
             with tempfile.TemporaryDirectory() as tmp:
                 dataset = generate(SynthSpec(profile=profile, rows=rows, eval_fraction=0.01), tmp)
                 options = DecodeOptions.for_schema(dataset.schema)
-                config = ReaderConfig(batch_size=batch_size)
+                by_group = ReaderConfig(batch_size=batch_size, shuffle="row_groups")
+                by_row = ReaderConfig(batch_size=batch_size, shuffle="rows")
                 readers: dict[str, BatchReader] = {
-                    "in_process": InProcessReader(dataset, "train", options, config),
-                    "grpc": RemoteReader(dataset, "train", options, config, [service.address]),
-                    "grpc_zstd": RemoteReader(dataset, "train", options, config, [service.address],
+                    "in_process": InProcessReader(dataset, "train", options, by_group),
+                    "in_process_rows": InProcessReader(dataset, "train", options, by_row),
+                    "grpc": RemoteReader(dataset, "train", options, by_group, [service.address]),
+                    "grpc_rows": RemoteReader(dataset, "train", options, by_row, [service.address]),
+                    "grpc_zstd": RemoteReader(dataset, "train", options, by_group, [service.address],
                                               ClientOptions(compression="zstd")),
                 }
                 try:
@@ -51,6 +55,8 @@ def run(quick: bool = False) -> dict[str, Any]:
                 "rows_per_s": rates,
                 "ratio_grpc": rates["grpc"] / base,
                 "ratio_grpc_zstd": rates["grpc_zstd"] / base,
+                "row_shuffle_ratio_in_process": rates["in_process_rows"] / base,
+                "row_shuffle_ratio_grpc": rates["grpc_rows"] / rates["grpc"],
             }
     finally:
         service.stop()

@@ -15,7 +15,7 @@ import torch
 from benchmarks.timing import interleaved_rates
 from trainer.batch import KeyedJaggedTensor
 from trainer.embedding_config import SparseOptimizer, TableConfig
-from trainer.embedding_reference import EmbeddingBagCollectionReference
+from benchmarks.baselines import EmbeddingBagCollectionReference
 from trainer.fused_embedding import FusedEmbeddingBagCollection
 from trainer.train import set_threads
 

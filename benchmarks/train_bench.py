@@ -15,7 +15,7 @@ from ingest.synth import SynthSpec, generate
 from trainer.batch import Batch
 from trainer.build import build_model, decode_options, dense_optimizer, table_configs
 from trainer.config import TrainConfig
-from trainer.embedding_reference import EmbeddingBagCollectionReference
+from benchmarks.baselines import EmbeddingBagCollectionReference
 from trainer.model import DLRM
 from trainer.train import set_threads, train_step
 

@@ -2,10 +2,10 @@
 
 A reader service allocates row groups' buffers on Arrow's threads and frees them on
 others (its decode and RPC threads, the row group cache). With pyarrow's default
-allocator (mimalloc) a worker spent ~0.5 µs of kernel time per criteo row, against
-~0.02 µs in a trainer decoding in process; with the system allocator, ~0.23 µs, and it
-serves ~15-20% more rows/s (``neorec bench ingest``). A trainer decoding in process is
-faster with the default, so only the service switches.
+allocator (mimalloc) that pattern costs a worker much kernel time (pages returned and
+faulted in again); the system allocator does not, and serves more rows/s. A trainer
+decoding in process is faster with the default, so only the service switches
+(BENCHMARKS.md, ``neorec bench ingest``, has the figures).
 """
 
 from __future__ import annotations

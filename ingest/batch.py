@@ -13,28 +13,17 @@ from typing import Sequence
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class RowRange:
-    """Rows ``[start, stop)`` of row group ``row_group`` of file ``file_index`` of a split."""
-
-    file_index: int
-    row_group: int
-    start: int
-    stop: int
-
-    @property
-    def num_rows(self) -> int:
-        return self.stop - self.start
+from ingest.rows import Segment
 
 
 @dataclass(frozen=True)
 class Provenance:
-    """Where a batch comes from: its place in the epoch and the rows it holds, in order."""
+    """Where a batch comes from: its place in the epoch and the rows it holds, in order
+    (segments of the epoch's windows, see :mod:`ingest.rows`)."""
 
     epoch: int
     step: int
-    rows: tuple[RowRange, ...]
+    rows: tuple[Segment, ...]
 
 
 @dataclass
@@ -73,6 +62,33 @@ class HostBatch:
     @property
     def num_features(self) -> int:
         return len(self.keys)
+
+    def check(self, table_rows: Sequence[int]) -> None:
+        """Raise ``ValueError`` naming the first problem unless the batch is well formed for
+        features whose ids lie in ``[0, table_rows[f])``: ``B * F`` bag lengths, none
+        negative, adding up to the number of ids, and every id inside its feature's table."""
+        num_f, size = self.num_features, self.batch_size
+        if len(table_rows) != num_f:
+            raise ValueError(f"{len(table_rows)} table sizes for a batch of {num_f} features")
+        if self.lengths.size != num_f * size or self.dense.shape[0] != size:
+            raise ValueError(f"{self.lengths.size} bag lengths and {self.dense.shape[0]} dense rows for "
+                             f"{num_f} features of {size} samples")
+        if self.weights is not None and self.weights.size != self.values.size:
+            raise ValueError(f"{self.weights.size} id weights for {self.values.size} ids")
+        lengths = self.lengths.reshape(num_f, size)
+        if size and num_f and int(lengths.min()) < 0:
+            f, b = np.argwhere(lengths < 0)[0]
+            raise ValueError(f"feature {self.keys[f]!r}, sample {b}: negative bag length {lengths[f, b]}")
+        totals = lengths.sum(axis=1, dtype=np.int64)
+        if int(totals.sum()) != self.values.size:
+            raise ValueError(f"bag lengths add up to {int(totals.sum())} ids, the batch holds {self.values.size}")
+        bounds = np.repeat(np.asarray(table_rows, dtype=np.int64), totals)
+        bad = (self.values < 0) | (self.values >= bounds)
+        if bad.any():
+            position = int(np.argmax(bad))
+            f = int(np.searchsorted(np.cumsum(totals), position, side="right"))
+            raise ValueError(f"feature {self.keys[f]!r}: id {int(self.values[position])} is outside its table's "
+                             f"rows [0, {int(table_rows[f])})")
 
     def feature_value_offsets(self) -> np.ndarray:
         """int64 ``[F + 1]``: ``values[o[f]:o[f+1]]`` are feature ``f``'s ids."""

@@ -3,15 +3,22 @@
 The client plans the epoch itself (exactly as :class:`~ingest.reader.InProcessReader`
 does), cuts the rank's batches into tasks of consecutive batches, and hands the tasks
 to fetcher threads, ``streams_per_worker`` per live worker. Each fetched batch is checked
-against the plan (epoch, step and the exact rows it must hold) and parked until its turn,
-so the batch sequence is that of the in-process reader whatever the number, speed or
-failures of the workers. When a worker fails mid-stream, the batches it did not deliver
-are requeued for any worker (the failed one is retried after a backoff): every planned
-row arrives exactly once.
+against the plan (epoch, step, the exact rows it must hold) and for well-formedness (bag
+lengths, every id inside its table), then parked until its turn, so the batch sequence is
+that of the in-process reader whatever the number, speed or failures of the workers.
 
-Errors that another worker would repeat (a bad request, corrupt data) end the epoch with
-an :class:`IngestError` carrying the service's message; so does a stall, when no worker
-delivers anything for ``stall_timeout_s``.
+A worker fails when its stream breaks, when a stream owes batches but delivers none for
+``progress_timeout_s`` (a hung or stopped process), or when it sends a malformed batch.
+The batches its stream did not deliver are requeued, from the first one missing, for any
+worker; the failed one is retried after a backoff, and is given no task while its health
+probe (``grpc.health.v1``, every ``probe_interval_s``) has missed ``probe_misses`` times in
+a row. Every planned row arrives exactly once.
+
+Errors that another worker would repeat (a bad request, corrupt data, a task whose batches
+came malformed ``max_task_attempts`` times) end the epoch with an :class:`IngestError`
+carrying the cause; so does a stall, when no worker delivers anything for
+``stall_timeout_s``. Any other exception in a fetcher thread ends the epoch at once, with
+the exception as the cause.
 """
 
 from __future__ import annotations
@@ -20,17 +27,22 @@ import heapq
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ingest.batch import HostBatch
 from ingest.decoder import DecodeOptions
+from ingest.fingerprint import fingerprint
 from ingest.plan import RankPlan, ReadTask
 from ingest.reader import ReaderConfig, SplitPlanner
+from ingest.rows import Window
 from ingest.schema import Dataset
-from ingest.wire import MAX_MESSAGE_BYTES, READ_METHOD, WireError, decode_batch
+from ingest.transport import ClientSecurity
+from ingest.wire import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, READ_METHOD, SERVICE_NAME, \
+    WireError, decode_batch
 from protos import ingest_pb2
 
 log = logging.getLogger(__name__)
@@ -43,8 +55,11 @@ RETRYABLE = frozenset({
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
 })
 """Status codes that mean "this worker, now", not "this request": retried elsewhere."""
+_TICK_S = 0.1
+"""How often the watchdog looks at the open streams."""
 
 
 class IngestError(RuntimeError):
@@ -64,7 +79,14 @@ class ClientOptions:
         compression: ``none`` or ``zstd`` (the batch bodies).
         call_timeout_s: deadline of one task's stream.
         stall_timeout_s: give up when no batch arrives for this long.
+        progress_timeout_s: a stream that owes batches and delivers none for this long is
+            cancelled and its worker treated as failed.
+        probe_interval_s / probe_misses: health probes of every worker; a worker that missed
+            ``probe_misses`` in a row gets no task until one answers SERVING.
+        max_task_attempts: malformed or unexpected answers to the same batches tolerated
+            before the epoch fails (broken connections and hangs do not count).
         backoff_s / max_backoff_s: first and longest wait before retrying a failed worker.
+        security: TLS and token for the channels.
     """
 
     task_rows: int = 131_072
@@ -72,14 +94,26 @@ class ClientOptions:
     compression: str = "none"
     call_timeout_s: float = 120.0
     stall_timeout_s: float = 120.0
+    progress_timeout_s: float = 5.0
+    probe_interval_s: float = 1.0
+    probe_misses: int = 3
+    max_task_attempts: int = 3
     backoff_s: float = 0.05
     max_backoff_s: float = 2.0
+    security: ClientSecurity = field(default_factory=ClientSecurity)
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)}, got {self.compression!r}")
-        if self.task_rows <= 0 or self.streams_per_worker <= 0:
-            raise ValueError("task_rows and streams_per_worker must be positive")
+        if not 0 < self.task_rows <= MAX_REQUEST_ROWS or self.streams_per_worker <= 0:
+            raise ValueError(f"task_rows must lie in [1, {MAX_REQUEST_ROWS}] and streams_per_worker be positive")
+        for name in ("call_timeout_s", "stall_timeout_s", "progress_timeout_s", "probe_interval_s", "backoff_s",
+                     "max_backoff_s"):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if self.probe_misses <= 0 or self.max_task_attempts <= 0:
+            raise ValueError("probe_misses and max_task_attempts must be positive")
 
 
 def check_address(address: str) -> str:
@@ -111,17 +145,22 @@ class RemoteReader:
             raise ValueError("RemoteReader needs at least one reader service address")
         self.dataset = dataset
         self.client = client
+        self.table_rows = options.table_rows
         self.planner = SplitPlanner(dataset, split, config)
         self.requeued_batches = 0
         """Batches re-requested from another worker after a failure (all epochs)."""
-        self.workers = [_Worker(a) for a in addresses]
+        self.workers = [_Worker(a, client.security) for a in addresses]
         self._fetches: set[_EpochFetch] = set()
         """Epochs being read (their fetcher threads run until the epoch ends or closes)."""
         self._lock = threading.Lock()
+        files = []
+        for name, path in zip(dataset.splits[split], self.planner.paths):
+            mark = fingerprint(path)
+            files.append(ingest_pb2.DataFile(name=name, size=mark.size, footer_crc32=mark.footer_crc32))
         self._request = ingest_pb2.ReadRequest(
             dataset=str(dataset.root.resolve()),
             split=split,
-            files=dataset.splits[split],
+            files=files,
             decode=ingest_pb2.DecodeSpec(
                 table_rows=options.table_rows,
                 dense_transform=options.dense_transform,
@@ -130,15 +169,18 @@ class RemoteReader:
             batch_size=config.batch_size,
             compression=COMPRESSIONS[client.compression],
         )
+        self._stopping = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, daemon=True, name="ingest-watchdog")
+        self._watchdog.start()
 
     def plan(self, epoch: int) -> RankPlan:
         return self.planner.plan(epoch)
 
-    def epoch(self, epoch: int) -> Iterator[HostBatch]:
+    def epoch(self, epoch: int, first_step: int = 0) -> Iterator[HostBatch]:
         plan = self.plan(epoch)
         batches_per_task = max(1, self.client.task_rows // plan.batch_size)
         with self._lock:
-            fetch = _EpochFetch(self, plan.tasks(batches_per_task), plan.num_batches)
+            fetch = _EpochFetch(self, plan.tasks(batches_per_task, first_step), first_step, plan.num_batches)
             self._fetches.add(fetch)
         try:
             yield from fetch.batches()
@@ -149,11 +191,13 @@ class RemoteReader:
 
     def close(self) -> None:
         """Stop the epochs still being read (their iterators then raise
-        :class:`IngestError`), then close the channels."""
+        :class:`IngestError`), then the watchdog, then close the channels."""
         with self._lock:
             fetches = list(self._fetches)
         for fetch in fetches:
             fetch.close()
+        self._stopping.set()
+        self._watchdog.join()
         self.planner.close()
         for worker in self.workers:
             worker.channel.close()
@@ -164,34 +208,60 @@ class RemoteReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def request_for(self, task: ReadTask) -> ingest_pb2.ReadRequest:
+    def request_for(self, task: ReadTask) -> tuple[ingest_pb2.ReadRequest, list[Window]]:
+        """The request for ``task`` and the windows it numbers (those its segments read, in
+        order of first use)."""
         request = ingest_pb2.ReadRequest()
         request.CopyFrom(self._request)
         request.epoch = task.epoch
         request.first_step = task.first_step
         request.num_batches = task.num_batches
-        request.ranges.extend(
-            ingest_pb2.RowRange(file=r.file_index, row_group=r.row_group, start=r.start, stop=r.stop)
-            for r in task.ranges
-        )
-        return request
+        windows: dict[Window, int] = {}
+        for s in task.segments:
+            if s.window not in windows:
+                windows[s.window] = len(windows)
+                request.windows.append(ingest_pb2.Window(
+                    groups=[ingest_pb2.RowGroup(file=g.file_index, row_group=g.row_group, num_rows=g.num_rows)
+                            for g in s.window.groups],
+                    permuted=s.window.permuted, seed=s.window.seed or 0))
+            request.segments.append(ingest_pb2.Segment(window=windows[s.window], start=s.start, stop=s.stop))
+        return request, list(windows)
+
+    def _watch(self) -> None:
+        """Probe every worker's health and cancel streams that stopped delivering, until
+        :meth:`close`."""
+        next_probe = 0.0
+        while not self._stopping.wait(_TICK_S):
+            now = time.monotonic()
+            if now >= next_probe:
+                next_probe = now + self.client.probe_interval_s
+                for worker in self.workers:
+                    worker.probe(self.client)
+            with self._lock:
+                fetches = list(self._fetches)
+            for fetch in fetches:
+                fetch.cancel_stalled(now - self.client.progress_timeout_s)
 
 
 class _Worker:
-    """One reader service: its channel and its failure/backoff state."""
+    """One reader service: its channel, its failure/backoff state and its health."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: ClientSecurity) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=[
+        self.channel = security.channel(address, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
         ])
         # raw responses: decode_batch reads the tensors straight out of the received bytes
         self.read = self.channel.unary_stream(READ_METHOD, request_serializer=ingest_pb2.ReadRequest.SerializeToString)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
         self.lock = threading.Lock()
         self.failures = 0
         self.retry_at = 0.0
         self.last_error = ""
+        self.missed_probes = 0
+        self.probe_error = ""
+        self.probing: grpc.Future | None = None
 
     def failed(self, error: str, client: ClientOptions) -> None:
         with self.lock:
@@ -204,12 +274,52 @@ class _Worker:
         with self.lock:
             self.failures = 0
 
+    def usable(self, client: ClientOptions) -> float:
+        """Seconds until this worker may be given a task (0: now; inf: not while its
+        health probes fail)."""
+        with self.lock:
+            if self.missed_probes >= client.probe_misses:
+                return float("inf")
+            return max(0.0, self.retry_at - time.monotonic())
+
+    def probe(self, client: ClientOptions) -> None:
+        """Count the last probe's answer and start the next (asynchronously: a stopped
+        worker must not hold up the watchdog)."""
+        previous = self.probing
+        if previous is not None:
+            serving = False
+            if previous.done():
+                try:
+                    status = previous.result().status
+                    serving = status == health_pb2.HealthCheckResponse.SERVING
+                    self.probe_error = "" if serving else health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+                except grpc.RpcError as err:
+                    self.probe_error = f"{err.code().name}: {err.details()}"
+            else:
+                previous.cancel()
+                self.probe_error = f"no answer within {client.probe_interval_s:g} s"
+            with self.lock:
+                self.missed_probes = 0 if serving else self.missed_probes + 1
+        self.probing = self.health.Check.future(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                                timeout=client.probe_interval_s)
+
+
+@dataclass(eq=False)
+class _Stream:
+    """A task's call in flight, and when it last delivered."""
+
+    call: grpc.Call
+    worker: _Worker
+    last_progress: float
+    stalled: bool = False
+
 
 class _EpochFetch:
     """One epoch's tasks in flight: the task queue, parked batches and fetcher threads."""
 
-    def __init__(self, reader: RemoteReader, tasks: list[ReadTask], num_batches: int) -> None:
+    def __init__(self, reader: RemoteReader, tasks: list[ReadTask], first_step: int, num_batches: int) -> None:
         self.reader = reader
+        self.first_step = first_step
         self.num_batches = num_batches
         self.keys = reader.dataset.schema.feature_names
         self.window = max(2, len(reader.workers) * reader.client.streams_per_worker) * max(
@@ -218,10 +328,12 @@ class _EpochFetch:
         self.queue: list[tuple[int, ReadTask]] = [(t.first_step, t) for t in tasks]
         heapq.heapify(self.queue)
         self.parked: dict[int, HostBatch] = {}
-        self.next_step = 0
+        self.next_step = first_step
         self.failure: IngestError | None = None
         self.closed = False
-        self.calls: set[grpc.Call] = set()
+        self.streams: set[_Stream] = set()
+        self.attempts: dict[int, int] = {}
+        """Counted faults (malformed or unexpected answers) per first undelivered step."""
         self.last_progress = time.monotonic()
         self.threads = [
             threading.Thread(target=self._fetch_loop, args=(worker,), daemon=True,
@@ -234,7 +346,7 @@ class _EpochFetch:
 
     def batches(self) -> Iterator[HostBatch]:
         stall = self.reader.client.stall_timeout_s
-        for step in range(self.num_batches):
+        for step in range(self.first_step, self.num_batches):
             with self.cond:
                 while step not in self.parked and self.failure is None and not self.closed:
                     waited = time.monotonic() - self.last_progress
@@ -242,7 +354,7 @@ class _EpochFetch:
                         raise IngestError(f"no reader service delivered a batch for {waited:.0f} s "
                                           f"(waiting for step {step}); {self._worker_report()}")
                     self.cond.wait(timeout=min(1.0, stall - waited))
-                if self.failure is not None:
+                if self.failure is not None:  # at once, even with later batches parked
                     raise self.failure
                 if self.closed:
                     raise IngestError("the reader was closed while this epoch was being read")
@@ -254,93 +366,124 @@ class _EpochFetch:
     def close(self) -> None:
         with self.cond:
             self.closed = True
-            calls = list(self.calls)
+            streams = list(self.streams)
             self.cond.notify_all()
-        for call in calls:
-            call.cancel()
+        for stream in streams:
+            stream.call.cancel()
         for thread in self.threads:
             thread.join()
 
-    def _fetch_loop(self, worker: _Worker) -> None:
-        while True:
-            task = self._take(worker)
-            if task is None:
-                return
-            delivered = 0
-            try:
-                delivered = self._fetch(worker, task)
-                if delivered < task.num_batches:
-                    raise _WorkerFault(f"stream ended after {delivered} of {task.num_batches} batches")
-                worker.succeeded()
-            except _WorkerFault as fault:
-                if self._closed():
-                    return
-                self._requeue(task.after(delivered))
-                log.warning("reader service %s failed (%s); batches %d.. requeued",
-                            worker.address, fault, task.first_step + delivered)
-                worker.failed(str(fault), self.reader.client)
-            except IngestError as err:
-                self._fail(err)
-                return
+    def cancel_stalled(self, horizon: float) -> None:
+        """Cancel the streams that have delivered nothing since ``horizon``."""
+        with self.cond:
+            stalled = [s for s in self.streams if s.last_progress < horizon and not s.stalled]
+            for stream in stalled:
+                stream.stalled = True
+        for stream in stalled:
+            stream.call.cancel()
 
-    def _fetch(self, worker: _Worker, task: ReadTask) -> int:
-        """Stream ``task`` from ``worker``, parking each checked batch; returns how many
-        arrived. Raises :class:`_WorkerFault` (retry elsewhere) or :class:`IngestError`."""
-        request = self.reader.request_for(task)
+    def _fetch_loop(self, worker: _Worker) -> None:
+        try:
+            while True:
+                task = self._take(worker)
+                if task is None:
+                    return
+                delivered = [0]
+                try:
+                    self._fetch(worker, task, delivered)
+                    worker.succeeded()
+                except _WorkerFault as fault:
+                    if self._closed():
+                        return
+                    rest = task.after(delivered[0])
+                    if fault.counted:
+                        self._count_attempt(rest, worker, fault)
+                    self._requeue(rest)
+                    log.warning("reader service %s failed (%s); batches %d.. requeued",
+                                worker.address, fault, rest.first_step)
+                    worker.failed(str(fault), self.reader.client)
+        except IngestError as err:
+            self._fail(err)
+        except Exception as err:  # a bug or an unforeseen failure: end the epoch now, with its cause
+            failure = IngestError(f"reading from reader service {worker.address} failed: "
+                                  f"{type(err).__name__}: {err}")
+            failure.__cause__ = err
+            self._fail(failure)
+
+    def _fetch(self, worker: _Worker, task: ReadTask, delivered: list[int]) -> None:
+        """Stream ``task`` from ``worker``, parking each checked batch and counting them in
+        ``delivered[0]``. Raises :class:`_WorkerFault` (retry elsewhere) or
+        :class:`IngestError`."""
+        request, windows = self.reader.request_for(task)
         call = worker.read(request, timeout=self.reader.client.call_timeout_s)
+        stream = _Stream(call, worker, time.monotonic())
         with self.cond:
             if self.closed:
                 call.cancel()
-            self.calls.add(call)
-        delivered = 0
+            self.streams.add(stream)
         try:
             for message in call:
-                batch = self._checked(worker, task, delivered, message)
+                if delivered[0] >= task.num_batches:
+                    raise _WorkerFault(f"sent a batch past the task's {task.num_batches}", counted=True)
+                batch = self._checked(worker, task, windows, delivered[0], message)
                 with self.cond:
                     self.parked[batch.provenance.step] = batch
-                    self.last_progress = time.monotonic()
+                    stream.last_progress = self.last_progress = time.monotonic()
                     self.cond.notify_all()
-                delivered += 1
+                delivered[0] += 1
         except grpc.RpcError as err:
             code = err.code()
+            if stream.stalled:
+                raise _WorkerFault(f"delivered no batch for {self.reader.client.progress_timeout_s:g} s") from err
             if code in RETRYABLE:
-                raise _WorkerFault(f"{code.name}: {err.details()}") from err
+                raise _WorkerFault(f"{code.name}: {err.details()}", counted=code == grpc.StatusCode.INTERNAL) from err
             raise IngestError(f"reader service {worker.address} refused batches {task.first_step}.."
                               f"{task.first_step + task.num_batches - 1}: {code.name}: {err.details()}") from err
         finally:
             with self.cond:
-                self.calls.discard(call)
-        return delivered
+                self.streams.discard(stream)
+        if delivered[0] < task.num_batches:
+            raise _WorkerFault(f"stream ended after {delivered[0]} of {task.num_batches} batches")
 
-    def _checked(self, worker: _Worker, task: ReadTask, index: int, message: bytes) -> HostBatch:
-        """Decode a message and check it is the task's ``index``-th batch, row for row."""
+    def _checked(self, worker: _Worker, task: ReadTask, windows: list[Window], index: int,
+                 message: bytes) -> HostBatch:
+        """Decode a message and check it is the task's ``index``-th batch, row for row, and
+        well formed; a malformed one is the worker's fault (:class:`_WorkerFault`)."""
         try:
-            batch = decode_batch(message, self.keys)
-        except WireError as err:
-            raise IngestError(f"reader service {worker.address} sent a malformed batch: {err}") from err
+            batch = decode_batch(message, self.keys, windows)
+            batch.check(self.reader.table_rows)
+        except (WireError, ValueError) as err:
+            raise _WorkerFault(f"sent a malformed batch (step {task.first_step + index}): {err}", counted=True) from err
         expected_rows = task.batch_rows(index)
         got = batch.provenance
         if (got.epoch, got.step, got.rows) != (task.epoch, task.first_step + index, expected_rows) or (
             batch.batch_size != task.batch_size or batch.num_valid != sum(r.num_rows for r in expected_rows)
         ):
-            raise IngestError(
-                f"reader service {worker.address} sent epoch {got.epoch} step {got.step} with rows {got.rows} "
-                f"({batch.num_valid}/{batch.batch_size} samples) where the plan has epoch {task.epoch} "
-                f"step {task.first_step + index} with rows {expected_rows}"
-            )
+            raise _WorkerFault(
+                f"sent epoch {got.epoch} step {got.step} ({batch.num_valid}/{batch.batch_size} samples) where the "
+                f"plan has epoch {task.epoch} step {task.first_step + index} "
+                f"({sum(r.num_rows for r in expected_rows)}/{task.batch_size}) or other rows", counted=True)
         return batch
 
+    def _count_attempt(self, rest: ReadTask, worker: _Worker, fault: "_WorkerFault") -> None:
+        with self.cond:
+            attempts = self.attempts[rest.first_step] = self.attempts.get(rest.first_step, 0) + 1
+        if attempts >= self.reader.client.max_task_attempts:
+            raise IngestError(f"batches {rest.first_step}..{rest.first_step + rest.num_batches - 1} failed "
+                              f"{attempts} times; last, reader service {worker.address} {fault}")
+
     def _take(self, worker: _Worker) -> ReadTask | None:
-        """The next task within the prefetch window, once ``worker`` may be retried;
+        """The next task within the prefetch window, once ``worker`` may be given one;
         None when the epoch is over or closed."""
+        client = self.reader.client
         with self.cond:
             while True:
                 if self.closed or self.failure is not None or self.next_step >= self.num_batches:
                     return None
-                wait = worker.retry_at - time.monotonic()
+                wait = worker.usable(client)
                 if wait <= 0 and self.queue and self.queue[0][0] < self.next_step + self.window:
                     return heapq.heappop(self.queue)[1]
-                self.cond.wait(timeout=wait if wait > 0 else 1.0)
+                self.cond.wait(timeout=min(wait, client.probe_interval_s) if wait > 0 else 1.0)
 
     def _requeue(self, task: ReadTask) -> None:
         if task.num_batches <= 0:
@@ -362,10 +505,17 @@ class _EpochFetch:
 
     def _worker_report(self) -> str:
         return "; ".join(
-            f"{w.address}: {w.last_error or 'no error'} ({w.failures} failures in a row)"
+            f"{w.address}: {w.last_error or 'no error'} ({w.failures} failures in a row"
+            + (f"; health check: {w.probe_error})" if w.probe_error else ")")
             for w in self.reader.workers
         )
 
 
 class _WorkerFault(Exception):
-    """The worker, not the request, failed: the task's rest goes to another worker."""
+    """The worker, not the request, failed: the task's rest goes to another worker.
+    ``counted``: a malformed or unexpected answer (not a broken connection or a hang), which
+    counts towards the task's ``max_task_attempts``."""
+
+    def __init__(self, message: str, counted: bool = False) -> None:
+        super().__init__(message)
+        self.counted = counted

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ingest.batch import HostBatch, RowRange
+from ingest.batch import HostBatch
 from ingest.errors import DataError
 from ingest.schema import DatasetSchema
 
@@ -76,35 +76,12 @@ def check_file_schema(parquet_file: pq.ParquetFile, path: str, schema: DatasetSc
             raise DataError(f"expected {expected}, found {kind}", file=path, column=feature.name)
 
 
-def read_row_range(
-    parquet_file: pq.ParquetFile,
-    path: str,
-    row_range: RowRange,
-    schema: DatasetSchema,
-    options: DecodeOptions,
-) -> HostBatch:
-    """Decode rows ``[start, stop)`` of one row group."""
-    table = read_row_group(parquet_file, path, row_range.row_group, schema)
-    return decode_row_range(table, path, row_range, schema, options)
-
-
 def read_row_group(parquet_file: pq.ParquetFile, path: str, row_group: int, schema: DatasetSchema) -> pa.Table:
     """The schema's columns of one whole row group, as read from Parquet (not yet decoded)."""
     try:
         return parquet_file.read_row_group(row_group, columns=schema.columns)
     except (OSError, ValueError) as err:
         raise DataError(f"cannot read row group: {err}", file=path, row_group=row_group) from err
-
-
-def decode_row_range(
-    row_group: pa.Table, path: str, row_range: RowRange, schema: DatasetSchema, options: DecodeOptions
-) -> HostBatch:
-    """Decode rows ``[start, stop)`` of ``row_group``, the table :func:`read_row_group`
-    read for ``row_range.row_group``; only those rows are decoded and checked."""
-    table = row_group.slice(row_range.start, row_range.num_rows)
-    return decode_table(
-        table, schema, options, file=path, row_group=row_range.row_group, first_row=row_range.start
-    )
 
 
 def decode_table(
@@ -115,9 +92,14 @@ def decode_table(
     file: str = "<table>",
     row_group: int | None = None,
     first_row: int = 0,
+    locate: Callable[[int], tuple[str, int, int]] | None = None,
 ) -> HostBatch:
-    """Decode an Arrow table with ``schema``'s columns into a batch of all its rows."""
-    where = _Where(file, row_group, first_row)
+    """Decode an Arrow table with ``schema``'s columns into a batch of all its rows.
+
+    Errors name row ``first_row + i`` of ``row_group`` of ``file`` for the table's row
+    ``i``, or the ``(file, row group, row)`` that ``locate(i)`` gives when the table's rows
+    were gathered from several row groups."""
+    where = _Where(file, row_group, first_row, locate)
     n = table.num_rows
     labels = _numeric(table, schema.label, where)
     if np.any((labels < 0) | (labels > 1)):
@@ -127,8 +109,8 @@ def decode_table(
     for j, column in enumerate(schema.dense):
         dense[:, j] = _numeric(table, column, where, missing=0.0)
     if options.dense_transform == "log1p":
-        # log(1 + x) rather than np.log1p: 5x faster in float32 (vectorized), and off by
-        # at most ~1e-7 absolute for tiny x, far below what a model input resolves.
+        # log(1 + x) rather than np.log1p: numpy vectorizes it in float32, and it is off by at
+        # most one float32 ulp of 1 for tiny x, far below what a model input resolves.
         np.maximum(dense, 0.0, out=dense)
         np.log(np.add(dense, np.float32(1.0), out=dense), out=dense)
     lengths = []
@@ -151,9 +133,15 @@ class _Where:
     file: str
     row_group: int | None
     first_row: int
+    locate: Callable[[int], tuple[str, int, int]] | None = None
 
     def error(self, problem: str, column: str, row_in_slice: int | None = None) -> DataError:
-        row = None if row_in_slice is None else self.first_row + row_in_slice
+        if row_in_slice is None:
+            return DataError(problem, file=self.file, row_group=self.row_group, column=column)
+        if self.locate is not None:
+            file, row_group, row = self.locate(row_in_slice)
+            return DataError(problem, file=file, row_group=row_group, column=column, row=row)
+        row = self.first_row + row_in_slice
         return DataError(problem, file=self.file, row_group=self.row_group, column=column, row=row)
 
 

@@ -1,9 +1,17 @@
 """Epoch planning from Parquet metadata: which rows each trainer rank reads, in which order.
 
-The unit of work is a row group of a file. For every epoch the row groups of a split
-are shuffled from ``(seed, epoch)`` into one row stream; the stream is cut into
-``world_size`` contiguous, equal parts of whole batches, one per rank. The plan is a
-function of (files' metadata, seed, epoch, rank, world size, batch size) alone.
+Every epoch the row groups of a split are arranged into a sequence of windows
+(:class:`~ingest.rows.Window`) from ``(seed, epoch)``, as the shuffle mode says:
+
+- ``rows``: the row groups in a shuffled order, taken ``window`` at a time; each window's
+  rows are permuted by a seed drawn from ``(seed, epoch, window index)``, so a batch mixes
+  rows of many row groups and a split of one row group is fully shuffled;
+- ``row_groups``: the row groups shuffled, each its own window, rows in file order;
+- ``none``: the row groups in file order, rows in file order.
+
+The windows' rows form one stream; the stream is cut into ``world_size`` contiguous,
+equal parts of whole batches, one per rank. The plan is a function of (files' metadata,
+seed, epoch, rank, world size, batch size, shuffle mode, window) alone.
 """
 
 from __future__ import annotations
@@ -14,55 +22,57 @@ from typing import Sequence
 import numpy as np
 import pyarrow.parquet as pq
 
-from ingest.batch import RowRange
+from ingest.hashing import combine, permutation
+from ingest.rows import RowGroupInfo, Segment, Window, cut_segments
 
 REMAINDER_POLICIES = ("drop", "pad")
-
-
-@dataclass(frozen=True)
-class RowGroupInfo:
-    file_index: int
-    row_group: int
-    num_rows: int
+SHUFFLE_MODES = ("rows", "row_groups", "none")
+WINDOW_ROWS = 262_144
+"""Rows a row-shuffling window holds at least, when its size in row groups is left to the
+planner (:func:`auto_window`): enough to mix rows of several typical 64k-row groups while
+a reader holds one window's rows in memory."""
 
 
 @dataclass(frozen=True)
 class RankPlan:
     """One rank's share of one epoch.
 
-    ``ranges`` are read in order and cut into ``num_batches`` batches of ``batch_size``
+    ``segments`` are read in order and cut into ``num_batches`` batches of ``batch_size``
     samples; with the ``pad`` policy the last batches may hold ``padded_samples`` padding
-    samples in all. ``dropped_rows`` counts rows of the whole epoch (all ranks) not read.
+    samples in all. ``total_rows`` counts the rows of the whole epoch (all ranks),
+    ``dropped_rows`` those of them not read.
     """
 
     epoch: int
     rank: int
     world_size: int
     batch_size: int
-    ranges: tuple[RowRange, ...]
+    segments: tuple[Segment, ...]
     num_batches: int
     padded_samples: int
     dropped_rows: int
+    total_rows: int
 
     @property
     def num_rows(self) -> int:
-        return sum(r.num_rows for r in self.ranges)
+        return sum(s.num_rows for s in self.segments)
 
     def whole(self) -> "ReadTask":
         """The whole plan as one task."""
-        return ReadTask(self.epoch, 0, self.num_batches, self.batch_size, self.ranges)
+        return ReadTask(self.epoch, 0, self.num_batches, self.batch_size, self.segments)
 
-    def tasks(self, batches_per_task: int) -> list["ReadTask"]:
-        """The plan cut into consecutive tasks of ``batches_per_task`` batches (the last
-        may hold fewer): units of work a reader service can be asked for."""
-        return self.whole().split(batches_per_task)
+    def tasks(self, batches_per_task: int, first_step: int = 0) -> list["ReadTask"]:
+        """The plan from step ``first_step`` on, cut into consecutive tasks of
+        ``batches_per_task`` batches (the last may hold fewer): units of work a reader
+        service can be asked for."""
+        return self.whole().after(first_step).split(batches_per_task)
 
 
 @dataclass(frozen=True)
 class ReadTask:
     """Batches ``[first_step, first_step + num_batches)`` of a rank's epoch.
 
-    ``ranges`` hold the task's rows in order; they fill its batches one after the other
+    ``segments`` hold the task's rows in order; they fill its batches one after the other
     and padding completes the last ones (all of them, for a task past the rank's rows).
     """
 
@@ -70,24 +80,26 @@ class ReadTask:
     first_step: int
     num_batches: int
     batch_size: int
-    ranges: tuple[RowRange, ...]
+    segments: tuple[Segment, ...]
 
     @property
     def num_rows(self) -> int:
-        return sum(r.num_rows for r in self.ranges)
+        return sum(s.num_rows for s in self.segments)
 
-    def batch_rows(self, index: int) -> tuple[RowRange, ...]:
+    def batch_rows(self, index: int) -> tuple[Segment, ...]:
         """The rows of the task's ``index``-th batch, in order."""
-        return cut_ranges(self.ranges, index * self.batch_size, (index + 1) * self.batch_size)
+        return cut_segments(self.segments, index * self.batch_size, (index + 1) * self.batch_size)
 
     def after(self, done: int) -> "ReadTask":
         """The task without its first ``done`` batches."""
+        if not 0 <= done <= self.num_batches:
+            raise ValueError(f"cannot skip {done} of a task's {self.num_batches} batches")
         return ReadTask(
             self.epoch,
             self.first_step + done,
             self.num_batches - done,
             self.batch_size,
-            cut_ranges(self.ranges, done * self.batch_size, self.num_rows),
+            cut_segments(self.segments, done * self.batch_size, self.num_rows),
         )
 
     def split(self, batches_per_task: int) -> list["ReadTask"]:
@@ -101,41 +113,50 @@ class ReadTask:
                 self.first_step + first,
                 min(batches_per_task, self.num_batches - first),
                 size,
-                cut_ranges(self.ranges, first * size, (first + batches_per_task) * size),
+                cut_segments(self.segments, first * size, (first + batches_per_task) * size),
             )
             for first in range(0, self.num_batches, batches_per_task)
         ]
 
 
-def cut_ranges(ranges: Sequence[RowRange], begin: int, end: int) -> tuple[RowRange, ...]:
-    """The rows at positions ``[begin, end)`` of the stream ``ranges`` form, as ranges."""
-    out = []
-    position = 0
-    for r in ranges:
-        lo, hi = max(begin - position, 0), min(end - position, r.num_rows)
-        if hi > lo:
-            out.append(RowRange(r.file_index, r.row_group, r.start + lo, r.start + hi))
-        position += r.num_rows
-        if position >= end:
-            break
-    return tuple(out)
-
-
 def row_groups_of(files: Sequence[pq.ParquetFile]) -> list[RowGroupInfo]:
-    """Row groups of opened ``files`` from their Parquet footers (no data is read)."""
+    """Row groups of opened ``files`` from their Parquet footers (no data is read); empty
+    row groups are left out (they hold no rows to read)."""
     groups = []
     for file_index, parquet_file in enumerate(files):
         meta = parquet_file.metadata
         for rg in range(meta.num_row_groups):
-            groups.append(RowGroupInfo(file_index, rg, meta.row_group(rg).num_rows))
+            rows = meta.row_group(rg).num_rows
+            if rows:
+                groups.append(RowGroupInfo(file_index, rg, rows))
     return groups
 
 
-def epoch_order(num_groups: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
-    """The order in which row groups are read in ``epoch`` (int64 ``[num_groups]``)."""
-    if not shuffle:
-        return np.arange(num_groups, dtype=np.int64)
-    return np.random.default_rng([seed, epoch]).permutation(num_groups)
+def auto_window(groups: Sequence[RowGroupInfo]) -> int:
+    """Row groups per row-shuffling window so that a window holds about
+    :data:`WINDOW_ROWS` rows (at least one group)."""
+    if not groups:
+        return 1
+    mean_rows = sum(g.num_rows for g in groups) / len(groups)
+    return max(1, int(np.ceil(WINDOW_ROWS / max(mean_rows, 1.0))))
+
+
+def epoch_windows(groups: Sequence[RowGroupInfo], seed: int, epoch: int, shuffle: str = "rows",
+                  window: int = 0) -> list[Window]:
+    """The windows of ``epoch`` in read order (``window``: row groups per window when
+    shuffling rows; 0 picks :func:`auto_window`)."""
+    if shuffle not in SHUFFLE_MODES:
+        raise ValueError(f"shuffle must be one of {SHUFFLE_MODES}, got {shuffle!r}")
+    if window < 0:
+        raise ValueError(f"window must be >= 0 row groups, got {window}")
+    if shuffle == "none":
+        return [Window((g,)) for g in groups]
+    order = [groups[i] for i in permutation(combine(seed, epoch), len(groups))]
+    if shuffle == "row_groups":
+        return [Window((g,)) for g in order]
+    size = window or auto_window(groups)
+    return [Window(tuple(order[i : i + size]), seed=combine(seed, epoch, i // size))
+            for i in range(0, len(order), size)]
 
 
 def plan_epoch(
@@ -147,7 +168,8 @@ def plan_epoch(
     world_size: int,
     batch_size: int,
     remainder: str = "drop",
-    shuffle: bool = True,
+    shuffle: str = "rows",
+    window: int = 0,
 ) -> RankPlan:
     """Plan rank ``rank``'s batches of ``epoch``.
 
@@ -161,7 +183,7 @@ def plan_epoch(
         raise ValueError(f"rank {rank} is outside world size {world_size}")
     if remainder not in REMAINDER_POLICIES:
         raise ValueError(f"remainder must be one of {REMAINDER_POLICIES}, got {remainder!r}")
-    order = epoch_order(len(groups), seed, epoch, shuffle)
+    windows = epoch_windows(groups, seed, epoch, shuffle, window)
     total = sum(g.num_rows for g in groups)
     if remainder == "drop":
         num_batches = total // (world_size * batch_size)
@@ -173,15 +195,15 @@ def plan_epoch(
         span = num_batches * batch_size
         begin, end = min(rank * span, total), min((rank + 1) * span, total)
         dropped = 0
-    stream = [RowRange(groups[i].file_index, groups[i].row_group, 0, groups[i].num_rows) for i in order]
-    ranges = cut_ranges(stream, begin, end)
+    stream = [Segment(w, 0, w.num_rows) for w in windows]
     return RankPlan(
         epoch=epoch,
         rank=rank,
         world_size=world_size,
         batch_size=batch_size,
-        ranges=ranges,
+        segments=cut_segments(stream, begin, end),
         num_batches=num_batches,
         padded_samples=span - (end - begin),
         dropped_rows=dropped,
+        total_rows=total,
     )

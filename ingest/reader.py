@@ -2,33 +2,46 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Protocol
 
-from ingest.batch import HostBatch, Provenance, RowRange
-from ingest.decoder import DecodeOptions, open_files, read_row_range
+import pyarrow as pa
+
+from ingest.batch import HostBatch, Provenance
+from ingest.chunks import ChunkDecoder
+from ingest.decoder import DecodeOptions, open_files, read_row_group
 from ingest.plan import RankPlan, ReadTask, plan_epoch, row_groups_of
+from ingest.rows import RowGroupInfo, Segment, merge_segments
 from ingest.schema import Dataset, DatasetSchema
 
 
 @dataclass(frozen=True)
 class ReaderConfig:
-    """What determines a rank's batch sequence (besides the dataset and the epoch)."""
+    """What determines a rank's batch sequence (besides the dataset and the epoch).
+
+    ``shuffle``: ``rows``, ``row_groups`` or ``none`` (see :mod:`ingest.plan`);
+    ``window``: row groups per row-shuffling window (0: about
+    :data:`~ingest.plan.WINDOW_ROWS` rows)."""
 
     batch_size: int
     seed: int = 0
     rank: int = 0
     world_size: int = 1
     remainder: str = "drop"
-    shuffle: bool = True
+    shuffle: str = "rows"
+    window: int = 0
 
 
 class BatchReader(Protocol):
-    """What the trainer reads from: a rank's planned batches of one split, epoch by epoch."""
+    """What the trainer reads from: a rank's planned batches of one split, epoch by epoch.
+
+    ``epoch(e, first_step)`` yields the planned batches of epoch ``e`` from step
+    ``first_step`` on (a resumed run starts mid-epoch)."""
 
     def plan(self, epoch: int) -> RankPlan: ...
 
-    def epoch(self, epoch: int) -> Iterator[HostBatch]: ...
+    def epoch(self, epoch: int, first_step: int = 0) -> Iterator[HostBatch]: ...
 
     def close(self) -> None: ...
 
@@ -54,6 +67,7 @@ class SplitPlanner:
             batch_size=c.batch_size,
             remainder=c.remainder,
             shuffle=c.shuffle,
+            window=c.window,
         )
 
     def close(self) -> None:
@@ -65,47 +79,64 @@ class InProcessReader:
     """Reads one split of a dataset for one rank, decoding in the calling thread.
 
     ``epoch(e)`` yields exactly ``plan(e).num_batches`` batches of ``batch_size`` samples,
-    each with its :class:`Provenance`.
+    each with its :class:`Provenance`. The row groups of the window being read stay in
+    memory until the next window (a permuted window's chunks read all of them), and the
+    columns of a permuted chunk are gathered by a pool of Arrow's thread count.
     """
 
     def __init__(self, dataset: Dataset, split: str, options: DecodeOptions, config: ReaderConfig) -> None:
         self.dataset = dataset
         self.options = options
         self.planner = SplitPlanner(dataset, split, config)
+        threads = pa.cpu_count()
+        self._take_pool = ThreadPoolExecutor(threads, thread_name_prefix="take") if threads > 1 else None
+        self.decoder = ChunkDecoder(self._load, self.planner.paths, dataset.schema, options, self._take_pool)
+        self._window_tables: dict[RowGroupInfo, pa.Table] = {}
 
     def plan(self, epoch: int) -> RankPlan:
         return self.planner.plan(epoch)
 
-    def decode(self, row_range: RowRange) -> HostBatch:
-        index = row_range.file_index
-        return read_row_range(
-            self.planner.files[index], self.planner.paths[index], row_range, self.dataset.schema, self.options
-        )
+    def _load(self, group: RowGroupInfo) -> pa.Table:
+        table = self._window_tables.get(group)
+        if table is None:
+            index = group.file_index
+            table = read_row_group(self.planner.files[index], self.planner.paths[index], group.row_group,
+                                   self.dataset.schema)
+            self._window_tables[group] = table
+        return table
 
-    def epoch(self, epoch: int) -> Iterator[HostBatch]:
-        task = self.plan(epoch).whole()
-        chunks = ((r, self.decode(r)) for r in task.ranges)
-        yield from batches_from_chunks(task, chunks, self.dataset.schema)
+    def epoch(self, epoch: int, first_step: int = 0) -> Iterator[HostBatch]:
+        task = self.plan(epoch).whole().after(first_step)
+        try:
+            yield from batches_from_chunks(task, self._chunks(task), self.dataset.schema)
+        finally:
+            self._window_tables.clear()
+
+    def _chunks(self, task: ReadTask) -> Iterator[tuple[Segment, HostBatch]]:
+        for segment in task.segments:
+            self._window_tables.clear()  # keep only the current window's row groups
+            yield from self.decoder.chunks(segment)
 
     def close(self) -> None:
         self.planner.close()
+        if self._take_pool is not None:
+            self._take_pool.shutdown()
 
 
 def batches_from_chunks(
-    task: ReadTask, chunks: Iterable[tuple[RowRange, HostBatch]], schema: DatasetSchema
+    task: ReadTask, chunks: Iterable[tuple[Segment, HostBatch]], schema: DatasetSchema
 ) -> Iterator[HostBatch]:
-    """Cut decoded row ranges (in ``task`` order) into the task's batches, padding the tail."""
+    """Cut decoded segments (in ``task`` order) into the task's batches, padding the tail."""
     empty = HostBatch.empty(schema.feature_names, len(schema.dense))  # start of an all-padding batch
     size = task.batch_size
-    parts: list[tuple[RowRange, HostBatch]] = []  # pieces of the batch being filled
+    parts: list[tuple[Segment, HostBatch]] = []  # pieces of the batch being filled
     filled = 0
     step = task.first_step
-    for row_range, chunk in chunks:
+    for segment, chunk in chunks:
         rows = chunk.batch_size
         bounds = [0, *range(size - filled, rows, size), rows]
         for lo, hi, piece in zip(bounds[:-1], bounds[1:], chunk.split(bounds)):
-            r = row_range
-            parts.append((RowRange(r.file_index, r.row_group, r.start + lo, r.start + hi), piece))
+            parts.append((segment.sub(lo, hi), piece))
             filled += hi - lo
             if filled == size:
                 yield _stamped(parts, empty, task.epoch, step, size)
@@ -118,10 +149,10 @@ def batches_from_chunks(
 
 
 def _stamped(
-    taken: list[tuple[RowRange, HostBatch]], empty: HostBatch, epoch: int, step: int, size: int
+    taken: list[tuple[Segment, HostBatch]], empty: HostBatch, epoch: int, step: int, size: int
 ) -> HostBatch:
     parts = [chunk for _, chunk in taken] or [empty]
     batch = HostBatch.concat(parts).padded_to(size)
-    batch.provenance = Provenance(epoch=epoch, step=step, rows=tuple(r for r, _ in taken))
+    batch.provenance = Provenance(epoch=epoch, step=step, rows=merge_segments(r for r, _ in taken))
     return batch
 

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ingest.errors import DataError
+
 DATASET_FORMAT = "neorec-dataset/1"
 DATASET_FILE = "dataset.json"
 
@@ -38,10 +40,15 @@ class SparseFeature:
     table: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"a sparse feature's name must be a non-empty string, got {self.name!r}")
         if not self.table:
             object.__setattr__(self, "table", f"t_{self.name}")
-        if self.cardinality <= 0:
-            raise ValueError(f"sparse feature {self.name!r}: cardinality must be positive")
+        if isinstance(self.cardinality, bool) or not isinstance(self.cardinality, int) or self.cardinality <= 0:
+            raise ValueError(f"sparse feature {self.name!r}: cardinality must be a positive integer, "
+                             f"got {self.cardinality!r}")
+        if not isinstance(self.multi_hot, bool) or not isinstance(self.table, str):
+            raise ValueError(f"sparse feature {self.name!r}: multi_hot must be true or false and table a string")
 
 
 @dataclass(frozen=True)
@@ -75,12 +82,31 @@ class DatasetSchema:
         }
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "DatasetSchema":
-        return cls(
-            label=obj["label"],
-            dense=tuple(obj["dense"]),
-            sparse=tuple(SparseFeature(**f) for f in obj["sparse"]),
-        )
+    def from_json(cls, obj: Any) -> "DatasetSchema":
+        """The schema of a ``dataset.json``'s ``schema`` object; ``ValueError`` naming what
+        is missing or of the wrong type."""
+        if not isinstance(obj, dict):
+            raise ValueError(f"'schema' must be an object, got {obj!r}")
+        missing = [k for k in ("label", "dense", "sparse") if k not in obj]
+        if missing:
+            raise ValueError(f"'schema' lacks {', '.join(repr(k) for k in missing)}")
+        label, dense, sparse = obj["label"], obj["dense"], obj["sparse"]
+        if not isinstance(label, str) or not isinstance(dense, list) or not all(isinstance(d, str) for d in dense):
+            raise ValueError("'schema': 'label' must be a column name and 'dense' a list of column names")
+        if not isinstance(sparse, list) or not all(isinstance(f, dict) for f in sparse):
+            raise ValueError("'schema': 'sparse' must be a list of objects")
+        features = []
+        for f in sparse:
+            unknown = set(f) - {"name", "cardinality", "multi_hot", "table"}
+            if unknown or "name" not in f or "cardinality" not in f:
+                raise ValueError(f"'schema': sparse feature {f!r} needs 'name' and 'cardinality' "
+                                 f"(and optionally 'multi_hot', 'table')")
+            features.append(SparseFeature(**f))
+        names = [label, *dense, *(f.name for f in features)]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"'schema' names column(s) {repeated} more than once")
+        return cls(label=label, dense=tuple(dense), sparse=tuple(features))
 
 
 @dataclass
@@ -97,7 +123,8 @@ class Dataset:
 
     def files(self, split: str) -> list[Path]:
         if split not in self.splits:
-            raise KeyError(f"dataset {self.root} has no split {split!r} (has {sorted(self.splits)})")
+            raise DataError(f"the dataset has no split {split!r} (it has {', '.join(sorted(self.splits))})",
+                            file=str(self.root / DATASET_FILE))
         return [self.root / name for name in self.splits[split]]
 
     def save(self) -> None:
@@ -116,19 +143,35 @@ class Dataset:
 
     @classmethod
     def load(cls, root: str | Path) -> "Dataset":
+        """The dataset at ``root``: ``FileNotFoundError`` when it has no ``dataset.json``,
+        :class:`DataError` naming the file and the problem when that is not a valid one."""
         root = Path(root)
         path = root / DATASET_FILE
-        if not path.exists():
+        if not path.is_file():
             raise FileNotFoundError(f"{path} not found: not a neorec dataset directory")
-        obj = json.loads(path.read_text())
+        try:
+            obj = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise DataError(f"not a readable JSON file: {err}", file=str(path)) from None
+        if not isinstance(obj, dict):
+            raise DataError("expected a JSON object", file=str(path))
         if obj.get("format") != DATASET_FORMAT:
-            raise ValueError(f"{path}: unknown format {obj.get('format')!r}, expected {DATASET_FORMAT!r}")
-        return cls(
-            root=root,
-            schema=DatasetSchema.from_json(obj["schema"]),
-            splits={k: list(v) for k, v in obj["splits"].items()},
-            rows=dict(obj.get("rows") or {}),
-            profile=obj.get("profile", ""),
-            oracle=obj.get("oracle"),
-            generator=obj.get("generator"),
-        )
+            raise DataError(f"unknown format {obj.get('format')!r}, expected {DATASET_FORMAT!r}", file=str(path))
+        try:
+            if "schema" not in obj or "splits" not in obj:
+                raise ValueError(f"lacks {'schema' if 'schema' not in obj else 'splits'!r}")
+            splits = obj["splits"]
+            if not isinstance(splits, dict) or not all(
+                    isinstance(v, list) and all(isinstance(n, str) for n in v) for v in splits.values()):
+                raise ValueError("'splits' must map split names to lists of file names")
+            return cls(
+                root=root,
+                schema=DatasetSchema.from_json(obj["schema"]),
+                splits={str(k): list(v) for k, v in splits.items()},
+                rows=dict(obj.get("rows") or {}),
+                profile=obj.get("profile", ""),
+                oracle=obj.get("oracle"),
+                generator=obj.get("generator"),
+            )
+        except (ValueError, TypeError) as err:
+            raise DataError(str(err), file=str(path)) from None

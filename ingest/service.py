@@ -1,50 +1,54 @@
 """The reader service: a stateless gRPC worker that decodes requested rows into batches.
 
-A ``Read`` request names a dataset directory, the rows to read (file, row group, row
-range) and how to cut them into batches; the reply streams one ``Batch`` message per
+A ``Read`` request names a dataset directory, the rows to read (windows of row groups,
+each read in file order or permuted by a seed, and segments of them) and how to cut them
+into batches; the reply streams one ``Batch`` message per
 batch, cut exactly as :func:`ingest.reader.batches_from_chunks` cuts them in process.
 The worker keeps nothing between requests, so any worker can serve any request and a
 client can re-request unfinished work from another worker.
 
-Bad requests end with INVALID_ARGUMENT or NOT_FOUND, unreadable or invalid data with
-DATA_LOSS (the message names file, row group and column), and the server keeps serving.
-The process also serves ``grpc.health.v1.Health`` and a ``Status`` RPC with live counters.
+Bad requests end with INVALID_ARGUMENT or NOT_FOUND, a dataset outside the service's
+data roots with PERMISSION_DENIED, a stream beyond ``max_streams`` with
+RESOURCE_EXHAUSTED, unreadable or invalid data with DATA_LOSS (the message names file, row
+group and column), and the server keeps serving. The process also serves
+``grpc.health.v1.Health`` and a ``Status`` RPC with live counters, which keep answering
+however many streams are open.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator, Sequence
 
 import grpc
 import pyarrow as pa
 import pyarrow.parquet as pq
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ingest.batch import HostBatch, RowRange
-from ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS, DecodeOptions, decode_row_range, open_files, read_row_group
+from ingest.batch import HostBatch
+from ingest.chunks import ChunkDecoder
+from ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS, DecodeOptions, open_files, read_row_group
 from ingest.errors import DataError
+from ingest.fingerprint import fingerprint
 from ingest.plan import ReadTask
 from ingest.reader import batches_from_chunks
 from ingest.row_group_cache import DEFAULT_CAPACITY_BYTES, RowGroupCache
+from ingest.rows import RowGroupInfo, Segment, Window
 from ingest.schema import Dataset
-from ingest.wire import MAX_MESSAGE_BYTES, SERVICE_NAME, serialize_batch
+from ingest.transport import MAX_DETAILS_CHARS, RESERVED_THREADS, ServerSecurity, ServiceHost, abort
+from ingest.wire import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, SERVICE_NAME, serialize_batch
 from protos import ingest_pb2, ingest_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH_SIZE = 1 << 20
-MAX_BATCHES_PER_REQUEST = 1 << 20
 RATE_WINDOW_S = 5.0
-SIGNAL_POLL_S = 0.2
-"""How often the main thread of ``serve_until_signal`` wakes to run pending signal handlers."""
+DEFAULT_MAX_STREAMS = 64
 
 
 class RequestError(Exception):
@@ -63,25 +67,31 @@ class ReadJob:
     paths: tuple[str, ...]
     metadata: dict[int, pq.FileMetaData]
     task: ReadTask
+    windows: dict[Window, int]
+    """The request's windows and their numbers (a batch's provenance names them)."""
     options: DecodeOptions
     compression: int
 
 
-def validate_request(request: ingest_pb2.ReadRequest) -> ReadJob:
-    """Check a ``ReadRequest`` against the dataset on this worker's disk.
+def validate_request(request: ingest_pb2.ReadRequest, data_roots: Sequence[Path]) -> ReadJob:
+    """Check a ``ReadRequest`` against the dataset on this worker's disk, which must lie
+    under one of ``data_roots`` (resolved directories).
 
     Raises :class:`RequestError` (NOT_FOUND for an unknown dataset, split or file;
-    INVALID_ARGUMENT for anything malformed).
+    PERMISSION_DENIED for a dataset outside the roots; FAILED_PRECONDITION when a file here
+    differs from the client's; INVALID_ARGUMENT for anything malformed or too large).
     """
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     if not 0 < request.batch_size <= MAX_BATCH_SIZE:
         raise RequestError(invalid, f"batch_size must lie in [1, {MAX_BATCH_SIZE}], got {request.batch_size}")
-    if not 0 < request.num_batches <= MAX_BATCHES_PER_REQUEST:
-        raise RequestError(invalid, f"num_batches must lie in [1, {MAX_BATCHES_PER_REQUEST}], got {request.num_batches}")
+    if not 0 < request.num_batches * request.batch_size <= MAX_REQUEST_ROWS:
+        raise RequestError(invalid, f"a request may ask for 1 to {MAX_REQUEST_ROWS} rows (num_batches x batch_size), "
+                                    f"got {request.num_batches} x {request.batch_size}")
     if request.compression not in ingest_pb2.Compression.values():
         raise RequestError(invalid, f"unknown compression {request.compression}")
+    root = _dataset_root(request.dataset, data_roots)
     try:
-        dataset = Dataset.load(request.dataset)
+        dataset = Dataset.load(root)
     except FileNotFoundError as err:
         raise RequestError(grpc.StatusCode.NOT_FOUND, str(err)) from err
     except (OSError, ValueError, KeyError) as err:
@@ -89,17 +99,89 @@ def validate_request(request: ingest_pb2.ReadRequest) -> ReadJob:
     if request.split not in dataset.splits:
         raise RequestError(grpc.StatusCode.NOT_FOUND, f"dataset {request.dataset} has no split {request.split!r}")
     known = set(dataset.splits[request.split])
-    for name in request.files:
-        if name not in known:
-            raise RequestError(grpc.StatusCode.NOT_FOUND, f"file {name!r} is not in split {request.split!r} of {request.dataset}")
-    paths = tuple(str(dataset.root / name) for name in request.files)
+    for data_file in request.files:
+        if data_file.name not in known:
+            raise RequestError(grpc.StatusCode.NOT_FOUND,
+                               f"file {data_file.name!r} is not in split {request.split!r} of {request.dataset}")
+    paths = tuple(str(dataset.root / f.name) for f in request.files)
     options = _decode_options(request.decode, dataset)
-    ranges = tuple(RowRange(r.file, r.row_group, r.start, r.stop) for r in request.ranges)
-    task = ReadTask(request.epoch, request.first_step, request.num_batches, request.batch_size, ranges)
+    windows = _windows(request, paths)
+    used = sorted({g.file_index for w in windows for g in w.groups})
+    _check_fingerprints(request, paths, used)
+    metadata = {i: f.metadata for i, f in zip(used, open_files([paths[i] for i in used], dataset.schema))}
+    _check_row_groups(windows, paths, metadata)
+    segments = []
+    for s in request.segments:
+        if s.window >= len(windows) or not s.start < s.stop <= windows[s.window].num_rows:
+            raise RequestError(invalid, f"segment [{s.start}, {s.stop}) of window {s.window} is not a run of rows "
+                                        f"of the request's {len(windows)} windows")
+        segments.append(Segment(windows[s.window], s.start, s.stop))
+    task = ReadTask(request.epoch, request.first_step, request.num_batches, request.batch_size, tuple(segments))
     if task.num_rows > task.num_batches * task.batch_size:
         raise RequestError(invalid, f"{task.num_rows} rows do not fit in {task.num_batches} batches of {task.batch_size}")
-    metadata = _check_ranges(ranges, paths, dataset)
-    return ReadJob(dataset, paths, metadata, task, options, request.compression)
+    return ReadJob(dataset, paths, metadata, task, {w: i for i, w in enumerate(windows)}, options,
+                   request.compression)
+
+
+def _dataset_root(name: str, data_roots: Sequence[Path]) -> Path:
+    """The dataset directory a request names, resolved, if it lies under a data root."""
+    if not name:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "the request names no dataset")
+    try:
+        root = Path(name).resolve()
+    except (OSError, ValueError) as err:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"dataset path {name!r}: {err}") from None
+    if not any(root == r or r in root.parents for r in data_roots):
+        raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                           f"dataset {name} is outside this service's data roots (neorec ingest serve --data-root)")
+    return root
+
+
+def _windows(request: ingest_pb2.ReadRequest, paths: tuple[str, ...]) -> list[Window]:
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    windows = []
+    for w in request.windows:
+        if not w.groups:
+            raise RequestError(invalid, "a window of the request holds no row group")
+        bad = [g.file for g in w.groups if g.file >= len(paths)]
+        if bad:
+            raise RequestError(invalid, f"a window names file {bad[0]}, the request lists {len(paths)} files")
+        groups = tuple(RowGroupInfo(g.file, g.row_group, g.num_rows) for g in w.groups)
+        windows.append(Window(groups, seed=w.seed if w.permuted else None))
+    return windows
+
+
+def _check_fingerprints(request: ingest_pb2.ReadRequest, paths: tuple[str, ...], used: list[int]) -> None:
+    """Every file the request reads must be, here, the file the client planned with."""
+    for index in used:
+        path, expected = paths[index], request.files[index]
+        try:
+            here = fingerprint(path)
+        except FileNotFoundError:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"file {path} does not exist on this worker") from None
+        except (OSError, ValueError) as err:
+            raise RequestError(grpc.StatusCode.DATA_LOSS, f"file {path}: {err}") from None
+        if (here.size, here.footer_crc32) != (expected.size, expected.footer_crc32):
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"file {path} on this worker is not the client's: {here.size} bytes, footer CRC-32 "
+                               f"{here.footer_crc32:08x}; the client planned with {expected.size} bytes, "
+                               f"{expected.footer_crc32:08x}")
+
+
+def _check_row_groups(windows: list[Window], paths: tuple[str, ...], metadata: dict[int, pq.FileMetaData]) -> None:
+    """Every row group a window names must exist and hold the rows the client counted."""
+    for window in windows:
+        for g in window.groups:
+            meta = metadata[g.file_index]
+            if g.row_group >= meta.num_row_groups:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"file {paths[g.file_index]} has {meta.num_row_groups} row groups, the request "
+                                   f"reads row group {g.row_group}")
+            rows = meta.row_group(g.row_group).num_rows
+            if rows != g.num_rows:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"row group {g.row_group} of file {paths[g.file_index]} holds {rows} rows, "
+                                   f"the request counts {g.num_rows}")
 
 
 def _decode_options(spec: ingest_pb2.DecodeSpec, dataset: Dataset) -> DecodeOptions:
@@ -113,33 +195,6 @@ def _decode_options(spec: ingest_pb2.DecodeSpec, dataset: Dataset) -> DecodeOpti
     if any(rows <= 0 for rows in spec.table_rows):
         raise RequestError(invalid, "decode.table_rows must all be positive")
     return DecodeOptions(tuple(spec.table_rows), spec.dense_transform, spec.id_mapping)
-
-
-def _check_ranges(
-    ranges: tuple[RowRange, ...], paths: tuple[str, ...], dataset: Dataset
-) -> dict[int, pq.FileMetaData]:
-    """Every range must name a file of the request and lie inside one of its row groups.
-
-    Returns the Parquet footers of the files the ranges read, by file index.
-    """
-    invalid = grpc.StatusCode.INVALID_ARGUMENT
-    used = sorted({r.file_index for r in ranges})
-    if used and used[-1] >= len(paths):
-        raise RequestError(invalid, f"a range names file {used[-1]}, the request lists {len(paths)} files")
-    for index in used:
-        if not Path(paths[index]).exists():
-            raise RequestError(grpc.StatusCode.NOT_FOUND, f"file {paths[index]} does not exist on this worker")
-    metadata = {i: f.metadata for i, f in zip(used, open_files([paths[i] for i in used], dataset.schema))}
-    for r in ranges:
-        meta = metadata[r.file_index]
-        if r.row_group >= meta.num_row_groups:
-            raise RequestError(invalid, f"file {paths[r.file_index]} has {meta.num_row_groups} row groups, "
-                                        f"the request reads row group {r.row_group}")
-        rows = meta.row_group(r.row_group).num_rows
-        if not r.start < r.stop <= rows:
-            raise RequestError(invalid, f"rows [{r.start}, {r.stop}) are outside row group {r.row_group} "
-                                        f"({rows} rows) of file {paths[r.file_index]}")
-    return metadata
 
 
 class ServiceCounters:
@@ -156,10 +211,14 @@ class ServiceCounters:
         self.active = 0
         self._recent: deque[float] = deque()
 
-    def stream_opened(self) -> None:
+    def stream_opened(self, limit: int) -> bool:
+        """Count a new stream unless ``limit`` streams are open; whether it was counted."""
         with self._lock:
+            if self.active >= limit:
+                return False
             self.requests += 1
             self.active += 1
+            return True
 
     def stream_closed(self) -> None:
         with self._lock:
@@ -202,9 +261,17 @@ class ServiceCounters:
 
 class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
     """Serves ``Read`` and ``Status``; decodes on a shared pool of ``decode_threads``,
-    reading row groups through a :class:`RowGroupCache` of ``cache_bytes``."""
+    reading row groups through a :class:`RowGroupCache` of ``cache_bytes``, at most
+    ``max_streams`` streams at once, datasets under ``data_roots`` only."""
 
-    def __init__(self, decode_threads: int, cache_bytes: int = DEFAULT_CAPACITY_BYTES) -> None:
+    def __init__(self, decode_threads: int, cache_bytes: int = DEFAULT_CAPACITY_BYTES,
+                 max_streams: int = DEFAULT_MAX_STREAMS, data_roots: Sequence[str | Path] = (".",)) -> None:
+        if decode_threads <= 0 or max_streams <= 0:
+            raise ValueError("decode_threads and max_streams must be positive")
+        if not data_roots:
+            raise ValueError("a reader service needs at least one data root")
+        self.max_streams = max_streams
+        self.data_roots = tuple(Path(r).resolve() for r in data_roots)
         self.counters = ServiceCounters()
         self.row_groups = RowGroupCache(cache_bytes)
         self.draining = threading.Event()
@@ -219,12 +286,14 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
         if self.draining.is_set():
             self._abort(context, grpc.StatusCode.UNAVAILABLE, "the reader service is shutting down")
         try:
-            job = validate_request(request)
+            job = validate_request(request, self.data_roots)
         except RequestError as err:
             self._abort(context, err.code, str(err))
         except DataError as err:
             self._abort(context, grpc.StatusCode.DATA_LOSS, str(err))
-        self.counters.stream_opened()
+        if not self.counters.stream_opened(self.max_streams):
+            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{self.max_streams} streams are open, the most this reader service serves at once")
         try:
             yield from self._stream(job, context)
         finally:
@@ -245,7 +314,7 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
             for batch in batches_from_chunks(job.task, self._decoded(job), job.dataset.schema):
                 if self.aborting.is_set():
                     self._abort(context, grpc.StatusCode.UNAVAILABLE, "the reader service is shutting down")
-                message = serialize_batch(batch, id_bound, job.compression)
+                message = serialize_batch(batch, id_bound, job.windows, job.compression)
                 if len(message) > MAX_MESSAGE_BYTES:
                     self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"batch step {batch.provenance.step} is {len(message)} bytes, "
@@ -255,54 +324,54 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
         except DataError as err:
             self._abort(context, grpc.StatusCode.DATA_LOSS, str(err))
 
-    def _decoded(self, job: ReadJob) -> Iterator[tuple[RowRange, HostBatch]]:
-        """The job's rows decoded in order, in pieces, up to ``decode_threads`` of them ahead.
+    def _decoded(self, job: ReadJob) -> Iterator[tuple[Segment, HostBatch]]:
+        """The job's rows decoded in order, a segment per decode thread, up to
+        ``decode_threads`` segments ahead.
 
-        A task of fewer ranges than decode threads is cut into that many pieces at batch
+        A task of fewer segments than decode threads is cut into that many pieces at batch
         boundaries (so no batch's provenance changes), which its threads decode at once.
         """
         schema = job.dataset.schema
         task = job.task
-        pieces = task.ranges
+        pieces = task.segments
         if 0 < len(pieces) < self._decode_threads:
             per_piece = -(-task.num_batches // self._decode_threads)
-            pieces = tuple(r for part in task.split(per_piece) for r in part.ranges)
+            pieces = tuple(s for part in task.split(per_piece) for s in part.segments)
 
-        def decode(r: RowRange) -> HostBatch:
-            path = job.paths[r.file_index]
+        def load(group: RowGroupInfo) -> pa.Table:
+            path = job.paths[group.file_index]
 
             def read() -> pa.Table:
                 # A file object per read: reads run concurrently, footers are parsed once.
-                parquet_file = pq.ParquetFile(path, metadata=job.metadata[r.file_index])
-                return read_row_group(parquet_file, path, r.row_group, schema)
+                parquet_file = pq.ParquetFile(path, metadata=job.metadata[group.file_index])
+                return read_row_group(parquet_file, path, group.row_group, schema)
 
             try:
-                table = self.row_groups.read(path, r.row_group, tuple(schema.columns), task.epoch, read)
+                return self.row_groups.read(path, group.row_group, tuple(schema.columns), task.epoch, read)
             except OSError as err:  # the file went away or became unreadable since the request
-                raise DataError(f"cannot read row group: {err}", file=path, row_group=r.row_group) from err
-            return decode_row_range(table, path, r, schema, job.options)
+                raise DataError(f"cannot read row group: {err}", file=path, row_group=group.row_group) from err
 
-        ahead: deque[tuple[RowRange, Future]] = deque()
-        ranges = iter(pieces)
+        decoder = ChunkDecoder(load, job.paths, schema, job.options)
+        ahead: deque[Future] = deque()
+        segments = iter(pieces)
         try:
             while True:
                 while len(ahead) < self._decode_threads:
-                    r = next(ranges, None)
-                    if r is None:
+                    segment = next(segments, None)
+                    if segment is None:
                         break
-                    ahead.append((r, self._pool.submit(decode, r)))
+                    ahead.append(self._pool.submit(lambda s: list(decoder.chunks(s)), segment))
                 if not ahead:
                     return
-                r, future = ahead.popleft()
-                yield r, future.result()
+                yield from ahead.popleft().result()
         finally:
-            for _, future in ahead:
+            for future in ahead:
                 future.cancel()
 
     def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         self.counters.error()
-        log.info("Read ends with %s: %s", code.name, message)
-        context.abort(code, message)
+        log.info("Read ends with %s: %s", code.name, message[:MAX_DETAILS_CHARS])
+        abort(context, code, message)
 
 
 class ReaderServer:
@@ -313,43 +382,33 @@ class ReaderServer:
     """
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, threads: int = 4, cache_bytes: int = DEFAULT_CAPACITY_BYTES
+        self, host: str = "127.0.0.1", port: int = 0, threads: int = 4, cache_bytes: int = DEFAULT_CAPACITY_BYTES,
+        max_streams: int = DEFAULT_MAX_STREAMS, data_roots: Sequence[str | Path] = (".",),
+        security: ServerSecurity = ServerSecurity(),
     ) -> None:
-        self.servicer = ReaderServicer(threads, cache_bytes)
-        self.health = health.HealthServicer(
-            experimental_non_blocking=True,
-            experimental_thread_pool=ThreadPoolExecutor(2, thread_name_prefix="health"),
-        )
-        options = [
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ]
-        self._server = grpc.server(ThreadPoolExecutor(max(16, 4 * threads), thread_name_prefix="rpc"),
-                                   options=options)
-        self._server.add_generic_rpc_handlers([reader_handler(self.servicer)])
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        self.host = host
-        self.port = self._server.add_insecure_port(f"{_bracketed(host)}:{port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind {host}:{port}")
+        self.servicer = ReaderServicer(threads, cache_bytes, max_streams, data_roots)
+        self.host = ServiceHost(host, port, security, max_streams + RESERVED_THREADS, [reader_handler(self.servicer)],
+                                [SERVICE_NAME], MAX_REQUEST_BYTES, MAX_MESSAGE_BYTES)
 
     @property
     def address(self) -> str:
-        return f"{_bracketed(self.host)}:{self.port}"
+        return self.host.address
+
+    @property
+    def port(self) -> int:
+        return self.host.port
 
     def start(self) -> None:
-        self._server.start()
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.host.start()
 
     def stop(self, grace_s: float = 5.0) -> None:
-        self.health.enter_graceful_shutdown()
+        self.host.draining()
         self.servicer.draining.set()
         deadline = time.monotonic() + grace_s
         while self.servicer.counters.active and time.monotonic() < deadline:
             time.sleep(0.05)
         self.servicer.aborting.set()
-        self._server.stop(grace=1.0).wait()
+        self.host.stop(1.0)
         self.servicer.close()
 
 
@@ -363,25 +422,3 @@ def reader_handler(servicer: ReaderServicer) -> grpc.GenericRpcHandler:
             servicer.Status, request_deserializer=ingest_pb2.StatusRequest.FromString,
             response_serializer=ingest_pb2.StatusReply.SerializeToString),
     })
-
-
-def serve_until_signal(server: ReaderServer, grace_s: float, on_ready: Callable[[str], None]) -> None:
-    """Run ``server`` until SIGTERM or SIGINT, then stop it gracefully (main thread only)."""
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        server.start()
-        on_ready(server.address)
-        # Python runs signal handlers on the main thread only; a signal the kernel hands to
-        # another thread would not wake an untimed wait, so the wait wakes up to look.
-        while not stop.wait(SIGNAL_POLL_S):
-            pass
-        log.info("shutting down (grace %.1f s)", grace_s)
-        server.stop(grace_s)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _bracketed(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host

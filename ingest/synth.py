@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ingest.hashing import SALT, splitmix64
 from ingest.metrics import binary_metrics
 from ingest.schema import Dataset, DatasetSchema, SparseFeature
 
@@ -218,13 +219,6 @@ def _rank_to_id(ranks: np.ndarray, cardinality: int, feature: int) -> np.ndarray
     return (ranks * (multiplier % cardinality) + 7919 * feature) % cardinality
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 class _Teacher:
     """The planted model; see the module docstring."""
 
@@ -243,8 +237,8 @@ class _Teacher:
     def embedding(self, feature: int, ranks: np.ndarray) -> np.ndarray:
         """float64 ``[len(ranks), TEACHER_DIM]``: the teacher's vector of each id."""
         keys = (ranks.astype(np.uint64)[:, None] * np.uint64(TEACHER_DIM) + np.arange(TEACHER_DIM, dtype=np.uint64))
-        salt = np.uint64((self.salt + feature * 0x632BE59BD9B4E019) % (1 << 64))
-        h = _splitmix64(keys ^ salt)
+        salt = np.uint64((self.salt + feature * SALT) % (1 << 64))
+        h = splitmix64(keys ^ salt)
         mask = np.uint64(0xFFFF)
         total = sum(((h >> np.uint64(s)) & mask).astype(np.float64) for s in (0, 16, 32, 48))
         gaussian = (total / 65535.0 - 2.0) * np.sqrt(3.0)

@@ -14,22 +14,34 @@ import numpy as np
 import zstandard
 from google.protobuf.message import DecodeError
 
-from ingest.batch import HostBatch, Provenance, RowRange
+from typing import Mapping, Sequence
+
+from ingest.batch import HostBatch, Provenance
+from ingest.rows import Segment, Window
 from protos import ingest_pb2
 
 ZSTD_LEVEL = 1
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 """Send/receive limit for a batch message, set on both ends (far above grpc's 4 MiB
 default: a batch of 65,536 multi-hot samples is ~100 MiB)."""
+MAX_REQUEST_BYTES = 16 * 1024 * 1024
+"""Receive limit of a service for one request (a request names files, windows and
+segments: kilobytes, or a few MiB for a split of many thousand files)."""
+MAX_REQUEST_ROWS = 1 << 22
+"""Most rows, padding included, that one request may ask for (``num_batches *
+batch_size``); a client's tasks are a few hundred thousand rows."""
 
 
 class WireError(ValueError):
     """A message does not hold a well-formed batch."""
 
 
-def serialize_batch(batch: HostBatch, id_bound: int, compression: int = ingest_pb2.COMPRESSION_NONE) -> bytes:
+def serialize_batch(batch: HostBatch, id_bound: int, window_index: Mapping[Window, int],
+                    compression: int = ingest_pb2.COMPRESSION_NONE) -> bytes:
     """The serialized ``Batch`` message for ``batch``, whose ids all lie in ``[0, id_bound)``
     (the largest table's rows: no scan of the ids), built with one copy of the tensors.
+    ``window_index`` numbers the windows of the request the batch answers (its provenance
+    names rows by window number).
 
     The header fields are serialized by protobuf; the body field (number 11) is appended
     by hand (tag, length, bytes), which is a valid encoding of the same message: fields
@@ -57,8 +69,8 @@ def serialize_batch(batch: HostBatch, id_bound: int, compression: int = ingest_p
     header = ingest_pb2.Batch(
         epoch=provenance.epoch,
         step=provenance.step,
-        rows=[ingest_pb2.RowRange(file=r.file_index, row_group=r.row_group, start=r.start, stop=r.stop)
-              for r in provenance.rows],
+        rows=[ingest_pb2.Segment(window=window_index[s.window], start=s.start, stop=s.stop)
+              for s in provenance.rows],
         batch_size=batch.batch_size,
         num_valid=batch.num_valid,
         num_dense=batch.dense.shape[1],
@@ -159,9 +171,9 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def decode_batch(data: bytes, keys: tuple[str, ...]) -> HostBatch:
+def decode_batch(data: bytes, keys: tuple[str, ...], windows: Sequence[Window]) -> HostBatch:
     """The batch a serialized ``Batch`` message holds; ``keys`` are the dataset's feature
-    names (schema order).
+    names (schema order), ``windows`` those of the request it answers.
 
     The arrays are read-only views into ``data`` itself (or into its decompressed body):
     only the small header goes through protobuf, so the tensors are never copied. Raises
@@ -171,7 +183,10 @@ def decode_batch(data: bytes, keys: tuple[str, ...]) -> HostBatch:
     if message.num_features != len(keys):
         raise WireError(f"batch has {message.num_features} features, the dataset {len(keys)}")
     if message.compression == ingest_pb2.COMPRESSION_ZSTD:
-        body = zstandard.ZstdDecompressor().decompress(body)
+        try:
+            body = zstandard.ZstdDecompressor().decompress(body)
+        except zstandard.ZstdError as err:
+            raise WireError(f"batch step {message.step}: the zstd body does not decompress: {err}") from None
     elif message.compression != ingest_pb2.COMPRESSION_NONE:
         raise WireError(f"unknown compression {message.compression}")
     size, num_values, num_dense, step = message.batch_size, message.num_values, message.num_dense, message.step
@@ -198,9 +213,15 @@ def decode_batch(data: bytes, keys: tuple[str, ...]) -> HostBatch:
         values=values.astype(np.int64, copy=False),
         weights=arrays[3] if message.has_weights else None,
         num_valid=message.num_valid,
-        provenance=Provenance(
-            epoch=message.epoch,
-            step=message.step,
-            rows=tuple(RowRange(r.file, r.row_group, r.start, r.stop) for r in message.rows),
-        ),
+        provenance=Provenance(epoch=message.epoch, step=message.step, rows=_segments(message, windows)),
     )
+
+
+def _segments(message: ingest_pb2.Batch, windows: Sequence[Window]) -> tuple[Segment, ...]:
+    segments = []
+    for r in message.rows:
+        if r.window >= len(windows) or not r.start < r.stop <= windows[r.window].num_rows:
+            raise WireError(f"batch step {message.step}: rows [{r.start}, {r.stop}) of window {r.window} "
+                            f"are not rows of the request's {len(windows)} windows")
+        segments.append(Segment(windows[r.window], r.start, r.stop))
+    return tuple(segments)

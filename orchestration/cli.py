@@ -15,25 +15,106 @@ from ingest.arrow_memory import MEMORY_POOLS, SERVICE_MEMORY_POOL, use_memory_po
 from ingest.client import IngestError
 from ingest.errors import DataError
 from ingest.row_group_cache import DEFAULT_CAPACITY_BYTES
+from ingest.service import DEFAULT_MAX_STREAMS
+from ingest.transport import TOKEN_ENV
 from trainer.config import ConfigError
+from trainer.distributed import RankSilentError
 from trainer.sharding.plan import PlanError
 
 if TYPE_CHECKING:
+    from ingest.transport import ClientSecurity, ServerSecurity
     from trainer.config import TrainConfig
     from trainer.distributed import DistributedContext
 
 log = logging.getLogger("neorec")
 
 
+USER_ERROR = 2
+INTERRUPTED = 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a ``neorec`` command. A user error (bad configuration, data, arguments, a file
+    that cannot be read or written, a service that refuses) is one line on stderr and exit
+    status 2; Ctrl-C is one line and 130; anything else is a bug and keeps its traceback."""
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return args.run(args)
-    except (ConfigError, DataError, IngestError, PlanError, FileNotFoundError) as err:
-        print(f"neorec: error: {err}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("neorec: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    except (ConfigError, DataError, IngestError, PlanError, RankSilentError, ValueError, OSError) as err:
+        print(f"neorec: error: {_one_line(err)}", file=sys.stderr)
+        return USER_ERROR
+
+
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        return f"{err.filename}: {err.strerror}"
+    return " ".join(str(err).split("\n")) or type(err).__name__
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside [0, 65535]")
+    return port
+
+
+def _at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite, non-negative number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
+def _add_server_security(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--token-file", help=f"require this shared token on every call but health checks "
+                                             f"(default: ${TOKEN_ENV} if set)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow a non-loopback --host with neither TLS nor a token")
+
+
+def _add_client_security(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-ca", help="PEM certificate to verify the service's TLS certificate with")
+    parser.add_argument("--token-file", help=f"send this shared token (default: ${TOKEN_ENV} if set)")
+
+
+def _server_security(args: argparse.Namespace) -> "ServerSecurity":
+    from ingest.transport import ServerSecurity, read_token
+
+    return ServerSecurity(tls_cert=args.tls_cert, tls_key=args.tls_key, token=read_token(args.token_file),
+                          insecure=args.insecure)
+
+
+def _client_security(args: argparse.Namespace) -> "ClientSecurity":
+    from ingest.transport import ClientSecurity, read_token
+
+    return ClientSecurity(tls_ca=args.tls_ca, token=read_token(args.token_file))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     data = commands.add_parser("data", help="generate or convert datasets").add_subparsers(dest="data", required=True)
     synth = data.add_parser("synth", help="write a synthetic dataset with a planted teacher")
     synth.add_argument("--profile", choices=("criteo", "multihot"), default="criteo")
-    synth.add_argument("--rows", type=int, required=True, help="train + eval rows")
+    synth.add_argument("--rows", type=_at_least(2), required=True, help="train + eval rows")
     synth.add_argument("--out", required=True)
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--eval-fraction", type=float, default=0.2)
@@ -57,20 +138,27 @@ def _parser() -> argparse.ArgumentParser:
 
     ingest = commands.add_parser("ingest", help="reader services").add_subparsers(dest="ingest", required=True)
     serve = ingest.add_parser("serve", help="run a reader service until SIGTERM/Ctrl-C")
-    serve.add_argument("--port", type=int, default=0, help="0: a free port, printed once serving")
+    serve.add_argument("--port", type=_port, default=0, help="0: a free port, printed once serving")
     serve.add_argument("--host", default="127.0.0.1",
-                       help="interface to bind (loopback unless told otherwise, e.g. 0.0.0.0)")
-    serve.add_argument("--worker-threads", "--workers-threads", dest="threads", type=int, default=2,
+                       help="interface to bind (loopback unless told otherwise, e.g. 0.0.0.0: then TLS and/or "
+                            "a token, or --insecure)")
+    serve.add_argument("--data-root", action="append", dest="data_roots", metavar="DIR",
+                       help="serve only datasets under this directory (repeatable; default: the working directory)")
+    serve.add_argument("--worker-threads", "--workers-threads", dest="threads", type=_at_least(1), default=2,
                        help="decode threads")
-    serve.add_argument("--row-group-cache-mib", type=int, default=DEFAULT_CAPACITY_BYTES >> 20,
+    serve.add_argument("--max-streams", type=_at_least(1), default=DEFAULT_MAX_STREAMS,
+                       help="open streams served at once (more are refused with RESOURCE_EXHAUSTED)")
+    serve.add_argument("--row-group-cache-mib", type=_at_least(0), default=DEFAULT_CAPACITY_BYTES >> 20,
                        help="memory for row groups shared by concurrent reads of one epoch")
     serve.add_argument("--memory-pool", choices=sorted(MEMORY_POOLS), default=SERVICE_MEMORY_POOL,
                        help="Arrow's allocator in the service (see ingest/arrow_memory.py)")
-    serve.add_argument("--grace", type=float, default=5.0, help="seconds open streams get to finish on shutdown")
+    serve.add_argument("--grace", type=_seconds, default=5.0, help="seconds open streams get to finish on shutdown")
+    _add_server_security(serve)
     serve.set_defaults(run=_ingest_serve)
     status = ingest.add_parser("status", help="print a reader service's live counters")
     status.add_argument("address", help="host:port")
-    status.add_argument("--timeout", type=float, default=5.0)
+    status.add_argument("--timeout", type=_seconds, default=5.0)
+    _add_client_security(status)
     status.set_defaults(run=_ingest_status)
 
     train = commands.add_parser("train", help="train a DLRM as a config says")
@@ -78,8 +166,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     train.add_argument("--ingest", metavar="HOST:PORT,...",
                        help="read through these reader services instead of in process")
-    train.add_argument("--nproc", type=int, default=1,
+    train.add_argument("--nproc", type=_at_least(1), default=1,
                        help="trainer processes on this machine (torchrun; tables sharded by the planner)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace the run already in run.dir (its files only)")
     train.set_defaults(run=_train)
 
     plan = commands.add_parser("plan", help="print the sharding plan for a config, without training")
@@ -128,11 +218,17 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _ingest_serve(args: argparse.Namespace) -> int:
-    from ingest.service import ReaderServer, serve_until_signal
+    from ingest.service import ReaderServer
+    from ingest.transport import serve_until_signal
 
     use_memory_pool(args.memory_pool)
+    roots = args.data_roots or ["."]
+    missing = [r for r in roots if not Path(r).is_dir()]
+    if missing:
+        raise FileNotFoundError(f"--data-root {missing[0]} is not a directory")
     server = ReaderServer(host=args.host, port=args.port, threads=args.threads,
-                          cache_bytes=args.row_group_cache_mib << 20)
+                          cache_bytes=args.row_group_cache_mib << 20, max_streams=args.max_streams,
+                          data_roots=roots, security=_server_security(args))
 
     def ready(address: str) -> None:
         print(f"neorec ingest: serving on {address}", flush=True)
@@ -147,7 +243,7 @@ def _ingest_status(args: argparse.Namespace) -> int:
 
     from protos import ingest_pb2, ingest_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    with _client_security(args).channel(args.address) as channel:
         try:
             reply = ingest_pb2_grpc.ReaderStub(channel).Status(ingest_pb2.StatusRequest(), timeout=args.timeout)
         except grpc.RpcError as err:
@@ -160,22 +256,23 @@ def _ingest_status(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from orchestration.config import load_config
     from orchestration.processes import run_torchrun
-    from trainer.distributed import SINGLE_PROCESS, init_from_torchrun, launched_by_torchrun, shutdown
+    from trainer.distributed import init_from_torchrun, launched_by_torchrun, shutdown, single_process
 
     overrides = list(args.set)
     if args.ingest:
         overrides.append(f"data.ingest={json.dumps(args.ingest.split(','))}")
     config = load_config(args.config, overrides)
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc: must be at least 1, got {args.nproc}")
     if args.nproc > 1 and not launched_by_torchrun():
         from trainer.warmup import compile_kernels
 
         compile_kernels()  # the ranks then load Numba's cache instead of racing to write it
-        return run_torchrun(args.nproc, ["train", args.config, *[a for o in overrides for a in ("--set", o)]])
-    context = init_from_torchrun() if launched_by_torchrun() else SINGLE_PROCESS
+        flags = ["--overwrite"] if args.overwrite else []
+        return run_torchrun(args.nproc, ["train", args.config, *[a for o in overrides for a in ("--set", o)], *flags])
+    loop = config.train
+    context = (init_from_torchrun(loop.device, loop.collective_timeout_s) if launched_by_torchrun()
+               else single_process(loop.device))
     try:
-        summary = _train_rank(config, context)
+        summary = _train_rank(config, context, args.overwrite)
     finally:
         shutdown(context)
     if context.is_main:
@@ -187,12 +284,12 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_rank(config: "TrainConfig", context: "DistributedContext") -> dict:
+def _train_rank(config: "TrainConfig", context: "DistributedContext", overwrite: bool) -> dict:
     """Train this rank; rank 0 shows a progress bar."""
     from trainer.train import StepReport, train
 
     if not context.is_main:
-        return train(config, context=context)
+        return train(config, context=context, overwrite=overwrite)
     bar = tqdm(unit="step", desc="train")
 
     def progress(report: StepReport) -> None:
@@ -202,7 +299,7 @@ def _train_rank(config: "TrainConfig", context: "DistributedContext") -> dict:
         bar.set_postfix(epoch=report.epoch, loss=f"{report.loss:.4f}", qps=f"{report.qps:,.0f}", refresh=False)
 
     try:
-        return train(config, progress=progress, context=context)
+        return train(config, progress=progress, context=context, overwrite=overwrite)
     finally:
         bar.close()
 

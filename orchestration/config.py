@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import tomllib
 from pathlib import Path
 from typing import Any, Sequence
@@ -36,6 +37,9 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text
+    if isinstance(value, (datetime.date, datetime.time)):
+        raise ConfigError(f"--set {override!r}: TOML reads {text!r} as a date or time; quote it for a string "
+                          f"({parts[-1]}='{text}')")
     node = raw
     for part in parts[:-1]:
         child = node.setdefault(part, {})

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Sequence
 
 _READY = re.compile(r"serving on (\S+)")
 
@@ -36,13 +37,15 @@ class ServiceProcess:
             return self.process.returncode
 
 
-def start_reader_service(*args: str, host: str = "127.0.0.1") -> ServiceProcess:
-    """Start ``neorec ingest serve`` on a free port of ``host`` and wait until it serves.
+def start_reader_service(*args: str, host: str = "127.0.0.1", data_roots: Sequence[str] = ()) -> ServiceProcess:
+    """Start ``neorec ingest serve`` on a free port of ``host`` and wait until it serves
+    datasets under ``data_roots`` (default: its working directory).
 
     ``args`` are further ``ingest serve`` flags (e.g. ``--worker-threads 2``).
     """
+    roots = [a for root in data_roots for a in ("--data-root", str(root))]
     process = subprocess.Popen(
-        [sys.executable, "-m", "orchestration.cli", "ingest", "serve", "--host", host, "--port", "0", *args],
+        [sys.executable, "-m", "orchestration.cli", "ingest", "serve", "--host", host, "--port", "0", *roots, *args],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     line = process.stdout.readline()

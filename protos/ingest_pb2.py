@@ -24,27 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/ingest.proto\x12\rneorec.ingest\"H\n\x08RowRange\x12\x0c\n\x04\x66ile\x18\x01 \x01(\r\x12\x11\n\trow_group\x18\x02 \x01(\r\x12\r\n\x05start\x18\x03 \x01(\x04\x12\x0c\n\x04stop\x18\x04 \x01(\x04\"M\n\nDecodeSpec\x12\x12\n\ntable_rows\x18\x01 \x03(\x03\x12\x17\n\x0f\x64\x65nse_transform\x18\x02 \x01(\t\x12\x12\n\nid_mapping\x18\x03 \x01(\t\"\x8d\x02\n\x0bReadRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05split\x18\x02 \x01(\t\x12\r\n\x05\x66iles\x18\x03 \x03(\t\x12\'\n\x06ranges\x18\x04 \x03(\x0b\x32\x17.neorec.ingest.RowRange\x12)\n\x06\x64\x65\x63ode\x18\x05 \x01(\x0b\x32\x19.neorec.ingest.DecodeSpec\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x13\n\x0bnum_batches\x18\x07 \x01(\r\x12\r\n\x05\x65poch\x18\x08 \x01(\r\x12\x12\n\nfirst_step\x18\t \x01(\x04\x12/\n\x0b\x63ompression\x18\n \x01(\x0e\x32\x1a.neorec.ingest.Compression\"\xae\x02\n\x05\x42\x61tch\x12\r\n\x05\x65poch\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12%\n\x04rows\x18\x03 \x03(\x0b\x32\x17.neorec.ingest.RowRange\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x11\n\tnum_valid\x18\x05 \x01(\r\x12\x11\n\tnum_dense\x18\x06 \x01(\r\x12\x14\n\x0cnum_features\x18\x07 \x01(\r\x12\x12\n\nnum_values\x18\x08 \x01(\x04\x12\x13\n\x0bhas_weights\x18\t \x01(\x08\x12/\n\x0b\x63ompression\x18\n \x01(\x0e\x32\x1a.neorec.ingest.Compression\x12\x0c\n\x04\x62ody\x18\x0b \x01(\x0c\x12\x13\n\x0bvalue_bytes\x18\x0c \x01(\r\x12\x14\n\x0clength_bytes\x18\r \x01(\r\"\x0f\n\rStatusRequest\"\x8c\x02\n\x0bStatusReply\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x16\n\x0e\x62\x61tches_served\x18\x02 \x01(\x04\x12\x13\n\x0brows_served\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ytes_served\x18\x04 \x01(\x04\x12\x1a\n\x12\x62\x61tches_per_second\x18\x05 \x01(\x01\x12\x16\n\x0e\x61\x63tive_streams\x18\x06 \x01(\r\x12\x0e\n\x06\x65rrors\x18\x07 \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x08 \x01(\x01\x12\x15\n\rshutting_down\x18\t \x01(\x08\x12\x17\n\x0frow_groups_read\x18\n \x01(\x04\x12\x1c\n\x14row_group_cache_hits\x18\x0b \x01(\x04*9\n\x0b\x43ompression\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x00\x12\x14\n\x10\x43OMPRESSION_ZSTD\x10\x01\x32\x88\x01\n\x06Reader\x12:\n\x04Read\x12\x1a.neorec.ingest.ReadRequest\x1a\x14.neorec.ingest.Batch0\x01\x12\x42\n\x06Status\x12\x1c.neorec.ingest.StatusRequest\x1a\x1a.neorec.ingest.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/ingest.proto\x12\rneorec.ingest\"=\n\x08RowGroup\x12\x0c\n\x04\x66ile\x18\x01 \x01(\r\x12\x11\n\trow_group\x18\x02 \x01(\r\x12\x10\n\x08num_rows\x18\x03 \x01(\x04\"Q\n\x06Window\x12\'\n\x06groups\x18\x01 \x03(\x0b\x32\x17.neorec.ingest.RowGroup\x12\x10\n\x08permuted\x18\x02 \x01(\x08\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"6\n\x07Segment\x12\x0e\n\x06window\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x0c\n\x04stop\x18\x03 \x01(\x04\"<\n\x08\x44\x61taFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x14\n\x0c\x66ooter_crc32\x18\x03 \x01(\r\"M\n\nDecodeSpec\x12\x12\n\ntable_rows\x18\x01 \x03(\x03\x12\x17\n\x0f\x64\x65nse_transform\x18\x02 \x01(\t\x12\x12\n\nid_mapping\x18\x03 \x01(\t\"\xcf\x02\n\x0bReadRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05split\x18\x02 \x01(\t\x12&\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x17.neorec.ingest.DataFile\x12&\n\x07windows\x18\x04 \x03(\x0b\x32\x15.neorec.ingest.Window\x12(\n\x08segments\x18\x0b \x03(\x0b\x32\x16.neorec.ingest.Segment\x12)\n\x06\x64\x65\x63ode\x18\x05 \x01(\x0b\x32\x19.neorec.ingest.DecodeSpec\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x13\n\x0bnum_batches\x18\x07 \x01(\r\x12\r\n\x05\x65poch\x18\x08 \x01(\r\x12\x12\n\nfirst_step\x18\t \x01(\x04\x12/\n\x0b\x63ompression\x18\n \x01(\x0e\x32\x1a.neorec.ingest.Compression\"\xad\x02\n\x05\x42\x61tch\x12\r\n\x05\x65poch\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12$\n\x04rows\x18\x03 \x03(\x0b\x32\x16.neorec.ingest.Segment\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x11\n\tnum_valid\x18\x05 \x01(\r\x12\x11\n\tnum_dense\x18\x06 \x01(\r\x12\x14\n\x0cnum_features\x18\x07 \x01(\r\x12\x12\n\nnum_values\x18\x08 \x01(\x04\x12\x13\n\x0bhas_weights\x18\t \x01(\x08\x12/\n\x0b\x63ompression\x18\n \x01(\x0e\x32\x1a.neorec.ingest.Compression\x12\x0c\n\x04\x62ody\x18\x0b \x01(\x0c\x12\x13\n\x0bvalue_bytes\x18\x0c \x01(\r\x12\x14\n\x0clength_bytes\x18\r \x01(\r\"\x0f\n\rStatusRequest\"\x8c\x02\n\x0bStatusReply\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x16\n\x0e\x62\x61tches_served\x18\x02 \x01(\x04\x12\x13\n\x0brows_served\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ytes_served\x18\x04 \x01(\x04\x12\x1a\n\x12\x62\x61tches_per_second\x18\x05 \x01(\x01\x12\x16\n\x0e\x61\x63tive_streams\x18\x06 \x01(\r\x12\x0e\n\x06\x65rrors\x18\x07 \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x08 \x01(\x01\x12\x15\n\rshutting_down\x18\t \x01(\x08\x12\x17\n\x0frow_groups_read\x18\n \x01(\x04\x12\x1c\n\x14row_group_cache_hits\x18\x0b \x01(\x04*9\n\x0b\x43ompression\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x00\x12\x14\n\x10\x43OMPRESSION_ZSTD\x10\x01\x32\x88\x01\n\x06Reader\x12:\n\x04Read\x12\x1a.neorec.ingest.ReadRequest\x1a\x14.neorec.ingest.Batch0\x01\x12\x42\n\x06Status\x12\x1c.neorec.ingest.StatusRequest\x1a\x1a.neorec.ingest.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.ingest_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COMPRESSION']._serialized_start=1056
-  _globals['_COMPRESSION']._serialized_end=1113
-  _globals['_ROWRANGE']._serialized_start=38
-  _globals['_ROWRANGE']._serialized_end=110
-  _globals['_DECODESPEC']._serialized_start=112
-  _globals['_DECODESPEC']._serialized_end=189
-  _globals['_READREQUEST']._serialized_start=192
-  _globals['_READREQUEST']._serialized_end=461
-  _globals['_BATCH']._serialized_start=464
-  _globals['_BATCH']._serialized_end=766
-  _globals['_STATUSREQUEST']._serialized_start=768
-  _globals['_STATUSREQUEST']._serialized_end=783
-  _globals['_STATUSREPLY']._serialized_start=786
-  _globals['_STATUSREPLY']._serialized_end=1054
-  _globals['_READER']._serialized_start=1116
-  _globals['_READER']._serialized_end=1252
+  _globals['_COMPRESSION']._serialized_start=1311
+  _globals['_COMPRESSION']._serialized_end=1368
+  _globals['_ROWGROUP']._serialized_start=38
+  _globals['_ROWGROUP']._serialized_end=99
+  _globals['_WINDOW']._serialized_start=101
+  _globals['_WINDOW']._serialized_end=182
+  _globals['_SEGMENT']._serialized_start=184
+  _globals['_SEGMENT']._serialized_end=238
+  _globals['_DATAFILE']._serialized_start=240
+  _globals['_DATAFILE']._serialized_end=300
+  _globals['_DECODESPEC']._serialized_start=302
+  _globals['_DECODESPEC']._serialized_end=379
+  _globals['_READREQUEST']._serialized_start=382
+  _globals['_READREQUEST']._serialized_end=717
+  _globals['_BATCH']._serialized_start=720
+  _globals['_BATCH']._serialized_end=1021
+  _globals['_STATUSREQUEST']._serialized_start=1023
+  _globals['_STATUSREQUEST']._serialized_end=1038
+  _globals['_STATUSREPLY']._serialized_start=1041
+  _globals['_STATUSREPLY']._serialized_end=1309
+  _globals['_READER']._serialized_start=1371
+  _globals['_READER']._serialized_end=1507
 # @@protoc_insertion_point(module_scope)

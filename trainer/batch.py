@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
 
 import torch
 
 from ingest.batch import HostBatch, Provenance
-
-if TYPE_CHECKING:
-    from trainer.sharding.sharded_embedding import DistributedSparse
 
 
 @dataclass
@@ -49,9 +45,25 @@ class KeyedJaggedTensor:
 
     def offsets(self) -> torch.Tensor:
         """int64 ``[F * B + 1]``: bag ``i`` is ``values[offsets[i]:offsets[i+1]]``."""
-        offsets = torch.zeros(self.lengths.numel() + 1, dtype=torch.int64)
+        offsets = torch.zeros(self.lengths.numel() + 1, dtype=torch.int64, device=self.lengths.device)
         torch.cumsum(self.lengths, dim=0, out=offsets[1:])
         return offsets
+
+    def to(self, device: torch.device) -> "KeyedJaggedTensor":
+        return KeyedJaggedTensor(self.keys, self.lengths.to(device, non_blocking=True),
+                                 self.values.to(device, non_blocking=True),
+                                 None if self.weights is None else self.weights.to(device, non_blocking=True))
+
+
+@dataclass
+class DistributedSparse:
+    """A rank's sparse input after the input all-to-all of a sharded collection
+    (:mod:`trainer.sharding`): the local module's input for the global batch, and the rank's
+    own int32 ``[F, B]`` bag lengths (collection feature order)."""
+
+    local: KeyedJaggedTensor
+    lengths: torch.Tensor
+    batch_size: int
 
 
 @dataclass
@@ -60,7 +72,7 @@ class Batch:
     ``sparse`` ids; samples ``[num_valid, B)`` are padding.
 
     In a sharded run ``sparse`` may be the ids already sent to the ranks that hold their
-    rows (a ``trainer.sharding.sharded_embedding.DistributedSparse``).
+    rows (a :class:`DistributedSparse`).
     """
 
     dense: torch.Tensor
@@ -72,6 +84,15 @@ class Batch:
     @property
     def batch_size(self) -> int:
         return int(self.labels.shape[0])
+
+    def to(self, device: torch.device) -> "Batch":
+        """The batch on ``device`` (itself when it is there already)."""
+        if self.labels.device == torch.device(device):
+            return self
+        if not isinstance(self.sparse, KeyedJaggedTensor):
+            raise TypeError("move a batch to its device before its ids are distributed")
+        return replace(self, dense=self.dense.to(device, non_blocking=True), sparse=self.sparse.to(device),
+                       labels=self.labels.to(device, non_blocking=True))
 
     @classmethod
     def from_host(cls, host: HostBatch) -> "Batch":

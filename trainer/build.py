@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -61,13 +63,16 @@ def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None
     schema = dataset.schema
     seed = config.train.seed
     tables = table_configs(schema, config)
-    storage = {"weight_dtype": config.model.weight_dtype, "stochastic_rounding": config.model.stochastic_rounding}
+    storage = {"weight_dtype": config.model.weight_dtype, "stochastic_rounding": config.model.stochastic_rounding,
+               "kernels": config.train.kernels}
     if plan is None:
         initial = None if table_weights is None else [table_weights[t.name] for t in tables]
         embeddings = FusedEmbeddingBagCollection(tables, sparse_optimizer(config), seed=seed,
                                                  initial_weights=initial, **storage)
     else:
-        embeddings = ShardedEmbeddingBagCollection(tables, sparse_optimizer(config), plan, seed=seed, **storage)
+        embeddings = ShardedEmbeddingBagCollection(
+            tables, sparse_optimizer(config), plan, seed=seed,
+            timeout=timedelta(seconds=config.train.collective_timeout_s), **storage)
     if embeddings.feature_names != schema.feature_names:
         raise AssertionError("tables must list the schema's features in schema order")
     return DLRM(
@@ -78,6 +83,7 @@ def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None
         top_mlp=config.model.top_mlp,
         embeddings=embeddings,
         seed=seed,
+        init=config.model.init,
     )
 
 
@@ -102,7 +108,7 @@ def single_process_model(model: DLRM, dataset: Dataset, config: TrainConfig) -> 
 
 def dense_optimizer(model: DLRM, config: TrainConfig) -> torch.optim.Optimizer:
     """The MLPs' optimizer, in torch's fused implementation (one kernel over all parameters:
-    3.5x faster than the per-tensor loop for Adam on the demo's MLPs, same results within
+    much faster than the per-tensor loop for Adam on the demo's MLPs, same results within
     float rounding)."""
     params = model.dense_parameters()
     kind, lr = config.optimizer.dense, config.optimizer.dense_lr

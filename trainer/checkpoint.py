@@ -8,6 +8,7 @@ looks complete but is not.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from trainer.run_dir import RunDirError, describe
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
@@ -38,8 +41,13 @@ def save(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.O
         manifest.unlink()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}
     tmp = directory / (STATE_FILE + ".tmp")
-    torch.save(state, tmp)
-    _fsync_replace(tmp, directory / STATE_FILE)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    try:
+        tmp.write_bytes(buffer.getbuffer())
+        _fsync_replace(tmp, directory / STATE_FILE)
+    except OSError as err:
+        raise RunDirError(f"cannot write {tmp}: {describe(err)}") from None
     body = {"format": "neorec-checkpoint/1", "epoch": position.epoch, "global_step": position.global_step,
             "files": [STATE_FILE], "config": config}
     tmp = directory / (MANIFEST + ".tmp")

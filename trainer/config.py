@@ -4,20 +4,25 @@ name the bad key (``train.batch_size: expected an integer, got 'x'``)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ingest.client import COMPRESSIONS, check_address
 from ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
-from ingest.plan import REMAINDER_POLICIES
+from ingest.plan import REMAINDER_POLICIES, SHUFFLE_MODES
 from trainer.embedding_config import POOLINGS, SPARSE_OPTIMIZERS, WEIGHT_DTYPES
+from trainer.model import MLP_INITS
 from trainer.planner.enumerate import Constraint
 from trainer.planner.inputs import parse_bytes
 from trainer.sharding.plan import PlanError
 
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
+DEVICES = ("auto", "cpu", "cuda")
+KERNELS = ("auto", "numba", "torch")
 
 
 class ConfigError(ValueError):
@@ -32,12 +37,20 @@ class DataConfig:
     dense_transform: str = "log1p"
     id_mapping: str = "modulo"
     remainder: str = "drop"
-    shuffle: bool = True
+    shuffle: str = "rows"
+    """Training order each epoch: ``rows`` (rows mixed within windows of row groups, from
+    the seed and epoch), ``row_groups`` (row groups shuffled, rows in file order) or
+    ``none`` (file order). Evaluation always reads in file order."""
+    shuffle_window: int = 0
+    """Row groups per row-shuffling window; 0: enough for ~262k rows."""
     ingest: list[str] = field(default_factory=list)
     """Reader service addresses (host:port); empty: read in process."""
     ingest_compression: str = "none"
     ingest_stall_timeout_s: float = 120.0
-    """Give up when the reader services deliver nothing for this long."""
+    """Give up when no reader service delivers anything for this long."""
+    ingest_progress_timeout_s: float = 5.0
+    """A reader service stream that owes batches and delivers none for this long is
+    cancelled and its batches are requested from the other services."""
 
     def validate(self) -> None:
         for address in self.ingest:
@@ -47,16 +60,29 @@ class DataConfig:
                 raise ConfigError(f"data.ingest: {err}") from None
         _one_of("data.ingest_compression", self.ingest_compression, tuple(COMPRESSIONS))
         _positive("data.ingest_stall_timeout_s", self.ingest_stall_timeout_s)
+        _positive("data.ingest_progress_timeout_s", self.ingest_progress_timeout_s)
+        for key in ("path", "train_split", "eval_split"):
+            if not getattr(self, key):
+                raise ConfigError(f"data.{key}: must not be empty")
         _one_of("data.dense_transform", self.dense_transform, DENSE_TRANSFORMS)
         _one_of("data.id_mapping", self.id_mapping, ID_MAPPINGS)
         _one_of("data.remainder", self.remainder, REMAINDER_POLICIES)
+        _one_of("data.shuffle", self.shuffle, SHUFFLE_MODES)
+        if self.shuffle_window < 0:
+            raise ConfigError(f"data.shuffle_window: must be >= 0, got {self.shuffle_window}")
 
 
 @dataclass
 class ModelConfig:
     embedding_dim: int = 16
-    bottom_mlp: list[int] = field(default_factory=lambda: [64, 32])
-    top_mlp: list[int] = field(default_factory=lambda: [128, 64])
+    bottom_mlp: list[int] = field(default_factory=lambda: [64, 32, 16])
+    """Output size of every bottom MLP layer; the last is ``embedding_dim`` (as TorchRec's
+    ``DenseArch`` layer sizes)."""
+    top_mlp: list[int] = field(default_factory=lambda: [128, 64, 1])
+    """Output size of every top MLP layer; the last is 1 (as TorchRec's ``OverArch``)."""
+    init: str = "normal"
+    """MLP initialisation: ``normal`` (the DLRM reference) or ``uniform`` (PyTorch's
+    ``nn.Linear`` default, as TorchRec); deterministic from the seed either way."""
     max_table_rows: int = 200_000
     pooling: str = "sum"
     weight_dtype: str = "fp32"
@@ -68,8 +94,16 @@ class ModelConfig:
         _positive("model.embedding_dim", self.embedding_dim)
         _positive("model.max_table_rows", self.max_table_rows)
         for name, sizes in (("model.bottom_mlp", self.bottom_mlp), ("model.top_mlp", self.top_mlp)):
-            if any(s <= 0 for s in sizes):
-                raise ConfigError(f"{name}: layer sizes must be positive, got {sizes}")
+            if not sizes or any(s <= 0 for s in sizes):
+                raise ConfigError(f"{name}: layer sizes must be positive (at least one layer), got {sizes}")
+        if self.bottom_mlp[-1] != self.embedding_dim:
+            raise ConfigError(f"model.bottom_mlp: the sizes are the whole stack and must end with "
+                              f"model.embedding_dim ({self.embedding_dim}), got {self.bottom_mlp} "
+                              f"(e.g. {[*self.bottom_mlp, self.embedding_dim]})")
+        if self.top_mlp[-1] != 1:
+            raise ConfigError(f"model.top_mlp: the sizes are the whole stack and must end with 1 (the click "
+                              f"logit), got {self.top_mlp} (e.g. {[*self.top_mlp, 1]})")
+        _one_of("model.init", self.init, MLP_INITS)
         _one_of("model.pooling", self.pooling, POOLINGS)
         _one_of("model.weight_dtype", self.weight_dtype, tuple(WEIGHT_DTYPES))
 
@@ -88,6 +122,9 @@ class OptimizerConfig:
         _one_of("optimizer.dense", self.dense, DENSE_OPTIMIZERS)
         _positive("optimizer.sparse_lr", self.sparse_lr)
         _positive("optimizer.dense_lr", self.dense_lr)
+        _positive("optimizer.sparse_eps", self.sparse_eps)
+        if self.sparse_weight_decay < 0:
+            raise ConfigError(f"optimizer.sparse_weight_decay: must be >= 0, got {self.sparse_weight_decay}")
 
 
 @dataclass
@@ -107,10 +144,21 @@ class TrainLoopConfig:
     prefetch: int = 16
     """Batches read ahead in a background thread (enough to cover decoding the next row
     group); 0: read in the training thread."""
+    device: str = "auto"
+    """Where the model, batches and collectives live: ``cpu``, ``cuda`` (this rank's GPU) or
+    ``auto`` (CUDA when present)."""
+    kernels: str = "auto"
+    """Embedding kernels: ``numba`` (CPU), ``torch`` (torch ops, any device: the code a GPU
+    runs) or ``auto`` (Numba on CPU, torch ops on CUDA)."""
+    collective_timeout_s: float = 300.0
+    """A collective that waits longer than this for another rank fails, naming the ranks
+    that went silent (stopped or hung), instead of hanging the job."""
 
     def validate(self) -> None:
-        for key in ("batch_size", "eval_batch_size", "epochs", "log_every"):
+        for key in ("batch_size", "eval_batch_size", "epochs", "log_every", "collective_timeout_s"):
             _positive(f"train.{key}", getattr(self, key))
+        _one_of("train.device", self.device, DEVICES)
+        _one_of("train.kernels", self.kernels, KERNELS)
         for key in ("max_steps", "eval_every", "threads", "prefetch"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key}: must be >= 0, got {getattr(self, key)}")
@@ -155,6 +203,26 @@ class RunConfig:
     dir: str = "runs/latest"
     checkpoint: bool = True
 
+    def validate(self) -> None:
+        if not self.dir.strip():
+            raise ConfigError("run.dir: must name a directory")
+
+
+@dataclass
+class SecurityConfig:
+    """How the trainer connects to reader and store services exposed beyond loopback."""
+
+    tls_ca: str = ""
+    """PEM certificate the services' TLS certificates are verified with; empty: no TLS."""
+    token_file: str = ""
+    """File holding the services' shared token; empty: ``$NEOREC_TOKEN`` if set."""
+
+    def validate(self) -> None:
+        for key in ("tls_ca", "token_file"):
+            path = getattr(self, key)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"security.{key}: {path} is not a file")
+
 
 @dataclass
 class TrainConfig:
@@ -164,9 +232,10 @@ class TrainConfig:
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def validate(self) -> None:
-        for section in (self.data, self.model, self.optimizer, self.train, self.sharding):
+        for section in (self.data, self.model, self.optimizer, self.train, self.sharding, self.run, self.security):
             section.validate()
 
     def to_dict(self) -> dict[str, Any]:
@@ -220,6 +289,8 @@ def _convert(hint: Any, raw: Any, key: str) -> Any:
     if hint is float:
         if isinstance(raw, bool) or not isinstance(raw, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {raw!r}")
+        if not math.isfinite(raw):
+            raise ConfigError(f"{key}: expected a finite number, got {raw}")
         return float(raw)
     if hint is str:
         if not isinstance(raw, str):

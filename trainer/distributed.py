@@ -1,10 +1,13 @@
 """The trainer's view of ``torch.distributed``: the process group torchrun set up, the data
-parallel wrapping of the dense layers, and the few collectives the train loop needs."""
+parallel wrapping of the dense layers, the few collectives the train loop needs, and
+heartbeats that name a rank gone silent when a collective times out."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import numpy as np
@@ -21,12 +24,14 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "M
 @dataclass(frozen=True)
 class DistributedContext:
     """Rank ``rank`` of ``world_size`` (``local_world_size`` of them on this host, where it
-    is ``local_rank``); a world of one has no process group."""
+    is ``local_rank``), computing on ``device``; a world of one has no process group."""
 
     rank: int = 0
     world_size: int = 1
     local_world_size: int = 1
     local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    heartbeat: "Heartbeat | None" = None
 
     @property
     def distributed(self) -> bool:
@@ -38,24 +43,112 @@ class DistributedContext:
 
 
 SINGLE_PROCESS = DistributedContext()
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+def resolve_device(kind: str, local_rank: int = 0) -> torch.device:
+    """``cpu``, ``cuda`` (this rank's GPU: ``cuda:local_rank``) or ``auto`` (CUDA when present)."""
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("train.device is cuda, but torch sees no CUDA device")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def single_process(device_kind: str = "auto") -> DistributedContext:
+    return DistributedContext(device=resolve_device(device_kind))
 
 
 def launched_by_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARIABLES)
 
 
-def init_from_torchrun(timeout_s: float = 600.0) -> DistributedContext:
-    """Join the process group torchrun describes in the environment: NCCL when CUDA is
-    present, gloo otherwise."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+def init_from_torchrun(device_kind: str = "auto", timeout_s: float = 300.0) -> DistributedContext:
+    """Join the process group torchrun describes in the environment: NCCL on CUDA, gloo on
+    the CPU. A collective that waits more than ``timeout_s`` for another rank fails."""
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = resolve_device(device_kind, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    heartbeat = Heartbeat(dist.get_rank(), dist.get_world_size())
     return DistributedContext(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"]),
-                              int(os.environ["LOCAL_RANK"]))
+                              local_rank, device, heartbeat)
 
 
 def shutdown(context: DistributedContext) -> None:
+    if context.heartbeat is not None:
+        context.heartbeat.stop()
     if context.distributed and dist.is_initialized():
         dist.destroy_process_group()
+
+
+class Heartbeat:
+    """Every rank writes the time to torchrun's rendezvous store every second, from a thread
+    of its own; a rank whose heartbeat is old has stopped (SIGSTOP) or hung. The store is a
+    second client of the one torchrun serves (``MASTER_ADDR:MASTER_PORT``), so it answers
+    while the ranks' collectives are stuck."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=30))
+        self._store = dist.PrefixStore(f"neorec/heartbeat/{os.environ.get('TORCHELASTIC_RUN_ID', '')}", store)
+        self._stopping = threading.Event()
+        self._beat()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="heartbeat")
+        self._thread.start()
+
+    def _beat(self) -> None:
+        self._store.set(str(self.rank), repr(time.time()))
+
+    def _run(self) -> None:
+        while not self._stopping.wait(HEARTBEAT_INTERVAL_S):
+            try:
+                self._beat()
+            except (RuntimeError, OSError):  # the store went away: the job is ending
+                return
+
+    def silent_ranks(self, older_than_s: float) -> dict[int, float]:
+        """Ranks whose last heartbeat is older than ``older_than_s`` seconds (or missing),
+        with its age in seconds (inf when missing)."""
+        now = time.time()
+        silent = {}
+        for rank in range(self.world_size):
+            try:
+                age = now - float(self._store.get(str(rank)).decode()) if self._store.check([str(rank)]) else float("inf")
+            except (RuntimeError, OSError, ValueError):
+                age = float("inf")
+            if age > older_than_s:
+                silent[rank] = age
+        return silent
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join()
+
+
+class RankSilentError(RuntimeError):
+    """A collective failed because another rank stopped answering; the message names it."""
+
+
+def explain_collective_failure(context: DistributedContext, error: RuntimeError) -> RuntimeError:
+    """``error`` (raised by a collective) with the ranks that went silent named, when some
+    did; else ``error`` itself."""
+    if context.heartbeat is None:
+        return error
+    silent = context.heartbeat.silent_ranks(older_than_s=3 * HEARTBEAT_INTERVAL_S)
+    silent.pop(context.rank, None)
+    if not silent:
+        return error
+    ages = ", ".join(f"rank {r} ({'never' if a == float('inf') else f'{a:.0f} s ago'})" for r, a in silent.items())
+    explained = RankSilentError(f"rank {context.rank}: a collective failed because other ranks went silent (stopped, "
+                                f"hung or dead); last heartbeat of {ages}. Cause: {' '.join(str(error).split())[:300]}")
+    explained.__cause__ = error
+    return explained
 
 
 def wrap_data_parallel(model: nn.Module, rank_local: str = "embeddings") -> DistributedDataParallel:
@@ -84,7 +177,7 @@ def global_sum(context: DistributedContext, values: list[float]) -> list[float]:
     """Each of ``values`` summed over all ranks (float64, one all-reduce)."""
     if not context.distributed:
         return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64)
+    tensor = torch.tensor(values, dtype=torch.float64, device=context.device)
     dist.all_reduce(tensor)
     return tensor.tolist()
 
@@ -94,8 +187,8 @@ def check_same_steps(context: DistributedContext, steps: int, what: str) -> None
     others in a collective)."""
     if not context.distributed:
         return
-    everyone = torch.zeros(context.world_size, dtype=torch.int64)
-    dist.all_gather_single(everyone, torch.tensor([steps], dtype=torch.int64))
+    everyone = torch.zeros(context.world_size, dtype=torch.int64, device=context.device)
+    dist.all_gather_single(everyone, torch.tensor([steps], dtype=torch.int64, device=context.device))
     if len(set(everyone.tolist())) > 1:
         raise RuntimeError(f"ranks plan different numbers of {what} steps: {everyone.tolist()} (rank: steps); "
                            "every rank must run the same number of steps")
@@ -105,12 +198,13 @@ def gather_arrays(context: DistributedContext, array: np.ndarray) -> np.ndarray:
     """1-D float64 arrays of every rank concatenated in rank order (lengths may differ)."""
     if not context.distributed:
         return array
-    sizes = torch.zeros(context.world_size, dtype=torch.int64)
-    dist.all_gather_single(sizes, torch.tensor([array.size], dtype=torch.int64))
+    device = context.device
+    sizes = torch.zeros(context.world_size, dtype=torch.int64, device=device)
+    dist.all_gather_single(sizes, torch.tensor([array.size], dtype=torch.int64, device=device))
     longest = int(sizes.max())
-    padded = torch.zeros(longest, dtype=torch.float64)
-    padded[: array.size] = torch.from_numpy(array.astype(np.float64))
-    gathered = torch.zeros(context.world_size * longest, dtype=torch.float64)
+    padded = torch.zeros(longest, dtype=torch.float64, device=device)
+    padded[: array.size] = torch.from_numpy(array.astype(np.float64)).to(device)
+    gathered = torch.zeros(context.world_size * longest, dtype=torch.float64, device=device)
     dist.all_gather_single(gathered, padded)
-    pieces = gathered.view(context.world_size, longest)
+    pieces = gathered.view(context.world_size, longest).cpu()
     return np.concatenate([pieces[r, : int(n)].numpy() for r, n in enumerate(sizes.tolist())])

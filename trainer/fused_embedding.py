@@ -23,6 +23,7 @@ from trainer.kernels import torch_ops
 from trainer.kernels.forward import pooled_forward
 from trainer.kernels.precision import FP32, PRECISIONS
 from trainer.memory import huge_page_empty
+from trainer.offsets import exclusive_cumsum
 
 _STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -82,14 +83,14 @@ class FusedEmbeddingBagCollection(nn.Module):
         dims = np.array([t.embedding_dim for t in tables], dtype=np.int64)
         widths = np.array([optimizer.state_width(t.embedding_dim) for t in tables], dtype=np.int64)
         self._rows, self._dims, self._state_width = rows, dims, widths
-        self._table_offsets = _exclusive_cumsum(rows * dims)
-        self._state_offsets = _exclusive_cumsum(rows * widths)
-        self._row_offsets = _exclusive_cumsum(rows)
+        self._table_offsets = exclusive_cumsum(rows * dims)
+        self._state_offsets = exclusive_cumsum(rows * widths)
+        self._row_offsets = exclusive_cumsum(rows)
         self._feature_table = np.array(
             [i for i, t in enumerate(tables) for _ in t.feature_names], dtype=np.int64
         )
         feature_dims = dims[self._feature_table]
-        self._out_columns = _exclusive_cumsum(feature_dims)
+        self._out_columns = exclusive_cumsum(feature_dims)
         self.output_dim = int(feature_dims.sum())
         self._mean_pooling = np.array([t.pooling == "mean" for t in tables], dtype=np.bool_)
         self._learning_rates = np.array(
@@ -321,10 +322,6 @@ class _FusedLookup(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         ctx.module._backward_update(ctx.lookup, grad_out.contiguous().float())
         return None, None, None
-
-
-def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(x)[:-1]]).astype(np.int64)
 
 
 def _max_chunks() -> int:

@@ -11,7 +11,7 @@ import torch
 
 from ingest.metrics import binary_metrics
 from trainer.batch import Batch
-from trainer.model import DLRM
+from trainer.run_dir import RunDirError, describe
 
 
 class MetricsLog:
@@ -20,14 +20,22 @@ class MetricsLog:
 
     def __init__(self, path: str | Path | None) -> None:
         self._file = None
-        if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = Path(path).open("w")
+        self.path = None if path is None else Path(path)
+        if self.path is not None:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self.path.open("w")
+            except OSError as err:
+                raise RunDirError(f"cannot write {self.path}: {describe(err)}") from None
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append ``record``; an ``OSError`` (a full disk) names the file."""
         if self._file is not None:
-            self._file.write(json.dumps(record, sort_keys=True) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(record, sort_keys=True) + "\n")
+                self._file.flush()
+            except OSError as err:
+                raise RunDirError(f"cannot write {self.path}: {describe(err)}") from None
 
     def close(self) -> None:
         if self._file is not None:
@@ -46,8 +54,8 @@ def evaluate(model: torch.nn.Module, batches: Iterable[Batch],
     try:
         for batch in batches:
             logits = model(batch)[: batch.num_valid]
-            probabilities.append(torch.sigmoid(logits).numpy().astype(np.float64))
-            labels.append(batch.labels[: batch.num_valid].numpy())
+            probabilities.append(torch.sigmoid(logits).cpu().numpy().astype(np.float64))
+            labels.append(batch.labels[: batch.num_valid].cpu().numpy())
     finally:
         model.train(was_training)
     y = combine(np.concatenate(labels).astype(np.float64))

@@ -11,18 +11,33 @@ from torch import nn
 from trainer.batch import Batch
 
 
-class MLP(nn.Sequential):
-    """Linear layers with ReLU between them (and after the last unless ``last_relu=False``),
-    initialised as the DLRM reference: weights ``N(0, sqrt(2 / (fan_in + fan_out)))``,
-    biases ``N(0, sqrt(1 / fan_out))``."""
+MLP_INITS = ("normal", "uniform")
 
-    def __init__(self, sizes: Sequence[int], generator: torch.Generator, last_relu: bool = True) -> None:
+
+class MLP(nn.Sequential):
+    """Linear layers ``sizes[0] → sizes[1] → …`` with ReLU between them (and after the last
+    unless ``last_relu=False``), initialised from ``generator``:
+
+    - ``normal``, as the DLRM reference: weights ``N(0, sqrt(2 / (fan_in + fan_out)))``,
+      biases ``N(0, sqrt(1 / fan_out))``;
+    - ``uniform``, PyTorch's ``nn.Linear`` default (as TorchRec's MLPs): weights Kaiming-
+      uniform with ``a = sqrt(5)``, biases ``U(±1 / sqrt(fan_in))``.
+    """
+
+    def __init__(self, sizes: Sequence[int], generator: torch.Generator, last_relu: bool = True,
+                 init: str = "normal") -> None:
+        if init not in MLP_INITS:
+            raise ValueError(f"init must be one of {MLP_INITS}, got {init!r}")
         layers: list[nn.Module] = []
         for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
             linear = nn.Linear(fan_in, fan_out)
             with torch.no_grad():
-                linear.weight.normal_(0.0, (2.0 / (fan_in + fan_out)) ** 0.5, generator=generator)
-                linear.bias.normal_(0.0, (1.0 / fan_out) ** 0.5, generator=generator)
+                if init == "normal":
+                    linear.weight.normal_(0.0, (2.0 / (fan_in + fan_out)) ** 0.5, generator=generator)
+                    linear.bias.normal_(0.0, (1.0 / fan_out) ** 0.5, generator=generator)
+                else:
+                    nn.init.kaiming_uniform_(linear.weight, a=5**0.5, generator=generator)
+                    nn.init.uniform_(linear.bias, -(fan_in**-0.5), fan_in**-0.5, generator=generator)
             layers.append(linear)
             if last_relu or i < len(sizes) - 2:
                 layers.append(nn.ReLU())
@@ -54,6 +69,9 @@ class DLRM(nn.Module):
 
     ``embeddings`` maps the batch's :class:`KeyedJaggedTensor` to pooled float32
     ``[B, num_sparse * embedding_dim]`` (the fused module, a sharded one, or a reference).
+    ``bottom_mlp`` and ``top_mlp`` are the output sizes of every layer, as TorchRec's
+    ``DenseArch``/``OverArch`` and the DLRM reference write them: the bottom stack ends with
+    ``embedding_dim``, the top stack with 1.
     """
 
     def __init__(
@@ -66,14 +84,19 @@ class DLRM(nn.Module):
         top_mlp: Sequence[int],
         embeddings: nn.Module,
         seed: int = 0,
+        init: str = "normal",
     ) -> None:
         super().__init__()
+        if not bottom_mlp or bottom_mlp[-1] != embedding_dim:
+            raise ValueError(f"the bottom MLP must end with the embedding dimension {embedding_dim}, got {list(bottom_mlp)}")
+        if not top_mlp or top_mlp[-1] != 1:
+            raise ValueError(f"the top MLP must end with one output, got {list(top_mlp)}")
         generator = torch.Generator().manual_seed(seed)
-        self.bottom = MLP([num_dense, *bottom_mlp, embedding_dim], generator)
+        self.bottom = MLP([num_dense, *bottom_mlp], generator, init=init)
         self.embeddings = embeddings
         self.interaction = DotInteraction(num_sparse)
         top_in = embedding_dim + self.interaction.output_dim_extra
-        self.top = MLP([top_in, *top_mlp, 1], generator, last_relu=False)
+        self.top = MLP([top_in, *top_mlp], generator, last_relu=False, init=init)
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """Parameters of the MLPs (trained by a dense optimizer, data parallel)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, replace
 from functools import partial
@@ -17,7 +16,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from ingest.client import ClientOptions, RemoteReader
+from ingest.transport import ClientSecurity, read_token
 from ingest.decoder import DecodeOptions
+from ingest.errors import DataError
+from ingest.plan import RankPlan
 from ingest.reader import BatchReader, InProcessReader, ReaderConfig
 from ingest.schema import Dataset
 from trainer import checkpoint
@@ -25,8 +27,9 @@ from trainer.affinity import pin_rank
 from trainer.batch import Batch
 from trainer.build import build_model, decode_options, dense_optimizer, single_process_model
 from trainer.config import TrainConfig
-from trainer.distributed import (SINGLE_PROCESS, DistributedContext, check_same_steps, gather_arrays, global_sum,
-                                 wrap_data_parallel)
+from trainer import run_dir as run_directory
+from trainer.distributed import (SINGLE_PROCESS, DistributedContext, check_same_steps, explain_collective_failure,
+                                 gather_arrays, global_sum, wrap_data_parallel)
 from trainer.metrics import MetricsLog, evaluate
 from trainer.model import DLRM
 from trainer.planner.from_config import shared_plan
@@ -89,29 +92,75 @@ def train_step(model: DLRM | DistributedDataParallel, optimizer: torch.optim.Opt
     return loss.detach()
 
 
+def train_reader_config(config: TrainConfig, context: DistributedContext = SINGLE_PROCESS) -> ReaderConfig:
+    """This rank's batches of the train split: shuffled as ``data.shuffle`` says."""
+    data, loop = config.data, config.train
+    return ReaderConfig(batch_size=loop.batch_size, seed=loop.seed, rank=context.rank, world_size=context.world_size,
+                        remainder=data.remainder, shuffle=data.shuffle, window=data.shuffle_window)
+
+
+def eval_reader_config(config: TrainConfig, context: DistributedContext = SINGLE_PROCESS) -> ReaderConfig:
+    """This rank's batches of the eval split: every row, in file order, never shuffled."""
+    return ReaderConfig(batch_size=config.train.eval_batch_size, seed=config.train.seed, rank=context.rank,
+                        world_size=context.world_size, remainder="pad", shuffle="none")
+
+
 def make_reader(dataset: Dataset, split: str, options: DecodeOptions, reader_config: ReaderConfig,
                 config: TrainConfig) -> BatchReader:
     """The reader services of ``data.ingest`` if any, else the in-process reader."""
     if not config.data.ingest:
         return InProcessReader(dataset, split, options, reader_config)
-    return RemoteReader(dataset, split, options, reader_config, config.data.ingest,
-                        ClientOptions(compression=config.data.ingest_compression,
-                                      stall_timeout_s=config.data.ingest_stall_timeout_s))
+    data = config.data
+    return RemoteReader(dataset, split, options, reader_config, data.ingest,
+                        ClientOptions(compression=data.ingest_compression, stall_timeout_s=data.ingest_stall_timeout_s,
+                                      progress_timeout_s=data.ingest_progress_timeout_s,
+                                      security=client_security(config)))
 
 
-def batches(reader: BatchReader, epoch: int) -> Iterator[Batch]:
-    return (Batch.from_host(b) for b in reader.epoch(epoch))
+def client_security(config: TrainConfig) -> ClientSecurity:
+    """TLS and token for the connections to services, as ``[security]`` says."""
+    security = config.security
+    return ClientSecurity(tls_ca=security.tls_ca or None, token=read_token(security.token_file or None))
+
+
+def check_splits(train_plan: RankPlan, eval_plan: RankPlan, config: TrainConfig) -> None:
+    """Raise :class:`DataError` naming the split when training could not run or end: a train
+    split too small for one step, or an eval split without rows."""
+    data = config.data
+    if train_plan.num_batches == 0:
+        raise DataError(f"split {data.train_split!r} of {data.path} holds {train_plan.total_rows} rows, fewer than "
+                        f"one step of {train_plan.world_size} x {train_plan.batch_size} rows (ranks x train.batch_size)")
+    if eval_plan.total_rows == 0:
+        raise DataError(f"split {data.eval_split!r} of {data.path} holds no rows: evaluation needs at least one "
+                        f"(set data.eval_split to a split with rows)")
+
+
+def batches(reader: BatchReader, epoch: int, first_step: int = 0,
+            device: torch.device = torch.device("cpu")) -> Iterator[Batch]:
+    return (Batch.from_host(b).to(device) for b in reader.epoch(epoch, first_step))
 
 
 def train(config: TrainConfig, progress: ProgressFn | None = None,
-          context: DistributedContext = SINGLE_PROCESS) -> dict[str, Any]:
+          context: DistributedContext = SINGLE_PROCESS, overwrite: bool = False) -> dict[str, Any]:
     """Train as ``config`` says and write the run directory; returns the summary.
 
     With a distributed ``context`` every rank calls this: the tables are sharded as the
     planner (and ``config.sharding``) says, the MLPs are data parallel, each rank reads its
     share of every epoch, and rank 0 writes the run directory. Its summary's counts and
-    rates are global.
+    rates are global. A run directory that holds another run is refused unless
+    ``overwrite``. A collective that fails because a rank went silent raises
+    :class:`~trainer.distributed.RankSilentError` naming it.
     """
+    try:
+        return _train(config, progress, context, overwrite)
+    except RuntimeError as err:
+        if context.distributed:
+            raise explain_collective_failure(context, err) from err.__cause__
+        raise
+
+
+def _train(config: TrainConfig, progress: ProgressFn | None, context: DistributedContext,
+           overwrite: bool) -> dict[str, Any]:
     loop = config.train
     if loop.pin_cores:
         pin_rank(context.local_rank, context.local_world_size)
@@ -119,18 +168,14 @@ def train(config: TrainConfig, progress: ProgressFn | None = None,
     torch.manual_seed(loop.seed)
     dataset = Dataset.load(config.data.path)
     options = decode_options(dataset.schema, config)
-    rank = {"rank": context.rank, "world_size": context.world_size}
-    train_reader = make_reader(
-        dataset, config.data.train_split, options,
-        ReaderConfig(batch_size=loop.batch_size, seed=loop.seed, remainder=config.data.remainder,
-                     shuffle=config.data.shuffle, **rank),
-        config,
-    )
-    eval_reader = make_reader(
-        dataset, config.data.eval_split, options,
-        ReaderConfig(batch_size=loop.eval_batch_size, seed=loop.seed, remainder="pad", shuffle=False, **rank),
-        config,
-    )
+    train_reader = make_reader(dataset, config.data.train_split, options, train_reader_config(config, context), config)
+    eval_reader = make_reader(dataset, config.data.eval_split, options, eval_reader_config(config, context), config)
+    check_splits(train_reader.plan(0), eval_reader.plan(0), config)
+    run_dir = Path(config.run.dir)
+    if context.is_main:
+        run_dir = run_directory.claim(run_dir, overwrite=overwrite)
+        run_directory.write_json(run_dir / run_directory.CONFIG, config.to_dict())
+    device = context.device
     full_batches = config.data.remainder == "drop"
     steps_per_epoch = train_reader.plan(0).num_batches
     total_steps = steps_per_epoch * loop.epochs
@@ -138,21 +183,20 @@ def train(config: TrainConfig, progress: ProgressFn | None = None,
         total_steps = min(total_steps, loop.max_steps)
     # the first epoch's reading starts before training: a single process's while the model
     # is built, a sharded run's (whose routing needs the model) once it is
-    early = Prefetcher(batches(train_reader, 0), loop.prefetch) if loop.prefetch and not context.distributed else None
+    early = None
+    if loop.prefetch and not context.distributed:
+        early = Prefetcher(batches(train_reader, 0, device=device), loop.prefetch)
     plan = shared_plan(dataset, config, context) if context.distributed else None
-    dlrm = build_model(dataset, config, plan)
+    dlrm = build_model(dataset, config, plan).to(device)
     if loop.prefetch and context.distributed:
-        early = Prefetcher(_prepared(dlrm, batches(train_reader, 0), min(steps_per_epoch, total_steps)), loop.prefetch)
+        early = Prefetcher(_prepared(dlrm, batches(train_reader, 0, device=device), min(steps_per_epoch, total_steps)),
+                           loop.prefetch)
     compile_kernels()  # load the Numba kernels now, not in the first steps
     optimizer = dense_optimizer(dlrm, config)
     model = wrap_data_parallel(dlrm) if context.distributed else dlrm
-    run_dir = Path(config.run.dir)
-    if context.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-        if plan is not None:
-            (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
-    log = MetricsLog(run_dir / "metrics.jsonl" if context.is_main else None)
+    if context.is_main and plan is not None:
+        run_directory.write_json(run_dir / run_directory.PLAN, plan.to_dict())
+    log = MetricsLog(run_dir / run_directory.METRICS if context.is_main else None)
     evaluate_split = partial(_log_eval, log, model, eval_reader, context)
 
     check_same_steps(context, steps_per_epoch, "train")
@@ -170,7 +214,7 @@ def train(config: TrainConfig, progress: ProgressFn | None = None,
                 source, early = early, None
                 stream = source
             else:
-                stream = batches(train_reader, epoch)
+                stream = batches(train_reader, epoch, device=device)
                 if context.distributed:
                     stream = _prepared(dlrm, stream, min(steps_per_epoch, total_steps - global_step))
                 source = Prefetcher(stream, loop.prefetch) if loop.prefetch else None
@@ -232,7 +276,7 @@ def train(config: TrainConfig, progress: ProgressFn | None = None,
     if plan is not None:
         summary["world_size"] = context.world_size
     if context.is_main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        run_directory.write_json(run_dir / run_directory.SUMMARY, summary)
     return summary
 
 
@@ -244,8 +288,7 @@ def evaluate_checkpoint(config: TrainConfig, checkpoint_dir: str | Path) -> dict
     checkpoint.load(checkpoint_dir, model)
     reader = make_reader(
         dataset, config.data.eval_split, decode_options(dataset.schema, config),
-        ReaderConfig(batch_size=config.train.eval_batch_size, remainder="pad", shuffle=False),
-        config,
+        eval_reader_config(config), config,
     )
     try:
         return evaluate(model, batches(reader, 0))

@@ -3,8 +3,8 @@
 Numba's on-disk cache is not safe when processes compile the same function at the same
 time (numba/numba#4807: a process may crash reading a half-written entry). Launchers call
 :func:`compile_kernels` first; the processes they start then only load the cache, which
-training does before its first step (loading takes ~0.3 s, which would otherwise fall
-on the first steps).
+training does before its first step (so that the loading does not fall on the first
+steps' timings).
 """
 
 from __future__ import annotations

@@ -35,22 +35,28 @@ def _reference_rows(dataset: Dataset, split: str, options: DecodeOptions) -> dic
     return rows
 
 
+def named_rows(batch: HostBatch) -> list[tuple[int, int, int]]:
+    """(file index, row group, row) of each valid sample, from the batch's provenance."""
+    return [tuple(row) for s in batch.provenance.rows for row in s.locations().tolist()]
+
+
+@pytest.mark.parametrize("shuffle", ["rows", "row_groups", "none"])
 @pytest.mark.parametrize("world_size,remainder", [(1, "drop"), (2, "drop"), (3, "pad"), (4, "pad")])
-def test_every_row_exactly_once_with_provenance(criteo_dataset, world_size, remainder):
+def test_every_row_exactly_once_with_provenance(criteo_dataset, world_size, remainder, shuffle):
     options = DecodeOptions.for_schema(criteo_dataset.schema)
     reference = _reference_rows(criteo_dataset, "train", options)
     seen = []
     for rank in range(world_size):
         reader = InProcessReader(criteo_dataset, "train", options,
                                  ReaderConfig(batch_size=256, seed=11, rank=rank, world_size=world_size,
-                                              remainder=remainder))
+                                              remainder=remainder, shuffle=shuffle, window=3))
         plan = reader.plan(0)
         batches = list(reader.epoch(0))
         assert len(batches) == plan.num_batches
         for step, batch in enumerate(batches):
             assert batch.batch_size == 256
             assert batch.provenance.step == step and batch.provenance.epoch == 0
-            named = [(r.file_index, r.row_group, i) for r in batch.provenance.rows for i in range(r.start, r.stop)]
+            named = named_rows(batch)
             assert len(named) == batch.num_valid
             assert _samples(batch) == [reference[k] for k in named]
             seen.extend(named)
@@ -79,7 +85,7 @@ def test_multihot_batches_match_direct_decode(multihot_dataset):
     reader = InProcessReader(multihot_dataset, "train", options, ReaderConfig(batch_size=300, remainder="pad"))
     count = 0
     for batch in reader.epoch(0):
-        named = [(r.file_index, r.row_group, i) for r in batch.provenance.rows for i in range(r.start, r.stop)]
+        named = named_rows(batch)
         assert _samples(batch) == [reference[k] for k in named]
         count += len(named)
     assert count == multihot_dataset.rows["train"]
@@ -178,3 +184,15 @@ def test_split_then_concat_gives_back_the_batch(multihot_dataset):
     assert [p.batch_size for p in pieces] == np.diff(bounds).tolist()
     assert _samples(HostBatch.concat(pieces)) == _samples(batch)
     assert [s for p in pieces for s in _samples(p)] == _samples(batch)
+
+
+@pytest.mark.parametrize("shuffle", ["rows", "row_groups"])
+def test_decoding_in_small_chunks_changes_no_batch_and_no_provenance(criteo_dataset, shuffle, monkeypatch):
+    from ingest import chunks
+    from tests.ingest.workers import assert_same_batches
+
+    options = DecodeOptions.for_schema(criteo_dataset.schema)
+    config = ReaderConfig(batch_size=256, seed=4, shuffle=shuffle, window=2)
+    expected = list(InProcessReader(criteo_dataset, "train", options, config).epoch(1))
+    monkeypatch.setattr(chunks, "CHUNK_ROWS", 97)
+    assert_same_batches(list(InProcessReader(criteo_dataset, "train", options, config).epoch(1)), expected)

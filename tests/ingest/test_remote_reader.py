@@ -10,15 +10,14 @@ from ingest.client import ClientOptions, IngestError, RemoteReader
 from ingest.decoder import DecodeOptions
 from ingest.reader import InProcessReader, ReaderConfig
 from ingest.schema import Dataset
-from orchestration.processes import start_reader_service
-from tests.ingest.workers import assert_same_batches, scramble_data_pages, stop_all
+from tests.ingest.workers import assert_same_batches, scramble_data_pages, stop_all, start_worker
 
 SMALL_TASKS = ClientOptions(task_rows=200)  # a few batches per task: many tasks per epoch
 
 
 @pytest.fixture(scope="module")
 def workers():
-    started = [start_reader_service("--worker-threads", "1") for _ in range(3)]
+    started = [start_worker("--worker-threads", "1") for _ in range(3)]
     yield started
     stop_all(started)
 
@@ -31,11 +30,12 @@ def _both(dataset: Dataset, config: ReaderConfig, addresses, client=SMALL_TASKS,
 
 
 @pytest.mark.parametrize("num_workers", [1, 3])
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_batches_equal_the_in_process_reader(criteo_dataset, workers, num_workers, world_size):
+@pytest.mark.parametrize("world_size,shuffle", [(1, "rows"), (2, "rows"), (4, "rows"), (2, "row_groups"),
+                                                (1, "none")])
+def test_batches_equal_the_in_process_reader(criteo_dataset, workers, num_workers, world_size, shuffle):
     addresses = [w.address for w in workers[:num_workers]]
     for rank in range(world_size):
-        config = ReaderConfig(batch_size=64, seed=5, rank=rank, world_size=world_size)
+        config = ReaderConfig(batch_size=64, seed=5, rank=rank, world_size=world_size, shuffle=shuffle, window=3)
         got, expected = _both(criteo_dataset, config, addresses)
         assert len(expected) > 10
         assert_same_batches(got, expected)
@@ -52,7 +52,7 @@ def test_multihot_padding_and_compression(multihot_dataset, workers, compression
 
 @pytest.mark.parametrize("seed,kill_after", [(0, 1), (1, 7), (2, 25)])
 def test_sigkill_of_a_worker_mid_epoch_changes_nothing(criteo_dataset, seed, kill_after):
-    victims = [start_reader_service("--worker-threads", "1") for _ in range(3)]
+    victims = [start_worker("--worker-threads", "1") for _ in range(3)]
     try:
         config = ReaderConfig(batch_size=48, seed=seed, rank=seed % 2, world_size=2)
         options = DecodeOptions.for_schema(criteo_dataset.schema)
@@ -71,7 +71,7 @@ def test_sigkill_of_a_worker_mid_epoch_changes_nothing(criteo_dataset, seed, kil
 
 
 def test_no_live_worker_is_a_clear_error_not_a_hang(criteo_dataset):
-    worker = start_reader_service()
+    worker = start_worker()
     worker.kill()
     config = ReaderConfig(batch_size=64)
     client = ClientOptions(stall_timeout_s=1.5, backoff_s=0.05, max_backoff_s=0.2)

@@ -18,8 +18,7 @@ from ingest.schema import Dataset
 from ingest import service
 from ingest.service import SERVICE_NAME, ReaderServer
 from protos import ingest_pb2, ingest_pb2_grpc
-from orchestration.processes import start_reader_service
-from tests.ingest.workers import scramble_data_pages, stop_all
+from tests.ingest.workers import DATA_ROOTS, scramble_data_pages, stop_all, start_worker
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -27,7 +26,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 @pytest.fixture(scope="module")
 def server():
-    server = ReaderServer(threads=2)
+    server = ReaderServer(threads=2, data_roots=DATA_ROOTS)
     server.start()
     yield server
     server.stop(grace_s=0.5)
@@ -45,7 +44,7 @@ def _request(dataset: Dataset, batch_size: int = 100, num_batches: int = 3) -> i
     reader = RemoteReader(dataset, "train", options, ReaderConfig(batch_size=batch_size), ["127.0.0.1:1"])
     task = reader.plan(0).tasks(num_batches)[0]
     reader.close()
-    return reader.request_for(task)
+    return reader.request_for(task)[0]
 
 
 def _read_all(channel: grpc.Channel, request: ingest_pb2.ReadRequest) -> list[ingest_pb2.Batch]:
@@ -73,7 +72,7 @@ def test_serves_the_requested_batches_and_counts_them(channel, criteo_dataset):
 def test_a_row_group_is_read_from_parquet_once_per_epoch(channel, criteo_dataset):
     request = _request(criteo_dataset, batch_size=100, num_batches=3)
     request.epoch = 1000  # an epoch the module's other tests do not read
-    groups = len({(r.file, r.row_group) for r in request.ranges})
+    groups = sum(len(w.groups) for w in request.windows)
     before = _status(channel)
     first = _read_all(channel, request)
     after_first = _status(channel)
@@ -92,10 +91,22 @@ def _mutations(dataset: Dataset):
     def set_field(name, value):
         return lambda r: setattr(r, name, value)
 
-    def first_range(**fields):
+    def first_segment(**fields):
         def change(r):
             for k, v in fields.items():
-                setattr(r.ranges[0], k, v)
+                setattr(r.segments[0], k, v)
+        return change
+
+    def first_group(**fields):
+        def change(r):
+            for k, v in fields.items():
+                setattr(r.windows[0].groups[0], k, v)
+        return change
+
+    def first_file(**fields):
+        def change(r):
+            for k, v in fields.items():
+                setattr(r.files[r.windows[0].groups[0].file], k, v)
         return change
 
     invalid, missing = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
@@ -105,13 +116,24 @@ def _mutations(dataset: Dataset):
         ("no batches", set_field("num_batches", 0), invalid),
         ("too many rows for the batches", set_field("num_batches", 1), invalid),
         ("unknown compression", set_field("compression", 7), invalid),
-        ("unknown dataset", set_field("dataset", "/nonexistent/dataset"), missing),
+        ("unknown dataset", set_field("dataset", f"{DATA_ROOTS[0]}/nonexistent/dataset"), missing),
+        ("dataset outside the data roots", set_field("dataset", "/etc"), grpc.StatusCode.PERMISSION_DENIED),
+        ("a way out of the data roots", set_field("dataset", f"{DATA_ROOTS[0]}/../etc"),
+         grpc.StatusCode.PERMISSION_DENIED),
+        ("no dataset", set_field("dataset", ""), invalid),
+        ("2**20 padding batches of 2**20 rows", lambda r: (setattr(r, "num_batches", 1 << 20),
+                                                          setattr(r, "batch_size", 1 << 20)), invalid),
         ("unknown split", set_field("split", "test"), missing),
-        ("unknown file", lambda r: r.files.__setitem__(0, "elsewhere.parquet"), missing),
-        ("file index past the list", first_range(file=5), invalid),
-        ("row group past the file", first_range(row_group=99), invalid),
-        ("rows past the row group", first_range(stop=10_000), invalid),
-        ("empty row range", first_range(stop=0), invalid),
+        ("unknown file", lambda r: setattr(r.files[0], "name", "elsewhere.parquet"), missing),
+        ("file index past the list", first_group(file=5), invalid),
+        ("row group past the file", first_group(row_group=99), invalid),
+        ("row group of another size", first_group(num_rows=699), invalid),
+        ("window without row groups", lambda r: r.windows[0].ClearField("groups"), invalid),
+        ("segment of an unknown window", first_segment(window=9), invalid),
+        ("rows past the window", first_segment(stop=10_000), invalid),
+        ("empty segment", first_segment(stop=0), invalid),
+        ("file of another size", first_file(size=12345), grpc.StatusCode.FAILED_PRECONDITION),
+        ("file with another footer", first_file(footer_crc32=1), grpc.StatusCode.FAILED_PRECONDITION),
         ("wrong table count", lambda r: r.decode.table_rows.pop(), invalid),
         ("unknown dense transform", lambda r: setattr(r.decode, "dense_transform", "sqrt"), invalid),
     ]
@@ -139,11 +161,11 @@ def test_corrupt_file_is_data_loss_naming_the_file(channel, criteo_dataset, tmp_
     shutil.copytree(criteo_dataset.root, copy)
     request = _request(criteo_dataset)
     request.dataset = str(copy)
-    victim = copy / request.files[request.ranges[0].file]
+    victim = copy / request.files[request.windows[0].groups[0].file].name
     if damage == "truncated":
         victim.write_bytes(victim.read_bytes()[:1000])
     else:
-        scramble_data_pages(victim)
+        scramble_data_pages(victim)  # size and footer kept: it passes for the client's file
     with pytest.raises(grpc.RpcError) as info:
         _read_all(channel, request)
     assert info.value.code() == grpc.StatusCode.DATA_LOSS
@@ -156,15 +178,15 @@ def test_a_file_removed_after_the_request_was_checked_is_data_loss(criteo_datase
     shutil.copytree(criteo_dataset.root, copy)
     request = _request(criteo_dataset)
     request.dataset = str(copy)
-    victim = copy / request.files[request.ranges[0].file]
+    victim = copy / request.files[request.windows[0].groups[0].file].name
     validate = service.validate_request
 
-    def checked_then_removed(req):
-        job = validate(req)
+    def checked_then_removed(req, roots):
+        job = validate(req, roots)
         victim.unlink()
         return job
 
-    server = ReaderServer(threads=2)
+    server = ReaderServer(threads=2, data_roots=DATA_ROOTS)
     monkeypatch.setattr(service, "validate_request", checked_then_removed)
     server.start()
     try:
@@ -187,14 +209,16 @@ def test_health_check_and_unknown_service(channel):
 
 
 def test_sigterm_drains_then_exits_cleanly(criteo_dataset):
-    worker = start_reader_service("--grace", "3")
+    worker = start_worker("--grace", "3")
     try:
         with grpc.insecure_channel(worker.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=30)
             assert next(watch).status == SERVING
-            # An open stream the client does not read: the service must wait for it, then end it.
-            request = _request(criteo_dataset, batch_size=1000, num_batches=4)
+            # An open stream the client does not read (more than the transport buffers): the
+            # service must wait for it, then end it.
+            request = _request(criteo_dataset, batch_size=100, num_batches=48)
+            request.batch_size = 4000  # 48 batches of 4,000 (4,800 rows, then padding): ~15 MB
             stream = ingest_pb2_grpc.ReaderStub(channel).Read(request, timeout=30)
             first = next(stream)
             assert first.step == 0
@@ -210,14 +234,10 @@ def test_sigterm_drains_then_exits_cleanly(criteo_dataset):
                 _read_all(channel, _request(criteo_dataset))
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert _status(channel).shutting_down
-            received = 1
-            try:
+            with pytest.raises(grpc.RpcError) as ended:  # 48 batches at 10 a second outlast the grace period
                 for _ in stream:
-                    received += 1
-                    time.sleep(0.5)
-                assert received == 4  # it finished within the grace period
-            except grpc.RpcError as ended:
-                assert ended.code() == grpc.StatusCode.UNAVAILABLE
+                    time.sleep(0.1)
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
         assert worker.process.wait(timeout=15) == 0
         assert time.monotonic() - started < 10
     finally:
@@ -226,7 +246,7 @@ def test_sigterm_drains_then_exits_cleanly(criteo_dataset):
 
 def test_sigterm_handed_to_any_thread_stops_the_service():
     """The kernel may deliver a process's SIGTERM to any of its threads, not only the main one."""
-    worker = start_reader_service()
+    worker = start_worker()
     try:
         pid = worker.process.pid
         other_threads = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
@@ -239,7 +259,7 @@ def test_sigterm_handed_to_any_thread_stops_the_service():
 
 
 def test_streams_still_open_after_the_grace_period_end_unavailable(criteo_dataset):
-    server = ReaderServer(threads=1)
+    server = ReaderServer(threads=1, data_roots=DATA_ROOTS)
     server.start()
     with grpc.insecure_channel(server.address) as channel:
         request = _request(criteo_dataset, batch_size=1, num_batches=4000)
@@ -253,3 +273,43 @@ def test_streams_still_open_after_the_grace_period_end_unavailable(criteo_datase
         assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "shutting down" in ended.value.details()
         stopper.join()
+
+
+def test_streams_beyond_the_limit_are_refused_and_health_keeps_answering(criteo_dataset):
+    server = ReaderServer(threads=1, max_streams=64, data_roots=DATA_ROOTS)
+    server.start()
+    request = _request(criteo_dataset, batch_size=100, num_batches=48)
+    request.batch_size = 4000  # ~15 MB a stream: none finishes while nobody reads it
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            reader = ingest_pb2_grpc.ReaderStub(channel)
+            streams = [reader.Read(request, timeout=60) for _ in range(64)]
+            for stream in streams:
+                assert next(stream).step == 0
+            with pytest.raises(grpc.RpcError) as refused:
+                next(reader.Read(request, timeout=10))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            health = health_pb2_grpc.HealthStub(channel)
+            for _ in range(5):
+                started = time.monotonic()
+                assert health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1).status == SERVING
+                assert time.monotonic() - started < 1.0
+            assert _status(channel).active_streams == 64
+            for stream in streams:
+                stream.cancel()
+    finally:
+        server.stop(grace_s=0.2)
+
+
+def test_oversized_requests_and_echoed_names_stay_bounded(channel, criteo_dataset):
+    request = _request(criteo_dataset)
+    request.dataset = "/" + "x" * (64 << 20)  # a 64 MiB request
+    with pytest.raises(grpc.RpcError) as info:
+        _read_all(channel, request)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    request.dataset = "/nonexistent/" + "y" * 100_000  # its error names it: cut, so the answer arrives
+    with pytest.raises(grpc.RpcError) as info:
+        _read_all(channel, request)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert len(info.value.details()) <= 1024 and "message cut" in info.value.details()
+    assert len(_read_all(channel, _request(criteo_dataset))) == 3

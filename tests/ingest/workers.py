@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 
 from ingest.batch import HostBatch
-from orchestration.processes import ServiceProcess
+from orchestration.processes import ServiceProcess, start_reader_service
+
+DATA_ROOTS = (tempfile.gettempdir(),)
+"""Where the tests' datasets are written (pytest's temporary directories): the services'
+data root."""
+
+
+def start_worker(*args: str) -> ServiceProcess:
+    """A reader service process that may read the tests' datasets."""
+    return start_reader_service(*args, data_roots=DATA_ROOTS)
 
 
 def stop_all(workers: list[ServiceProcess]) -> None:

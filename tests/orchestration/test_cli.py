@@ -7,8 +7,7 @@ import sys
 import pytest
 
 from tests.conftest import FIXTURES
-from orchestration.processes import start_reader_service
-from tests.ingest.workers import stop_all
+from tests.ingest.workers import stop_all, start_worker
 
 
 def _neorec(*args, cwd=None):
@@ -74,7 +73,7 @@ def test_train_through_a_reader_service_equals_in_process(criteo_dataset, tmp_pa
               "--set", "model.max_table_rows=1000"]
     local = _neorec("train", "configs/demo.toml", "--set", f"run.dir='{tmp_path / 'local'}'", *common)
     assert local.returncode == 0, local.stderr
-    worker = start_reader_service()
+    worker = start_worker()
     try:
         remote = _neorec("train", "configs/demo.toml", "--ingest", worker.address,
                          "--set", f"run.dir='{tmp_path / 'remote'}'", *common)
@@ -93,7 +92,7 @@ def test_train_through_a_reader_service_equals_in_process(criteo_dataset, tmp_pa
 
 
 def test_unreachable_reader_service_is_a_clear_error(criteo_dataset, tmp_path):
-    worker = start_reader_service()
+    worker = start_worker()
     worker.kill()
     result = _neorec("train", "configs/demo.toml", "--ingest", worker.address,
                      "--set", f"data.path='{criteo_dataset.root}'", "--set", f"run.dir='{tmp_path}'",

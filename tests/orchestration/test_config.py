@@ -12,10 +12,10 @@ def _write(tmp_path, text):
 
 def test_demo_config_loads_with_overrides():
     config = load_config("configs/demo.toml", ["train.batch_size=128", "optimizer.sparse=adagrad",
-                                               "model.top_mlp=[8, 4]"])
+                                               "model.top_mlp=[8, 4, 1]"])
     assert config.train.batch_size == 128
     assert config.optimizer.sparse == "adagrad"
-    assert config.model.top_mlp == [8, 4]
+    assert config.model.top_mlp == [8, 4, 1]
 
 
 @pytest.mark.parametrize("text,message", [
@@ -47,3 +47,19 @@ def test_bad_override_is_named(tmp_path):
         load_config(_write(tmp_path, ""), ["train.epochs=1.5"])
     with pytest.raises(ConfigError, match="expected section.key=value"):
         load_config(_write(tmp_path, ""), ["train.epochs"])
+
+
+def test_mlp_stacks_that_do_not_end_as_torchrec_s_are_refused(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[model]\nembedding_dim = 16\nbottom_mlp = [64, 32]\n")
+    with pytest.raises(ConfigError, match=r"model.bottom_mlp: .* must end with model.embedding_dim \(16\).*\[64, 32, 16\]"):
+        load_config(path)
+    path.write_text("[model]\ntop_mlp = [128, 64]\n")
+    with pytest.raises(ConfigError, match=r"model.top_mlp: .* must end with 1 .*\[128, 64, 1\]"):
+        load_config(path)
+    path.write_text("[model]\ninit = 'xavier'\n")
+    with pytest.raises(ConfigError, match="model.init: must be one of normal, uniform"):
+        load_config(path)
+    path.write_text("[data]\nshuffle = true\n")
+    with pytest.raises(ConfigError, match="data.shuffle: expected a string"):
+        load_config(path)

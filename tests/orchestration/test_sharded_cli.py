@@ -1,7 +1,14 @@
 """``neorec plan`` and ``neorec train --nproc`` as a user runs them."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import pytest
 import torch
 
 from tests.orchestration.test_cli import _neorec
@@ -45,3 +52,77 @@ def test_an_impossible_plan_is_explained(criteo_dataset):
     assert "26 tables need" in result.stderr and "2 ranks x 2.00 MiB" in result.stderr
     assert "Options: more ranks or memory per rank" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _settings(dataset, run):
+    return ["--set", f"data.path='{dataset.root}'", "--set", "model.max_table_rows=2000",
+            "--set", "train.batch_size=128", "--set", f"run.dir='{run}'"]
+
+
+def test_the_gpu_code_path_trains_single_process_and_sharded_on_the_cpu(criteo_dataset, tmp_path):
+    """``train.kernels = "torch"`` runs the lookups, updates and routing in torch ops, as on
+    CUDA: the whole train loop, one process and two, on the CPU."""
+    for nproc in ("1", "2"):
+        run = tmp_path / f"run{nproc}"
+        result = _neorec("train", "configs/demo.toml", "--nproc", nproc, "--set", "train.kernels='torch'",
+                         "--set", "train.device='cpu'", *_settings(criteo_dataset, run))
+        assert result.returncode == 0, result.stderr[-3000:]
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["eval_auc"] > 0.6
+
+
+def _parent(pid: int) -> int:
+    return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        pid = _parent(pid)
+        if pid == ancestor:
+            return True
+    return False
+
+
+def _rank_processes(parent: int) -> dict[int, int]:
+    """Trainer rank → pid, for the torchrun ranks under process ``parent``."""
+    ranks = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = dict(item.split("=", 1) for item in (proc / "environ").read_text().split("\0") if "=" in item)
+            if "TORCHELASTIC_RUN_ID" in environ and _descends_from(int(proc.name), parent):
+                ranks[int(environ["RANK"])] = int(proc.name)
+        except (OSError, ValueError, IndexError):  # the process ended meanwhile
+            continue
+    return ranks
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_named_by_the_others_within_the_collective_timeout(criteo_dataset, tmp_path):
+    run = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "orchestration.cli", "train", "configs/demo.toml", "--nproc", "2",
+         "--set", "train.collective_timeout_s=8", "--set", "train.epochs=100", *_settings(criteo_dataset, run)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.2)
+        ranks = _rank_processes(process.pid)
+        assert set(ranks) == {0, 1}, ranks
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, stderr = process.communicate(timeout=180)
+        assert process.returncode != 0
+        assert "rank 1" in stderr and "went silent" in stderr, stderr[-3000:]
+        assert time.monotonic() - stopped < 120
+    finally:
+        for pid in _rank_processes(process.pid).values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if process.poll() is None:
+            process.kill()

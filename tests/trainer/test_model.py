@@ -1,10 +1,11 @@
 import numpy as np
+import pytest
 import torch
 
 from tests.trainer.reference import random_kjt
 from trainer.batch import Batch
 from trainer.embedding_config import SparseOptimizer, TableConfig
-from trainer.embedding_reference import EmbeddingBagCollectionReference
+from benchmarks.baselines import EmbeddingBagCollectionReference
 from trainer.fused_embedding import FusedEmbeddingBagCollection
 from trainer.model import DLRM
 
@@ -13,7 +14,7 @@ def _models():
     tables = [TableConfig(f"t{i}", 30 + i, 8, (f"f{i}",)) for i in range(4)]
     fused = FusedEmbeddingBagCollection(tables, SparseOptimizer("sgd", 0.5), seed=1)
     reference = EmbeddingBagCollectionReference(tables, [fused.table_weight(t.name).clone() for t in tables])
-    make = lambda emb: DLRM(num_dense=5, num_sparse=4, embedding_dim=8, bottom_mlp=[16], top_mlp=[32, 16],
+    make = lambda emb: DLRM(num_dense=5, num_sparse=4, embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[32, 16, 1],
                             embeddings=emb, seed=3)
     return tables, make(fused), make(reference)
 
@@ -52,3 +53,37 @@ def test_interaction_shape():
     batch = Batch(dense=torch.zeros(3, 5), sparse=kjt, labels=torch.zeros(3), num_valid=3)
     assert ours(batch).shape == (3,)
     assert ours.interaction.output_dim_extra == 10  # 5 vectors -> 10 pairs
+
+
+def _linear_shapes(mlp):
+    return [(layer.in_features, layer.out_features) for layer in mlp if isinstance(layer, torch.nn.Linear)]
+
+
+def test_mlp_sizes_are_the_whole_stack_as_torchrec_writes_them():
+    tables = [TableConfig(f"t{i}", 30, 16, (f"f{i}",)) for i in range(4)]
+    emb = FusedEmbeddingBagCollection(tables, SparseOptimizer("sgd", 0.5))
+    model = DLRM(num_dense=13, num_sparse=4, embedding_dim=16, bottom_mlp=[64, 16], top_mlp=[64, 32, 1],
+                 embeddings=emb)
+    assert _linear_shapes(model.bottom) == [(13, 64), (64, 16)]
+    assert _linear_shapes(model.top) == [(16 + 10, 64), (64, 32), (32, 1)]
+    assert isinstance(model.bottom[-1], torch.nn.ReLU) and isinstance(model.top[-1], torch.nn.Linear)
+    with pytest.raises(ValueError, match="end with the embedding dimension 16"):
+        DLRM(num_dense=13, num_sparse=4, embedding_dim=16, bottom_mlp=[64, 32], top_mlp=[1], embeddings=emb)
+    with pytest.raises(ValueError, match="top MLP must end with one output"):
+        DLRM(num_dense=13, num_sparse=4, embedding_dim=16, bottom_mlp=[16], top_mlp=[64, 32], embeddings=emb)
+
+
+def test_uniform_init_is_pytorchs_default_and_deterministic_from_the_seed():
+    from trainer.model import MLP
+
+    def build(init, seed):
+        return MLP([200, 50, 1], torch.Generator().manual_seed(seed), last_relu=False, init=init)
+
+    a, b, other = build("uniform", 7), build("uniform", 7), build("uniform", 8)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a[0].weight, other[0].weight)
+    bound = 1 / 200**0.5  # nn.Linear: kaiming_uniform(a=sqrt(5)) and the bias both give U(+-1/sqrt(fan_in))
+    for tensor in (a[0].weight, a[0].bias):
+        assert tensor.abs().max() <= bound and tensor.abs().max() > 0.9 * bound
+    normal = build("normal", 7)
+    assert normal[0].weight.abs().max() > bound  # a Gaussian's tails pass the uniform bound

@@ -1,18 +1,21 @@
 import json
+import shutil
 
+import pytest
 import torch
 
+from ingest.errors import DataError
 from ingest.schema import Dataset
 from trainer import checkpoint
 from trainer.build import build_model
 from trainer.config import TrainConfig
-from trainer.train import evaluate_checkpoint, train
+from trainer.train import eval_reader_config, evaluate_checkpoint, train, train_reader_config
 
 
 def _config(dataset: Dataset, run_dir, **train_overrides) -> TrainConfig:
     return TrainConfig.from_dict({
         "data": {"path": str(dataset.root)},
-        "model": {"max_table_rows": 5000, "embedding_dim": 8, "bottom_mlp": [16], "top_mlp": [32]},
+        "model": {"max_table_rows": 5000, "embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [32, 1]},
         "train": {"batch_size": 256, "eval_batch_size": 1000, "log_every": 5, **train_overrides},
         "run": {"dir": str(run_dir)},
     })
@@ -82,3 +85,26 @@ def test_default_config_reaches_the_oracle_on_200k_rows(tmp_path):
     config = load_config("configs/demo.toml", [f"data.path='{dataset.root}'", f"run.dir='{tmp_path / 'run'}'"])
     summary = train(config)
     assert summary["oracle_auc"] - summary["eval_auc"] < 0.02
+
+
+def test_eval_split_is_read_in_file_order_whatever_the_train_shuffle(criteo_dataset, tmp_path):
+    for shuffle in ("rows", "row_groups", "none"):
+        config = _config(criteo_dataset, tmp_path / "run")
+        config.data.shuffle = shuffle
+        assert train_reader_config(config).shuffle == shuffle
+        assert eval_reader_config(config).shuffle == "none"
+
+
+def test_empty_eval_split_is_a_named_error_before_training(criteo_dataset, tmp_path):
+    shutil.copytree(criteo_dataset.root, tmp_path / "data")
+    copy = Dataset.load(tmp_path / "data")
+    copy.splits["eval"] = []
+    copy.save()
+    with pytest.raises(DataError, match="split 'eval' of .* holds no rows"):
+        train(_config(copy, tmp_path / "run"))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    copy.splits["train"] = copy.splits["train"][:1]
+    copy.splits["eval"] = copy.splits["train"]
+    copy.save()
+    with pytest.raises(DataError, match="split 'train' of .* holds 2100 rows, fewer than one step of 1 x 4096"):
+        train(_config(copy, tmp_path / "run", batch_size=4096))

@@ -13,6 +13,8 @@ import math
 import numba
 import numpy as np
 
+from ingest.hashing import GOLDEN, MIX1, MIX2, SALT, mix64_jit
+
 FP32 = 0
 FP16 = 1
 BF16 = 2
@@ -73,10 +75,8 @@ def encode(x: np.float32, precision: int, noise: float) -> np.uint16:
 
 @numba.njit(inline="always")
 def uniform_noise(seed: int, step: int, element: int) -> float:
-    """Uniform [0, 1) from ``(seed, step, element)`` (splitmix64)."""
-    z = np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(step) * np.uint64(0xBF58476D1CE4E5B9)
-    z = z + np.uint64(element) * np.uint64(0x94D049BB133111EB) + np.uint64(0x632BE59BD9B4E019)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z = z ^ (z >> np.uint64(31))
-    return np.float64(z >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+    """Uniform [0, 1) from ``(seed, step, element)``: :func:`ingest.hashing.mix64` of a
+    linear combination of the three."""
+    z = np.uint64(seed) * np.uint64(GOLDEN) + np.uint64(step) * np.uint64(MIX1)
+    z = z + np.uint64(element) * np.uint64(MIX2) + np.uint64(SALT)
+    return np.float64(mix64_jit(z) >> np.uint64(11)) * (1.0 / 9007199254740992.0)

@@ -16,10 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ingest.hashing import GOLDEN, MIX1, MIX2, SALT, mix64_int64, signed
 from trainer.embedding_config import SparseOptimizer
-
-_MASK64 = (1 << 64) - 1
-
 
 @dataclass
 class TorchLookup:
@@ -163,19 +161,5 @@ def _from_bits(magnitude: torch.Tensor, sign_of: torch.Tensor, dtype: torch.dtyp
 def _uniform_noise(seed: int, step: int, element: torch.Tensor) -> torch.Tensor:
     """float64 uniform [0, 1): splitmix64 of ``(seed, step, element)`` as
     :func:`trainer.kernels.precision.uniform_noise`, in int64 (wrapping) arithmetic."""
-    base = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 0x632BE59BD9B4E019) & _MASK64
-    z = _wrap(base) + element * _wrap(0x94D049BB133111EB)
-    z = (z ^ _shift(z, 30)) * _wrap(0xBF58476D1CE4E5B9)
-    z = (z ^ _shift(z, 27)) * _wrap(0x94D049BB133111EB)
-    z = z ^ _shift(z, 31)
-    return _shift(z, 11).double() * (1.0 / 9007199254740992.0)
-
-
-def _wrap(value: int) -> int:
-    """A 64-bit pattern as a signed int64 value."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _shift(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
+    z = mix64_int64(signed(seed * GOLDEN + step * MIX1 + SALT) + element * signed(MIX2))
+    return ((z >> 11) & ((1 << 53) - 1)).double() * (1.0 / 9007199254740992.0)

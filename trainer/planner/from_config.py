@@ -32,7 +32,7 @@ def topology(config: TrainConfig, world_size: int) -> Topology:
 def pooling_factors(dataset: Dataset, config: TrainConfig) -> dict[str, float]:
     """Mean ids per bag of every feature over the first rows of the train split."""
     reader = InProcessReader(dataset, config.data.train_split, decode_options(dataset.schema, config),
-                             ReaderConfig(batch_size=POOLING_SAMPLE_ROWS, remainder="pad", shuffle=False))
+                             ReaderConfig(batch_size=POOLING_SAMPLE_ROWS, remainder="pad", shuffle="none"))
     try:
         batch = next(iter(reader.epoch(0)))
     finally:

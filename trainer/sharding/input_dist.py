@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from trainer.batch import KeyedJaggedTensor
 from trainer.kernels.routing import route_ids
+from trainer.offsets import exclusive_cumsum
 from trainer.sharding.collectives import PendingTensor, start_all_to_all
 from trainer.sharding.layout import ShardedLayout
 
@@ -134,7 +135,7 @@ class SparseAllToAll:
         values = in_flight.values.wait()
         weights = None if in_flight.weights is None else in_flight.weights.wait()
         # received: rank-major, then slot; the local module wants slot-major, then rank
-        regroup = _segment_gather(_exclusive_cumsum(segments.flatten()).view(world, mine).T.flatten(),
+        regroup = _segment_gather(exclusive_cumsum(segments.flatten()).view(world, mine).T.flatten(),
                                   segments.T.flatten())
         return KeyedJaggedTensor(
             self.layout.local_feature_names,
@@ -221,12 +222,8 @@ def _raise_if_flagged(own_error: str | None, flags: torch.Tensor) -> None:
         raise IndexError(f"rank(s) {ranks} have ids outside their tables' rows in this batch (see their error)")
 
 
-def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(x, 0) - x
-
-
 def _segment_gather(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """int64 ``[sum(counts)]``: ``starts[0] .. starts[0] + counts[0] - 1``, then segment 1's…"""
     total = int(counts.sum())
-    shift = torch.repeat_interleave(starts - _exclusive_cumsum(counts), counts, output_size=total)
+    shift = torch.repeat_interleave(starts - exclusive_cumsum(counts), counts, output_size=total)
     return shift + torch.arange(total, device=starts.device)

@@ -6,7 +6,8 @@ from collections import deque
 from typing import Iterable, Iterator, TypeVar
 
 from trainer.sharding.input_dist import LengthsInFlight, ValuesInFlight
-from trainer.sharding.sharded_embedding import DistributedSparse, PreparedSparse, ShardedEmbeddingBagCollection
+from trainer.batch import DistributedSparse
+from trainer.sharding.sharded_embedding import PreparedSparse, ShardedEmbeddingBagCollection
 
 T = TypeVar("T")
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from trainer.embedding_config import TableConfig
+from trainer.offsets import exclusive_cumsum
 from trainer.sharding.plan import DATA_PARALLEL, ROW_SPLIT_TYPES, Shard, ShardingPlan
 
 
@@ -131,7 +132,7 @@ class ShardedLayout:
                 received_start[i] = column
                 column += s.cols
         dims = [self.tables[t].embedding_dim for t in self.feature_table]
-        out_start = np.concatenate([[0], np.cumsum(dims)[:-1]]).astype(np.int64)
+        out_start = exclusive_cumsum(np.array(dims, dtype=np.int64))
         self.output_dim = int(sum(dims))
         primary = np.full(self.output_dim, -1, dtype=np.int64)
         extra: list[tuple[list[int], list[int]]] = []

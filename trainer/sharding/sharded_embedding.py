@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.batch import KeyedJaggedTensor
+from trainer.batch import DistributedSparse, KeyedJaggedTensor
 from trainer.embedding_config import SparseOptimizer, TableConfig
 from trainer.fused_embedding import FusedEmbeddingBagCollection, initial_table_weight
 from trainer.sharding.input_dist import RoutedSparse, SparseAllToAll
@@ -30,16 +31,6 @@ class PreparedSparse:
     def distributed(self, local: KeyedJaggedTensor) -> DistributedSparse:
         """This input after its all-to-alls delivered ``local``, the local module's input."""
         return DistributedSparse(local, self.lengths, self.routed.batch_size)
-
-
-@dataclass
-class DistributedSparse:
-    """A rank's sparse input after the input all-to-all: the local module's input for the
-    global batch, and the rank's own ``[F, B]`` bag lengths (collection feature order)."""
-
-    local: KeyedJaggedTensor
-    lengths: torch.Tensor
-    batch_size: int
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -65,12 +56,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimizer, plan: ShardingPlan, *,
                  seed: int = 0, group: dist.ProcessGroup | None = None,
                  full_weights: dict[str, torch.Tensor] | None = None, weight_dtype: str = "fp32",
-                 stochastic_rounding: bool = True, kernels: str = "auto") -> None:
+                 stochastic_rounding: bool = True, kernels: str = "auto",
+                 timeout: timedelta | None = None) -> None:
         """``full_weights``: float32 ``[rows, dim]`` of any table (each rank slices its
         shards); other tables start from :func:`initial_table_weight` with ``seed``.
         ``weight_dtype`` and ``stochastic_rounding`` as for the fused module (rounding noise
         is drawn per element of the whole table, so it does not depend on the plan).
-        ``kernels="torch"`` runs routing, lookup and update in torch ops, as on CUDA."""
+        ``kernels="torch"`` runs routing, lookup and update in torch ops, as on CUDA.
+        ``timeout``: how long the input all-to-alls' process group waits for a silent rank
+        (``torch.distributed``'s default for a new group otherwise, half an hour)."""
         super().__init__()
         if dist.get_world_size(group) != plan.world_size:
             raise ValueError(f"the plan is for {plan.world_size} ranks, the process group has "
@@ -101,7 +95,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             )
         self.input_dist = SparseAllToAll(self.layout, torch_routing=kernels == "torch")
         self.output_dist = PooledAllToAll(self.layout, group)
-        self.input_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
+        self.input_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD), timeout=timeout)
 
     def prepare(self, sparse: KeyedJaggedTensor) -> PreparedSparse:
         """Route ``sparse`` for the input all-to-all (no collective: any thread may call it)."""

@@ -12,7 +12,7 @@ from tests.trainer.sharding.test_sharded_embedding import BATCH, TABLES, plan_of
 from tests.trainer.spawn import run_ranks
 from trainer.embedding_config import SparseOptimizer
 from trainer.sharding.input_pipeline import InputPipeline
-from trainer.sharding.plan import COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE
+from trainer.sharding.plan import COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE
 from trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 
 

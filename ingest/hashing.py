@@ -1,0 +1,84 @@
+"""Counter-based hashing: splitmix64's finalizer, the one source of every pseudo-random
+value in neorec that must be a pure function of its inputs (shuffle permutations, the
+synthetic teacher's embeddings, initial embedding rows, stochastic rounding noise).
+
+A counter-based hash needs no generator state, so any piece of the sequence can be computed
+alone, by any process, on any host: a reader service permutes a window of rows from the
+request's seed, a tier of the embedding store computes a never-written row's initial value
+from (seed, table, row). The functions are written once for numpy ``uint64`` arrays and
+compiled unchanged by Numba for scalars (:data:`mix64_jit`); :func:`mix64_int64` computes
+the same bits in signed 64-bit arithmetic for array libraries without unsigned 64-bit
+multiplication (torch).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+GOLDEN = 0x9E3779B97F4A7C15
+MIX1 = 0xBF58476D1CE4E5B9
+MIX2 = 0x94D049BB133111EB
+SALT = 0x632BE59BD9B4E019
+"""The constants of splitmix64 (Steele et al., 2014), and an odd salt to combine keys."""
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix64(z):
+    """splitmix64's finalizer of ``uint64`` values (numpy arrays or scalars): a bijection
+    whose outputs look independent for consecutive inputs."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(MIX1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(MIX2)
+    return z ^ (z >> np.uint64(31))
+
+
+mix64_jit = numba.njit(inline="always")(mix64)
+""":func:`mix64` compiled for Numba kernels (scalar ``np.uint64``)."""
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 output for state ``x`` (``uint64`` array): ``mix64(x + GOLDEN)``."""
+    return mix64(x + np.uint64(GOLDEN))
+
+
+def combine(*keys: int) -> int:
+    """One 64-bit key from several non-negative integers (order matters), for seeding a
+    sequence from e.g. ``(seed, epoch, window)``."""
+    state = np.uint64(SALT)
+    for key in keys:
+        state = splitmix64(np.array([state ^ np.uint64(key & _MASK64)], dtype=np.uint64))[0]
+    return int(state)
+
+
+def unit_floats(hashes: np.ndarray) -> np.ndarray:
+    """float64 in ``[0, 1)`` from ``uint64`` hashes (their top 53 bits)."""
+    return (hashes >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+
+
+def permutation(key: int, n: int) -> np.ndarray:
+    """int64 ``[n]``: a permutation of ``range(n)`` that is a pure function of ``(key, n)``:
+    the indices sorted by their hash. The hash is a bijection of the index (xor with a
+    constant, then splitmix64), so no two indices tie and any sort gives the same order."""
+    salted = np.uint64(((key & _MASK64) * GOLDEN + SALT) & _MASK64)
+    hashes = splitmix64(np.arange(n, dtype=np.uint64) ^ salted)
+    return np.argsort(hashes).astype(np.int64, copy=False)
+
+
+def signed(value: int) -> int:
+    """A 64-bit pattern as the signed int64 with the same bits."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def mix64_int64(z):
+    """:func:`mix64` on int64 two's-complement bit patterns (duck-typed: any array type with
+    wrapping int64 ``*``, ``^``, ``>>`` and ``&``, such as a torch tensor); same bits."""
+    z = (z ^ _shift_right(z, 30)) * signed(MIX1)
+    z = (z ^ _shift_right(z, 27)) * signed(MIX2)
+    return z ^ _shift_right(z, 31)
+
+
+def _shift_right(z, k: int):
+    """Logical right shift of int64 bit patterns (``>>`` of a signed type is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)

@@ -1,0 +1,109 @@
+"""Reader services exposed beyond loopback: TLS, a shared token, data roots, and binding
+refusals, with real service processes."""
+
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ingest.client import ClientOptions, IngestError, RemoteReader
+from ingest.decoder import DecodeOptions
+from ingest.reader import ReaderConfig
+from ingest.transport import ClientSecurity
+from ingest.wire import SERVICE_NAME
+from orchestration.processes import start_reader_service
+from tests.ingest.workers import DATA_ROOTS, start_worker, stop_all
+
+
+def _neorec(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "orchestration.cli", *args], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def _one_line_error(result, text):
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("neorec: error:")]
+    assert errors and text in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1 and localhost, and its key."""
+    where = tmp_path_factory.mktemp("tls")
+    cert, key = where / "cert.pem", where / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)
+    return cert, key
+
+
+def _first_batch(dataset, address, security=ClientSecurity()):
+    client = ClientOptions(security=security, stall_timeout_s=3.0, backoff_s=0.05, max_backoff_s=0.2)
+    with RemoteReader(dataset, "train", DecodeOptions.for_schema(dataset.schema), ReaderConfig(batch_size=64),
+                      [address], client) as reader:
+        return next(iter(reader.epoch(0)))
+
+
+def test_tls_service_serves_verified_clients_only(criteo_dataset, certificate):
+    cert, key = certificate
+    worker = start_worker("--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        assert _first_batch(criteo_dataset, worker.address, ClientSecurity(tls_ca=str(cert))).provenance.step == 0
+        with pytest.raises(IngestError, match="no reader service delivered"):  # a clear-text client gets nothing
+            _first_batch(criteo_dataset, worker.address)
+        status = _neorec("ingest", "status", worker.address, "--tls-ca", str(cert))
+        assert status.returncode == 0, status.stderr
+    finally:
+        stop_all([worker])
+
+
+def test_token_is_required_for_reading_and_status_but_not_health(criteo_dataset, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    worker = start_worker("--token-file", str(token))
+    try:
+        assert _first_batch(criteo_dataset, worker.address, ClientSecurity(token="s3cret")).provenance.step == 0
+        with pytest.raises(IngestError, match="UNAUTHENTICATED"):
+            _first_batch(criteo_dataset, worker.address, ClientSecurity(token="guess"))
+        with pytest.raises(IngestError, match="UNAUTHENTICATED"):
+            _first_batch(criteo_dataset, worker.address)
+        with grpc.insecure_channel(worker.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert _neorec("ingest", "status", worker.address).returncode == 1
+        assert _neorec("ingest", "status", worker.address, "--token-file", str(token)).returncode == 0
+    finally:
+        stop_all([worker])
+
+
+def test_binding_beyond_loopback_needs_tls_a_token_or_insecure(criteo_dataset, tmp_path):
+    result = _neorec("ingest", "serve", "--host", "0.0.0.0", "--port", "0")
+    _one_line_error(result, "exposes the service beyond this machine")
+    token = tmp_path / "token"
+    token.write_text("s3cret")
+    for flags in (["--insecure"], ["--token-file", str(token)]):
+        worker = start_reader_service(*flags, host="0.0.0.0", data_roots=DATA_ROOTS)
+        try:
+            address = "127.0.0.1:" + worker.address.rsplit(":", 1)[1]
+            security = ClientSecurity(token="s3cret" if "--token-file" in flags else None)
+            assert _first_batch(criteo_dataset, address, security).provenance.step == 0
+        finally:
+            stop_all([worker])
+
+
+def test_ports_in_use_out_of_range_and_unknown_hosts_are_one_line_errors():
+    worker = start_worker()
+    try:
+        port = worker.address.rsplit(":", 1)[1]
+        _one_line_error(_neorec("ingest", "serve", "--port", port), f"cannot bind 127.0.0.1:{port}")
+    finally:
+        stop_all([worker])
+    for bad in ("70000", "-1"):
+        result = _neorec("ingest", "serve", "--port", bad)
+        assert result.returncode == 2 and "outside [0, 65535]" in result.stderr
+    _one_line_error(_neorec("ingest", "serve", "--host", "no-such-host.invalid"), "does not resolve")
+    _one_line_error(_neorec("ingest", "serve", "--data-root", "/no/such/dir"), "is not a directory")

@@ -1,0 +1,137 @@
+"""Bad input, as a hostile or careless user gives it, is refused by name: one line on
+stderr, exit status 2, no traceback, and nothing lost."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from trainer.run_dir import METRICS
+
+ERROR = 2
+
+
+def _neorec(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "orchestration.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _refused(result, *texts):
+    assert result.returncode == ERROR, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    line = [x for x in result.stderr.splitlines() if x.startswith("neorec: error:") or "error:" in x]
+    assert line, result.stderr
+    for text in texts:
+        assert text in result.stderr, (text, result.stderr)
+
+
+def _train(data, run, *more):
+    return _neorec("train", "configs/demo.toml", "--set", f"data.path='{data}'", "--set", f"run.dir='{run}'",
+                   "--set", "train.batch_size=256", "--set", "model.max_table_rows=1000", *more)
+
+
+@pytest.fixture
+def dataset_copy(criteo_dataset, tmp_path):
+    copy = tmp_path / "data"
+    shutil.copytree(criteo_dataset.root, copy)
+    return copy
+
+
+@pytest.mark.parametrize("damage,expected", [
+    (lambda obj: "{not json", "not a readable JSON file"),
+    (lambda obj: {k: v for k, v in obj.items() if k != "schema"}, "lacks 'schema'"),
+    (lambda obj: {**obj, "format": "other/9"}, "unknown format 'other/9'"),
+    (lambda obj: {**obj, "schema": {**obj["schema"], "sparse": [{**obj["schema"]["sparse"][0], "cardinality": "big"}]}},
+     "cardinality must be a positive integer"),
+])
+def test_a_bad_dataset_json_is_named(dataset_copy, tmp_path, damage, expected):
+    path = dataset_copy / "dataset.json"
+    changed = damage(json.loads(path.read_text()))
+    path.write_text(changed if isinstance(changed, str) else json.dumps(changed))
+    _refused(_train(dataset_copy, tmp_path / "run"), str(path), expected)
+
+
+def test_unknown_splits_and_bad_values_are_named(criteo_dataset, tmp_path):
+    run = tmp_path / "run"
+    _refused(_train(criteo_dataset.root, run, "--set", "data.eval_split='test'"), "has no split 'test'")
+    _refused(_train(criteo_dataset.root, run, "--set", "optimizer.sparse_lr=nan"),
+             "optimizer.sparse_lr: expected a finite number")
+    _refused(_train(criteo_dataset.root, run, "--set", "data.ingest_stall_timeout_s=inf"),
+             "data.ingest_stall_timeout_s: expected a finite number")
+    _refused(_train(criteo_dataset.root, run, "--set", "optimizer.sparse_eps=-1e-8"), "optimizer.sparse_eps")
+    _refused(_train(criteo_dataset.root, run, "--set", "optimizer.sparse_weight_decay=-0.1"),
+             "optimizer.sparse_weight_decay")
+    _refused(_train(criteo_dataset.root, run, "--set", "run.dir=''"), "run.dir: must name a directory")
+    _refused(_train(criteo_dataset.root, run, "--set", "train.seed=2024-01-01"), "as a date")
+    _refused(_train(criteo_dataset.root, run, "--set", "train.batch_size=100000"), "fewer than one step")
+    assert not run.exists()
+
+
+def test_bad_command_line_values_are_refused():
+    for args in (["data", "synth", "--rows", "-5", "--out", "x"], ["ingest", "serve", "--grace", "-1"],
+                 ["ingest", "serve", "--grace", "nan"], ["ingest", "serve", "--worker-threads", "0"],
+                 ["ingest", "serve", "--row-group-cache-mib", "-1"], ["ingest", "serve", "--max-streams", "0"],
+                 ["train", "configs/demo.toml", "--nproc", "0"]):
+        result = _neorec(*args)
+        assert result.returncode == ERROR and "Traceback" not in result.stderr, (args, result.stderr)
+
+
+def test_a_run_directory_holds_one_run(criteo_dataset, tmp_path):
+    run = tmp_path / "run"
+    assert _train(criteo_dataset.root, run).returncode == 0
+    first = (run / METRICS).read_text()
+    _refused(_train(criteo_dataset.root, run), "already holds a run", "--overwrite")
+    assert (run / METRICS).read_text() == first  # nothing lost
+    (run / "notes.txt").write_text("mine")
+    result = _train(criteo_dataset.root, run, "--set", "train.seed=1", "--overwrite")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((run / "config.json").read_text())["train"]["seed"] == 1
+    assert (run / "notes.txt").read_text() == "mine"  # only the run's own files are replaced
+
+
+def test_an_unwritable_run_directory_is_found_before_training(criteo_dataset, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    _refused(_train(criteo_dataset.root, blocker), f"run directory {blocker} is a file")
+    _refused(_train(criteo_dataset.root, blocker / "run"), f"run directory {blocker / 'run'} is not writable")
+
+
+def test_a_full_disk_ends_training_with_the_file_named(criteo_dataset, tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    from trainer.run_dir import RunDirError
+    from trainer.train import train
+    from tests.trainer.test_train import _config
+
+    real = Path.write_bytes
+
+    def full(self, data):
+        if self.name.startswith("state"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with pytest.raises(RunDirError, match=r"cannot write .*state.* no space left on device"):
+        train(_config(criteo_dataset, tmp_path / "run"))
+
+
+def test_ctrl_c_stops_training_with_one_line_and_status_130(tmp_path):
+    data = tmp_path / "data"
+    assert _neorec("data", "synth", "--rows", "60000", "--out", str(data)).returncode == 0
+    process = subprocess.Popen(
+        [sys.executable, "-m", "orchestration.cli", "train", "configs/demo.toml", "--set", f"data.path='{data}'",
+         "--set", f"run.dir='{tmp_path / 'run'}'", "--set", "train.epochs=50", "--set", "train.batch_size=64"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "run" / METRICS).exists() or not (tmp_path / "run" / METRICS).read_text():
+        assert time.monotonic() < deadline and process.poll() is None, process.stderr.read()
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "neorec: interrupted" in stderr and "Traceback" not in stderr

@@ -1,0 +1,81 @@
+"""A run directory: where one training run's files live, and the rules that keep it
+describing one run.
+
+It holds ``config.json`` (the resolved config), ``metrics.jsonl``, ``summary.json``,
+``plan.json`` (sharded runs) and ``checkpoint/``. A directory that already holds a run is
+only reused when told: ``overwrite`` removes that run's files first (never anything
+else), ``resume`` continues it. Before training starts the directory must take a write (a
+read-only or unwritable directory is found then, not after an epoch); JSON files are
+replaced atomically, so a crash leaves the old file or the new one.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+PLAN = "plan.json"
+CHECKPOINTS = "checkpoint"
+RUN_FILES = (CONFIG, METRICS, SUMMARY, PLAN, CHECKPOINTS)
+"""What a run writes; ``overwrite`` removes these and nothing else."""
+
+
+class RunDirError(OSError):
+    """The run directory cannot be used as asked."""
+
+
+def claim(directory: str | Path, overwrite: bool = False, resume: bool = False) -> Path:
+    """Make ``directory`` ready for a run and return it.
+
+    Raises :class:`RunDirError` when it holds another run and neither ``overwrite`` nor
+    ``resume`` says what to do with it, when ``resume`` finds no run, or when it cannot be
+    created or written.
+    """
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"run directory {path} is a file")
+    held = [name for name in RUN_FILES if (path / name).exists()]
+    if resume and not held:
+        raise RunDirError(f"run directory {path} holds no run to resume")
+    if held and not (overwrite or resume):
+        raise RunDirError(f"run directory {path} already holds a run ({', '.join(held)}): pass --overwrite to "
+                          f"replace it, --resume to continue it, or choose another run.dir")
+    if overwrite and not resume:
+        for name in held:
+            target = path / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".neorec-write-check"
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as err:
+        raise RunDirError(f"run directory {path} is not writable: {describe(err)}") from None
+    return path
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Replace ``path`` with ``obj`` as JSON, atomically; an ``OSError`` names the file."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError as err:
+        raise RunDirError(f"cannot write {path}: {describe(err)}") from None
+
+
+def describe(err: OSError) -> str:
+    """An ``OSError`` in words (``no space left on device`` for ENOSPC)."""
+    if err.errno == errno.ENOSPC:
+        return "no space left on device"
+    return err.strerror or str(err)
