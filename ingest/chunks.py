@@ -32,16 +32,17 @@ class ChunkDecoder:
 
     ``load(group)`` returns the Arrow table of one row group (its caller may cache or share
     reads: a permuted window's chunks all read every group of the window);
-    ``paths[file_index]`` names the files for errors.
+    ``paths[file_index]`` names the files for errors. With an ``executor``, a permuted
+    window's columns are gathered in parallel (Arrow's take runs without the GIL).
     """
 
     def __init__(self, load: Callable[[RowGroupInfo], pa.Table], paths: Sequence[str], schema: DatasetSchema,
-                 options: DecodeOptions, take_executor: Executor | None = None) -> None:
+                 options: DecodeOptions, executor: Executor | None = None) -> None:
         self.load = load
         self.paths = paths
         self.schema = schema
         self.options = options
-        self.take_executor = take_executor
+        self.executor = executor
 
     def chunks(self, segment: Segment) -> Iterator[tuple[Segment, HostBatch]]:
         """``segment``'s rows decoded, as ``(piece, rows)`` pairs in read order."""
@@ -72,7 +73,7 @@ class ChunkDecoder:
                                                     locate=locate)
 
     def _take(self, table: pa.Table, indices: pa.Array) -> pa.Table:
-        if self.take_executor is None:
+        if self.executor is None:
             return table.take(indices)
-        columns = list(self.take_executor.map(lambda column: column.take(indices), table.columns))
+        columns = list(self.executor.map(lambda column: column.take(indices), table.columns))
         return pa.Table.from_arrays(columns, schema=table.schema)

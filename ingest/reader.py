@@ -89,8 +89,8 @@ class InProcessReader:
         self.options = options
         self.planner = SplitPlanner(dataset, split, config)
         threads = pa.cpu_count()
-        self._take_pool = ThreadPoolExecutor(threads, thread_name_prefix="take") if threads > 1 else None
-        self.decoder = ChunkDecoder(self._load, self.planner.paths, dataset.schema, options, self._take_pool)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="take") if threads > 1 else None
+        self.decoder = ChunkDecoder(self._load, self.planner.paths, dataset.schema, options, self._pool)
         self._window_tables: dict[RowGroupInfo, pa.Table] = {}
 
     def plan(self, epoch: int) -> RankPlan:
@@ -119,8 +119,8 @@ class InProcessReader:
 
     def close(self) -> None:
         self.planner.close()
-        if self._take_pool is not None:
-            self._take_pool.shutdown()
+        if self._pool is not None:
+            self._pool.shutdown()
 
 
 def batches_from_chunks(
