@@ -25,9 +25,10 @@ batch_size = {batch}
 eval_batch_size = 4096
 max_steps = {steps}
 log_every = 1000
+[checkpoint]
+final = false
 [run]
 dir = "{run}"
-checkpoint = false
 """
 
 
@@ -63,7 +64,7 @@ def _train_qps(tmp: Path, nproc: int, batch: int, steps: int) -> float:
     run_dir = tmp / f"run-{nproc}"
     config = tmp / f"bench-{nproc}.toml"
     config.write_text(CONFIG.format(data=tmp / "data", batch=batch, steps=steps, run=run_dir))
-    command = [sys.executable, "-m", "orchestration.cli", "train", str(config), "--nproc", str(nproc)]
+    command = [sys.executable, "-m", "orchestration.cli", "train", str(config), "--nproc", str(nproc), "--overwrite"]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")

@@ -17,6 +17,7 @@ from ingest.errors import DataError
 from ingest.row_group_cache import DEFAULT_CAPACITY_BYTES
 from ingest.service import DEFAULT_MAX_STREAMS
 from ingest.transport import TOKEN_ENV
+from trainer.checkpoint.layout import CheckpointError
 from trainer.config import ConfigError
 from trainer.distributed import RankSilentError
 from trainer.sharding.plan import PlanError
@@ -45,7 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("neorec: interrupted", file=sys.stderr)
         return INTERRUPTED
-    except (ConfigError, DataError, IngestError, PlanError, RankSilentError, ValueError, OSError) as err:
+    except (ConfigError, DataError, IngestError, PlanError, RankSilentError, CheckpointError, ValueError,
+            OSError) as err:
         print(f"neorec: error: {_one_line(err)}", file=sys.stderr)
         return USER_ERROR
 
@@ -170,6 +172,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="trainer processes on this machine (torchrun; tables sharded by the planner)")
     train.add_argument("--overwrite", action="store_true",
                        help="replace the run already in run.dir (its files only)")
+    train.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue the run in RUN_DIR from its newest complete checkpoint (same epoch, step, next "
+                            "batch and RNG); RUN_DIR becomes run.dir")
     train.set_defaults(run=_train)
 
     plan = commands.add_parser("plan", help="print the sharding plan for a config, without training")
@@ -181,14 +186,23 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", help="also write the plan to this file")
     plan.set_defaults(run=_plan)
 
-    evaluate = commands.add_parser("eval", help="evaluate a checkpoint on the config's eval split")
-    evaluate.add_argument("config")
-    evaluate.add_argument("--checkpoint", required=True)
+    evaluate = commands.add_parser("eval", help="evaluate a checkpoint on the eval split")
+    evaluate.add_argument("config", nargs="?", help="default: the config saved with the checkpoint")
+    evaluate.add_argument("--checkpoint", required=True,
+                          help="a run directory, its checkpoint directory, or one checkpoint (default: the newest)")
     evaluate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     evaluate.set_defaults(run=_eval)
 
+    checkpoints = commands.add_parser("checkpoint", help="checkpoints of a run").add_subparsers(
+        dest="checkpoint", required=True)
+    inspect = checkpoints.add_parser("inspect", help="list a run's checkpoints: chains, bytes, bits, touched rows")
+    inspect.add_argument("directory", help="a run directory or its checkpoint directory")
+    inspect.add_argument("--verify", action="store_true", help="also check every file's size and SHA-256")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    inspect.set_defaults(run=_checkpoint_inspect)
+
     bench = commands.add_parser("bench", help="benchmarks: ours against a baseline, side by side")
-    bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives"))
+    bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives", "checkpoint"))
     bench.add_argument("--json", help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (for smoke tests)")
     bench.add_argument("--nproc", type=int, default=1,
@@ -261,18 +275,23 @@ def _train(args: argparse.Namespace) -> int:
     overrides = list(args.set)
     if args.ingest:
         overrides.append(f"data.ingest={json.dumps(args.ingest.split(','))}")
+    if args.resume:
+        if args.overwrite:
+            raise ConfigError("--resume continues a run, --overwrite replaces it: give one of them")
+        overrides.append(f"run.dir={json.dumps(args.resume)}")
     config = load_config(args.config, overrides)
     if args.nproc > 1 and not launched_by_torchrun():
         from trainer.warmup import compile_kernels
 
         compile_kernels()  # the ranks then load Numba's cache instead of racing to write it
-        flags = ["--overwrite"] if args.overwrite else []
-        return run_torchrun(args.nproc, ["train", args.config, *[a for o in overrides for a in ("--set", o)], *flags])
+        flags = (["--overwrite"] if args.overwrite else []) + (["--resume", args.resume] if args.resume else [])
+        return run_torchrun(args.nproc, ["train", args.config, *[a for o in args.set for a in ("--set", o)],
+                                         *(["--ingest", args.ingest] if args.ingest else []), *flags])
     loop = config.train
     context = (init_from_torchrun(loop.device, loop.collective_timeout_s) if launched_by_torchrun()
                else single_process(loop.device))
     try:
-        summary = _train_rank(config, context, args.overwrite)
+        summary = _train_rank(config, context, args.overwrite, bool(args.resume))
     finally:
         shutdown(context)
     if context.is_main:
@@ -284,12 +303,12 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_rank(config: "TrainConfig", context: "DistributedContext", overwrite: bool) -> dict:
+def _train_rank(config: "TrainConfig", context: "DistributedContext", overwrite: bool, resume: bool) -> dict:
     """Train this rank; rank 0 shows a progress bar."""
     from trainer.train import StepReport, train
 
     if not context.is_main:
-        return train(config, context=context, overwrite=overwrite)
+        return train(config, context=context, overwrite=overwrite, resume=resume)
     bar = tqdm(unit="step", desc="train")
 
     def progress(report: StepReport) -> None:
@@ -299,7 +318,7 @@ def _train_rank(config: "TrainConfig", context: "DistributedContext", overwrite:
         bar.set_postfix(epoch=report.epoch, loss=f"{report.loss:.4f}", qps=f"{report.qps:,.0f}", refresh=False)
 
     try:
-        return train(config, progress=progress, context=context, overwrite=overwrite)
+        return train(config, progress=progress, context=context, overwrite=overwrite, resume=resume)
     finally:
         bar.close()
 
@@ -330,9 +349,19 @@ def _eval(args: argparse.Namespace) -> int:
     from orchestration.config import load_config
     from trainer.train import evaluate_checkpoint
 
-    config = load_config(args.config, args.set)
-    print(json.dumps(evaluate_checkpoint(config, args.checkpoint), indent=2, sort_keys=True))
+    config = load_config(args.config, args.set) if args.config else None
+    if config is None and args.set:
+        raise ConfigError("--set changes a config file's values: give the config file too")
+    print(json.dumps(evaluate_checkpoint(args.checkpoint, config), indent=2, sort_keys=True))
     return 0
+
+
+def _checkpoint_inspect(args: argparse.Namespace) -> int:
+    from trainer.checkpoint.inspect import describe, render
+
+    described = describe(args.directory, verify=args.verify)
+    print(json.dumps(described, indent=2) if args.json else render(described))
+    return 0 if all(c.get("verified", True) for c in described["checkpoints"]) else 1
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from ingest.decoder import DecodeOptions
 from ingest.schema import Dataset, DatasetSchema
@@ -85,25 +84,6 @@ def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None
         seed=seed,
         init=config.model.init,
     )
-
-
-def single_process_model(model: DLRM, dataset: Dataset, config: TrainConfig) -> DLRM | None:
-    """The single-process equivalent of a sharded ``model``: every table gathered from its
-    shards (weights and optimizer state). A collective: every rank calls it; rank 0 gets
-    the model, the others ``None``."""
-    sharded = model.embeddings
-    gathered = {t.name: sharded.gather_table(t.name) for t in sharded.tables}
-    steps = sharded.optimizer_steps()
-    if dist.get_rank(sharded.group) != 0:
-        return None
-    single = build_model(dataset, config, table_weights={name: weight for name, (weight, _) in gathered.items()})
-    for name, (_, states) in gathered.items():
-        for target, state in zip(single.embeddings.table_state(name), states):
-            target.copy_(state)
-    single.embeddings.optimizer_step.fill_(steps)
-    single.bottom.load_state_dict(model.bottom.state_dict())
-    single.top.load_state_dict(model.top.state_dict())
-    return single
 
 
 def dense_optimizer(model: DLRM, config: TrainConfig) -> torch.optim.Optimizer:

@@ -198,10 +198,48 @@ class ShardingConfig:
                 raise ConfigError(f"sharding.tables.{table}: {err}") from None
 
 
+CHECKPOINT_MODES = ("full", "incremental")
+CHECKPOINT_BITS = (32, 16, 8, 4, 2)
+
+
+@dataclass
+class CheckpointConfig:
+    """When and how training writes checkpoints (``RUN_DIR/checkpoint``)."""
+
+    every_steps: int = 0
+    """Write one every this many steps (0: not by steps)."""
+    every_minutes: float = 0.0
+    """Write one when this many minutes have passed since the last (0: not by time); checked
+    at the steps that log metrics, where the ranks already meet."""
+    keep: int = 3
+    """Keep the newest this many checkpoints (and the ones their chains need)."""
+    mode: str = "incremental"
+    """``full`` (every row each time) or ``incremental`` (the rows modified since the last
+    checkpoint; a new full one when the increments would cost more to restore than it)."""
+    bits: int = 32
+    """Embedding weights as stored (32), fp16 (16), or quantized per row to 8/4/2 bits.
+    Optimizer state and the MLPs are always float32."""
+    asynchronous: bool = field(default=True, metadata={"key": "async"})
+    """Write in the background: training stalls only for the copy of the rows (``async``)."""
+    final: bool = True
+    """Write a checkpoint when training ends."""
+    fallback: bool = False
+    """Resuming: when the newest checkpoint is corrupt, restore the newest whole one (else
+    the corruption is an error naming the file)."""
+
+    def validate(self) -> None:
+        for key in ("every_steps", "every_minutes"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"checkpoint.{key}: must be >= 0, got {getattr(self, key)}")
+        _positive("checkpoint.keep", self.keep)
+        _one_of("checkpoint.mode", self.mode, CHECKPOINT_MODES)
+        if self.bits not in CHECKPOINT_BITS:
+            raise ConfigError(f"checkpoint.bits: must be one of {', '.join(map(str, CHECKPOINT_BITS))}; got {self.bits}")
+
+
 @dataclass
 class RunConfig:
     dir: str = "runs/latest"
-    checkpoint: bool = True
 
     def validate(self) -> None:
         if not self.dir.strip():
@@ -231,15 +269,18 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def validate(self) -> None:
-        for section in (self.data, self.model, self.optimizer, self.train, self.sharding, self.run, self.security):
+        for section in (self.data, self.model, self.optimizer, self.train, self.sharding, self.checkpoint, self.run,
+                        self.security):
             section.validate()
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as TOML would write it (``from_dict`` reads it back)."""
+        return _to_dict(self)
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> "TrainConfig":
@@ -248,17 +289,38 @@ class TrainConfig:
         return config
 
 
+def _key(f: dataclasses.Field) -> str:
+    """A field's key in the config file (its name, or its ``key`` alias: ``async``)."""
+    return f.metadata.get("key", f.name)
+
+
+def _to_dict(config: Any) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        out[_key(f)] = _to_dict(value) if dataclasses.is_dataclass(value) else _plain(value)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
 def _build(kind: type, obj: Any, where: str) -> Any:
     if not isinstance(obj, dict):
         raise ConfigError(f"{where or 'config'}: expected a table of keys, got {obj!r}")
     hints = typing.get_type_hints(kind)
-    known = {f.name for f in dataclasses.fields(kind)}
+    fields = {_key(f): f.name for f in dataclasses.fields(kind)}
     for key in obj:
-        if key not in known:
-            raise ConfigError(f"unknown key '{where}{key}'; known keys: {', '.join(sorted(known))}")
+        if key not in fields:
+            raise ConfigError(f"unknown key '{where}{key}'; known keys: {', '.join(sorted(fields))}")
     values = {}
     for key, raw in obj.items():
-        values[key] = _convert(hints[key], raw, f"{where}{key}")
+        values[fields[key]] = _convert(hints[fields[key]], raw, f"{where}{key}")
     return kind(**values)
 
 

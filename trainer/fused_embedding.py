@@ -9,6 +9,7 @@ updates each touched row (and its optimizer state) in place, deterministically.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numba
@@ -191,6 +192,18 @@ class FusedEmbeddingBagCollection(nn.Module):
     def clear_touched(self) -> None:
         self.touched.zero_()
 
+    def set_optimizer_steps(self, steps: int) -> None:
+        """Set the sparse optimizer's step count (restoring a checkpoint)."""
+        self.optimizer_step.fill_(steps)
+
+    def local_optimizer_steps(self) -> int:
+        return int(self.optimizer_step)
+
+    def shard_views(self) -> list["ShardView"]:
+        """Every table as a :class:`ShardView` of itself (the whole table at offset 0)."""
+        return [ShardView(t.name, 0, 0, self._table_view(i), self._state_views(i), self._touched_view(i),
+                          self.weight_dtype, replicated=False) for i, t in enumerate(self.tables)]
+
     def _table_index(self, name: str) -> int:
         for i, t in enumerate(self.tables):
             if t.name == name:
@@ -294,6 +307,24 @@ class FusedEmbeddingBagCollection(nn.Module):
             total += hi - lo
             table_starts[self._feature_table[f] + 1] = total
         return np.concatenate(pieces), np.maximum.accumulate(table_starts)
+
+
+@dataclass
+class ShardView:
+    """A piece of a table that a module holds, as views of the module's storage:
+    ``weight`` ``[rows, cols]`` (storage dtype), each optimizer state ``[rows, width]``
+    (float32) and ``touched`` uint8 ``[rows]``, for rows ``[row_offset, row_offset + rows)``
+    and columns ``[col_offset, col_offset + cols)`` of table ``table``. A ``replicated``
+    piece has an identical copy on every rank (a data-parallel table)."""
+
+    table: str
+    row_offset: int
+    col_offset: int
+    weight: torch.Tensor
+    states: list[torch.Tensor]
+    touched: torch.Tensor
+    storage: str
+    replicated: bool
 
 
 class _LookupContext:

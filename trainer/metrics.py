@@ -16,17 +16,32 @@ from trainer.run_dir import RunDirError, describe
 
 class MetricsLog:
     """Appends one JSON object per line to ``path`` (``metrics.jsonl`` of a run); with
-    ``path=None`` (ranks other than 0) it writes nothing."""
+    ``path=None`` (ranks other than 0) it writes nothing. ``keep_bytes``: continue a log
+    whose first ``keep_bytes`` bytes are kept (a resumed run; what a killed run wrote after
+    its checkpoint is cut); None starts an empty one."""
 
-    def __init__(self, path: str | Path | None) -> None:
+    def __init__(self, path: str | Path | None, keep_bytes: int | None = None) -> None:
         self._file = None
         self.path = None if path is None else Path(path)
         if self.path is not None:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = self.path.open("w")
+                if keep_bytes is None:
+                    self._file = self.path.open("w")
+                else:
+                    self._file = self.path.open("r+" if self.path.exists() else "w")
+                    self._file.truncate(keep_bytes)
+                    self._file.seek(keep_bytes)
             except OSError as err:
                 raise RunDirError(f"cannot write {self.path}: {describe(err)}") from None
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def size(self) -> int:
+        """Bytes written so far (the log's length)."""
+        return 0 if self._file is None else self._file.tell()
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record``; an ``OSError`` (a full disk) names the file."""

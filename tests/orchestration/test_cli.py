@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from tests.conftest import FIXTURES
-from tests.ingest.workers import stop_all, start_worker
+from tests.trainer.test_train import untimed
+from tests.ingest.workers import start_worker, stop_all
 
 
 def _neorec(*args, cwd=None):
@@ -28,6 +29,9 @@ def test_synth_train_eval_round_trip(tmp_path):
     assert "eval AUC" in result.stdout and "oracle" in result.stdout
     result = _neorec("eval", "configs/demo.toml", "--checkpoint", str(run / "checkpoint"),
                      "--set", f"data.path='{data}'", "--set", "model.max_table_rows=1000")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["auc"] == summary["eval_auc"]
+    result = _neorec("eval", "--checkpoint", str(run))  # the checkpoint holds its config
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["auc"] == summary["eval_auc"]
 
@@ -84,8 +88,7 @@ def test_train_through_a_reader_service_equals_in_process(criteo_dataset, tmp_pa
     finally:
         stop_all([worker])
     summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in ("local", "remote")]
-    untimed = [{k: v for k, v in s.items() if "qps" not in k and "wait" not in k} for s in summaries]
-    assert untimed[0] == untimed[1]
+    assert untimed(summaries[0]) == untimed(summaries[1])
     steps = summaries[1]["steps"]
     assert int(counters["rowsServed"]) == steps * 256 + criteo_dataset.rows["eval"]
     assert int(counters["errors"]) == 0 and counters["activeStreams"] == 0

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.orchestration.test_cli import _neorec
-from trainer import checkpoint
+from tests.trainer.test_train import final_state
 
 
-def test_train_with_two_processes_writes_a_single_process_checkpoint(criteo_dataset, tmp_path):
+def test_train_with_two_processes_writes_a_checkpoint_one_process_restores(criteo_dataset, tmp_path):
     run = tmp_path / "run"
     settings = ["--set", f"data.path='{criteo_dataset.root}'", "--set", "model.max_table_rows=2000",
                 "--set", "train.batch_size=128", "--set", "sharding.tables={t_C1='row_wise'}"]
@@ -27,9 +27,9 @@ def test_train_with_two_processes_writes_a_single_process_checkpoint(criteo_data
     assert summary["train_samples"] == summary["steps"] * 2 * 128
     plan = json.loads((run / "plan.json").read_text())
     assert {t["table"]: t["sharding_type"] for t in plan["tables"]}["t_C1"] == "row_wise"
-    state = torch.load(run / "checkpoint" / checkpoint.STATE_FILE, weights_only=True)
-    assert int(state["model"]["embeddings.optimizer_step"]) == summary["steps"]
-    result = _neorec("eval", "configs/demo.toml", "--checkpoint", str(run / "checkpoint"), *settings)
+    state = final_state(run)
+    assert int(state["embeddings.optimizer_step"]) == summary["steps"]
+    result = _neorec("eval", "--checkpoint", str(run))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["auc"] == summary["eval_auc"]
 

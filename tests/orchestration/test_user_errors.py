@@ -102,21 +102,29 @@ def test_an_unwritable_run_directory_is_found_before_training(criteo_dataset, tm
 
 def test_a_full_disk_ends_training_with_the_file_named(criteo_dataset, tmp_path, monkeypatch):
     import errno
-    from pathlib import Path
 
+    from tests.trainer.test_train import _config
+    from trainer.checkpoint import writer as writer_module
     from trainer.run_dir import RunDirError
     from trainer.train import train
-    from tests.trainer.test_train import _config
 
-    real = Path.write_bytes
+    class Full:
+        """A file on a full disk: opening works, writing does not."""
 
-    def full(self, data):
-        if self.name.startswith("state"):
+        def __init__(self, path, mode):
+            self.file = open(path, mode)
+
+        def write(self, data):
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, data)
 
-    monkeypatch.setattr(Path, "write_bytes", full)
-    with pytest.raises(RunDirError, match=r"cannot write .*state.* no space left on device"):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+    monkeypatch.setattr(writer_module, "open", Full, raising=False)
+    with pytest.raises(RunDirError, match=r"cannot write checkpoint .*rank-00000.emb: no space left on device"):
         train(_config(criteo_dataset, tmp_path / "run"))
 
 

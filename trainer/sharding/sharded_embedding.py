@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Sequence
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from trainer.batch import DistributedSparse, KeyedJaggedTensor
 from trainer.embedding_config import SparseOptimizer, TableConfig
-from trainer.fused_embedding import FusedEmbeddingBagCollection, initial_table_weight
+from trainer.fused_embedding import FusedEmbeddingBagCollection, ShardView, initial_table_weight
 from trainer.sharding.input_dist import RoutedSparse, SparseAllToAll
 from trainer.sharding.layout import ShardedLayout
 from trainer.sharding.output_dist import PooledAllToAll
@@ -114,6 +114,25 @@ class ShardedEmbeddingBagCollection(nn.Module):
             pooled = torch.zeros(sparse.local.batch_size, 0, device=sparse.lengths.device,
                                  requires_grad=self.training and torch.is_grad_enabled())
         return self.output_dist(pooled, sparse.lengths, sparse.batch_size)
+
+    def shard_views(self) -> list[ShardView]:
+        """This rank's shards as :class:`~trainer.fused_embedding.ShardView` s of their tables."""
+        if self.local is None:
+            return []
+        views = {v.table: v for v in self.local.shard_views()}
+        return [replace(views[s.config.name], table=self.tables[s.table].name, row_offset=s.shard.row_offset,
+                        col_offset=s.shard.col_offset,
+                        replicated=self.plan.of(self.tables[s.table].name).sharding_type == DATA_PARALLEL)
+                for s in self.layout.local_shards]
+
+    def set_optimizer_steps(self, steps: int) -> None:
+        """Set the sparse optimizer's step count (restoring a checkpoint)."""
+        if self.local is not None:
+            self.local.optimizer_step.fill_(steps)
+
+    def local_optimizer_steps(self) -> int:
+        """This rank's count of sparse optimizer steps (no collective; 0 without shards)."""
+        return 0 if self.local is None else int(self.local.optimizer_step)
 
     def optimizer_steps(self) -> int:
         """Sparse optimizer steps taken (a collective: ranks without shards count none)."""

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ingest.reader import InProcessReader, ReaderConfig
 from ingest.schema import Dataset
 from tests.trainer.reference import concat_kjts
 from tests.trainer.spawn import run_ranks
 from trainer.batch import Batch
-from trainer.build import build_model, decode_options, dense_optimizer, single_process_model
+from trainer.build import build_model, decode_options, dense_optimizer
 from trainer.config import TrainConfig
 from trainer.distributed import DistributedContext, wrap_data_parallel
+from trainer.model import DLRM
 from trainer.planner.from_config import plan_for_config
 from trainer.train import train_step
 
@@ -42,6 +44,25 @@ def rank_batches(dataset: Dataset, config: TrainConfig, rank: int, world: int) -
         return [Batch.from_host(b) for _, b in zip(range(STEPS), reader.epoch(0))]
     finally:
         reader.close()
+
+
+def single_process_model(model: DLRM, dataset: Dataset, config: TrainConfig) -> DLRM | None:
+    """The single-process equivalent of a sharded ``model``: every table gathered from its
+    shards (weights and optimizer state). A collective: every rank calls it; rank 0 gets
+    the model, the others ``None``."""
+    sharded = model.embeddings
+    gathered = {t.name: sharded.gather_table(t.name) for t in sharded.tables}
+    steps = sharded.optimizer_steps()
+    if dist.get_rank(sharded.group) != 0:
+        return None
+    single = build_model(dataset, config, table_weights={name: weight for name, (weight, _) in gathered.items()})
+    for name, (_, states) in gathered.items():
+        for target, state in zip(single.embeddings.table_state(name), states):
+            target.copy_(state)
+    single.embeddings.optimizer_step.fill_(steps)
+    single.bottom.load_state_dict(model.bottom.state_dict())
+    single.top.load_state_dict(model.top.state_dict())
+    return single
 
 
 def train_sharded(rank: int, world: int, path: str) -> dict:

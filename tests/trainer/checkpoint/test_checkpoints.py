@@ -1,0 +1,182 @@
+"""Checkpoints of a fused module: full and incremental chains restore exactly, the writer
+works from a snapshot, corruption is named, old checkpoints are pruned."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tests.trainer.checkpoint.helpers import assert_same_state, checkpointer, module, state, train_steps
+from trainer.checkpoint.layout import CheckpointError, complete, read_manifest
+from trainer.checkpoint.restore import choose, open_checkpoint, restore_embeddings
+
+
+def _restored(root, **module_kwargs):
+    fresh = module(seed=99, **module_kwargs)
+    restorable = open_checkpoint(root)
+    restore_embeddings(restorable, fresh.shard_views())
+    fresh.set_optimizer_steps(restorable.manifest.sparse_steps)
+    return fresh, restorable
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("weight_dtype", ["fp32", "fp16", "bf16"])
+def test_a_chain_of_increments_restores_bit_exactly(tmp_path, optimizer, weight_dtype):
+    embeddings = module(optimizer, weight_dtype)
+    writer = checkpointer(tmp_path, embeddings, mode="incremental")
+    for step in (1, 2, 3):
+        train_steps(embeddings, 3, seed=step)
+        writer.save(global_step=step, epoch=0, step_in_epoch=step, dense=None, wait=True)
+    manifest = read_manifest(tmp_path / "step-000000003")
+    assert manifest.kind == "incremental" and manifest.chain == ["step-000000001", "step-000000002", "step-000000003"]
+    restored, _ = _restored(tmp_path, optimizer=optimizer, weight_dtype=weight_dtype)
+    assert_same_state(state(restored), state(embeddings))
+
+
+def test_an_increment_writes_only_the_modified_rows(tmp_path):
+    embeddings = module()
+    writer = checkpointer(tmp_path, embeddings)
+    train_steps(embeddings, 2, seed=1)
+    writer.save(global_step=1, epoch=0, step_in_epoch=1, dense=None, wait=True)
+    train_steps(embeddings, 1, seed=2)
+    touched = {t.name: int(embeddings.table_touched(t.name).sum()) for t in embeddings.tables}
+    writer.save(global_step=2, epoch=0, step_in_epoch=2, dense=None, wait=True)
+    full, increment = (read_manifest(tmp_path / n) for n in ("step-000000001", "step-000000002"))
+    assert sum(r.count for r in full.records) == 1300
+    assert {r.table: r.count for r in increment.records} == touched
+    assert increment.stats["touched"] == touched
+    assert increment.stats["bytes"] < full.stats["bytes"] / 3
+
+
+def test_a_full_checkpoint_follows_when_increments_would_cost_more_to_restore(tmp_path):
+    embeddings = module()
+    writer = checkpointer(tmp_path, embeddings, keep=100)
+    kinds = []
+    for step in range(1, 30):
+        train_steps(embeddings, 4, seed=step, batch=64)
+        writer.save(global_step=step, epoch=0, step_in_epoch=step, dense=None, wait=True)
+        kinds.append(read_manifest(tmp_path / f"step-{step:09d}").kind)
+    assert kinds[0] == "full" and "incremental" in kinds and kinds[1:].count("full") >= 1
+    for step, kind in enumerate(kinds, 1):  # no chain's increments write more rows than the model has
+        manifest = read_manifest(tmp_path / f"step-{step:09d}")
+        if kind == "incremental":
+            rows = sum(sum(read_manifest(tmp_path / n).stats["touched"].values()) for n in manifest.chain[1:])
+            assert rows <= 1300
+
+
+def test_the_writer_writes_the_snapshot_not_what_training_does_next(tmp_path, monkeypatch):
+    from trainer.checkpoint import writer as writer_module
+
+    embeddings = module()
+    train_steps(embeddings, 2, seed=1)
+    expected = state(embeddings)
+    release = __import__("threading").Event()
+    original = writer_module._write_rank
+
+    def slow(job):
+        release.wait(10)
+        return original(job)
+
+    monkeypatch.setattr(writer_module, "_write_rank", slow)
+    writer = checkpointer(tmp_path, embeddings)  # asynchronous by default
+    writer.save(global_step=1, epoch=0, step_in_epoch=1, dense=None)
+    train_steps(embeddings, 3, seed=7)  # training goes on while the checkpoint is written
+    with torch.no_grad():
+        embeddings.weights.add_(1.0)
+    release.set()
+    writer.close()
+    restored, _ = _restored(tmp_path)
+    assert torch.equal(restored.weights, expected["weights"])
+    assert torch.equal(restored.state1, expected["state1"])
+
+
+def test_a_corrupt_or_truncated_file_is_named_and_fallback_restores_the_one_before(tmp_path):
+    embeddings = module()
+    writer = checkpointer(tmp_path, embeddings, mode="full")
+    train_steps(embeddings, 2, seed=1)
+    writer.save(global_step=1, epoch=0, step_in_epoch=1, dense=None, wait=True)
+    first = state(embeddings)
+    train_steps(embeddings, 2, seed=2)
+    writer.save(global_step=2, epoch=0, step_in_epoch=2, dense=None, wait=True)
+    victim = tmp_path / "step-000000002" / "rank-00000.emb"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    views = module(seed=5).shard_views()
+    with pytest.raises(CheckpointError, match=str(victim)):
+        choose(tmp_path, views, agree=lambda ok: ok, fallback=False, need_dense=False)
+    victim.write_bytes(bytes(data[:100]))
+    with pytest.raises(CheckpointError, match=f"{victim} is 100 bytes.*truncated"):
+        choose(tmp_path, views, agree=lambda ok: ok, fallback=False, need_dense=False)
+    fallen_back = choose(tmp_path, views, agree=lambda ok: ok, fallback=True, need_dense=False)
+    assert fallen_back.manifest.name == "step-000000001"
+    fresh = module(seed=5)
+    restore_embeddings(fallen_back, fresh.shard_views())
+    assert torch.equal(fresh.weights, first["weights"])
+
+
+def test_old_checkpoints_are_pruned_but_not_the_chains_that_are_kept(tmp_path):
+    embeddings = module()
+    writer = checkpointer(tmp_path, embeddings, keep=2)
+    for step in range(1, 6):
+        train_steps(embeddings, 1, seed=step)
+        writer.save(global_step=step, epoch=0, step_in_epoch=step, dense=None, wait=True)
+    names = [p.name for p in complete(tmp_path)]
+    newest = read_manifest(tmp_path / names[-1])
+    assert set(newest.chain) <= set(names)  # the chain of the newest is whole
+    assert len(names) == len(set(newest.chain) | {names[-2]} | set(read_manifest(tmp_path / names[-2]).chain))
+    assert (tmp_path / "LATEST").read_text().strip() == names[-1]
+    restored, _ = _restored(tmp_path)
+    assert_same_state(state(restored), state(embeddings))
+
+
+@pytest.mark.parametrize("bits,tolerance", [(16, 1e-3), (8, 0.02), (4, 0.2)])
+def test_quantized_checkpoints_restore_within_their_precision(tmp_path, bits, tolerance):
+    embeddings = module()
+    train_steps(embeddings, 3, seed=1)
+    writer = checkpointer(tmp_path, embeddings, bits=bits)
+    writer.save(global_step=1, epoch=0, step_in_epoch=1, dense=None, wait=True)
+    restored, _ = _restored(tmp_path)
+    for t in embeddings.tables:
+        a, b = embeddings.table_weight(t.name), restored.table_weight(t.name)
+        spread = (a.max(dim=1).values - a.min(dim=1).values).max()
+        assert (a - b).abs().max() <= tolerance * spread
+    assert torch.equal(restored.state1, embeddings.state1)  # optimizer state is never quantized
+    manifest = json.loads((tmp_path / "step-000000001" / "manifest.json").read_text())
+    assert manifest["bits"] == bits
+    assert np.isfinite(restored.weights.numpy()).all()
+
+
+@pytest.mark.slow
+def test_killing_the_writer_at_any_point_leaves_the_newest_complete_checkpoint_whole(tmp_path):
+    """SIGKILL a process that checkpoints continuously, at 24 random moments, restarting it
+    each time from the newest complete checkpoint: every restore is exactly the state of
+    its step, and no incomplete checkpoint is ever taken for a complete one."""
+    import random
+    import subprocess
+    import sys
+    import time
+
+    from tests.trainer.checkpoint import crash_writer
+
+    rng = random.Random(0)
+    steps_seen = []
+    for attempt in range(24):
+        process = subprocess.Popen([sys.executable, "-m", "tests.trainer.checkpoint.crash_writer", str(tmp_path)],
+                                   stdout=subprocess.PIPE, text=True)
+        line = process.stdout.readline()
+        assert line.startswith("ready"), line
+        time.sleep(rng.uniform(0.0, 0.3))
+        process.kill()
+        process.wait()
+        restorable = open_checkpoint(tmp_path)
+        step = restorable.manifest.step
+        restored = crash_writer.fresh()
+        restore_embeddings(restorable, restored.shard_views())
+        restored.set_optimizer_steps(restorable.manifest.sparse_steps)
+        expected = crash_writer.state_after(step)
+        for key in ("weights", "state1", "optimizer_step"):
+            assert torch.equal(restored.state_dict()[key], expected[key]), (attempt, step, key)
+        steps_seen.append(step)
+    assert steps_seen[-1] > 24  # the writer made progress across the kills

@@ -1,0 +1,67 @@
+"""A run stopped mid-way and resumed from its newest checkpoint ends exactly as the run that
+was never stopped: weights, optimizer states and metrics, bit for bit."""
+
+import json
+
+import pytest
+
+from tests.trainer.test_train import final_state, untimed
+from trainer.config import TrainConfig
+from trainer.train import StepReport, train
+
+
+def config_for(dataset, run_dir, **checkpoint) -> TrainConfig:
+    return TrainConfig.from_dict({
+        "data": {"path": str(dataset.root)},
+        "model": {"max_table_rows": 3000, "embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16, 1]},
+        "optimizer": {"sparse": "adam", "dense": "adam"},
+        "train": {"batch_size": 128, "eval_batch_size": 500, "epochs": 2, "log_every": 4, "eval_every": 7},
+        "checkpoint": {"every_steps": 5, **checkpoint},
+        "run": {"dir": str(run_dir)},
+    })
+
+
+def metrics(run_dir) -> list[dict]:
+    """metrics.jsonl without what depends on the machine's speed."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in line.items() if k not in ("qps", "seconds")} for line in lines]
+
+
+class Crash(Exception):
+    """Stands for the process dying after some step."""
+
+
+def crash_after(step: int):
+    def progress(report: StepReport) -> None:
+        if report.global_step == step:
+            raise Crash(step)
+    return progress
+
+
+@pytest.mark.parametrize("stop_at", [13, 37])  # mid-epoch (after a checkpoint at 10), in epoch 2
+def test_resuming_a_stopped_run_ends_bit_identical(criteo_dataset, tmp_path, stop_at):
+    whole = train(config_for(criteo_dataset, tmp_path / "whole"))
+    stopped = config_for(criteo_dataset, tmp_path / "stopped")
+    with pytest.raises(Crash):
+        train(stopped, progress=crash_after(stop_at))
+    resumed = train(stopped, resume=True)
+    assert untimed(resumed) == untimed(whole)
+    assert metrics(tmp_path / "stopped") == metrics(tmp_path / "whole")
+    a, b = final_state(tmp_path / "whole"), final_state(tmp_path / "stopped")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), [k for k in a if not a[k].equal(b[k])]
+
+
+def test_resuming_refuses_another_model_and_a_directory_without_a_run(criteo_dataset, tmp_path):
+    from trainer.checkpoint.layout import CheckpointError
+    from trainer.run_dir import RunDirError
+
+    config = config_for(criteo_dataset, tmp_path / "run")
+    with pytest.raises(Crash):
+        train(config, progress=crash_after(6))
+    other = config_for(criteo_dataset, tmp_path / "run")
+    other.model.embedding_dim = 16
+    other.model.bottom_mlp = [16, 16]
+    with pytest.raises(CheckpointError, match="model.embedding_dim is 16, the checkpoint was made with 8"):
+        train(other, resume=True)
+    with pytest.raises(RunDirError, match="holds no run to resume"):
+        train(config_for(criteo_dataset, tmp_path / "empty"), resume=True)

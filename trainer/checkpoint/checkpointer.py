@@ -1,0 +1,147 @@
+"""What the train loop calls: when to checkpoint, full or incremental, and the snapshot.
+
+The decisions are the same on every rank: steps are counted alike, a time-based checkpoint
+is decided where the ranks already meet (the loop passes what they agreed), and the
+choice between a full and an incremental checkpoint uses the modified rows summed over
+all ranks (one small collective while the step is stalled anyway).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from trainer.checkpoint.layout import CheckpointError, step_name
+from trainer.checkpoint.snapshot import take_snapshot
+from trainer.checkpoint.writer import CheckpointJob, CheckpointWriter, manifest_fields
+from trainer.config import CheckpointConfig, TrainConfig
+from trainer.fused_embedding import ShardView
+
+SumFn = Callable[[list[float]], list[float]]
+"""Values summed over every rank (identity in a single process)."""
+
+
+class Checkpointer:
+    """Writes the checkpoints of one training attempt under ``root``.
+
+    ``views()`` gives this rank's embedding pieces; ``tables`` describes every table of the
+    model (rows, dim, storage, optimizer, states) for the manifest; ``attempt`` is shared
+    by the attempt's ranks.
+    """
+
+    def __init__(self, root: Path, config: CheckpointConfig, *, rank: int, world_size: int, attempt: str,
+                 views: Callable[[], list[ShardView]], local_optimizer_steps: Callable[[], int],
+                 tables: dict[str, dict[str, Any]], run_config: dict[str, Any], plan: dict[str, Any] | None,
+                 sum_over_ranks: SumFn, commit_timeout_s: float) -> None:
+        self.root = root
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.attempt = attempt
+        self.views = views
+        self.local_optimizer_steps = local_optimizer_steps
+        self.tables = tables
+        self.run_config = run_config
+        self.plan = plan
+        self.sum_over_ranks = sum_over_ranks
+        self.commit_timeout_s = commit_timeout_s
+        self.writer = CheckpointWriter(config.asynchronous)
+        self.chain: list[str] = []
+        """The chain the next incremental checkpoint extends (empty: the next is full)."""
+        self.chain_rows = 0.0
+        """Rows written by the increments of ``chain`` (over all ranks)."""
+        self.total_rows = float(sum(t["rows"] for t in tables.values()))
+        self.last_time = time.monotonic()
+        self.last_step = -1
+        self.stall_seconds: list[float] = []
+        """The training stall of each checkpoint this attempt: the snapshot's copy (and the
+        write, when not asynchronous)."""
+
+    def continue_chain(self, chain: list[str], chain_rows: float, global_step: int) -> None:
+        """The model was just restored from the checkpoint of ``global_step`` at the end of
+        ``chain`` (whose increments wrote ``chain_rows`` rows): the next incremental
+        checkpoint extends it."""
+        self.chain = list(chain)
+        self.chain_rows = chain_rows
+        self.last_step = global_step
+
+    def due(self, global_step: int) -> bool:
+        """Whether ``every_steps`` asks for a checkpoint after ``global_step``."""
+        every = self.config.every_steps
+        return bool(every) and global_step % every == 0
+
+    def due_by_time(self) -> bool:
+        """Whether ``every_minutes`` have passed since the last checkpoint (this rank's clock:
+        the loop agrees on it with the other ranks)."""
+        minutes = self.config.every_minutes
+        return bool(minutes) and time.monotonic() - self.last_time >= 60 * minutes
+
+    def save(self, *, global_step: int, epoch: int, step_in_epoch: int, dense: dict[str, Any] | None,
+             wait: bool = False) -> None:
+        """Checkpoint the state after ``global_step`` (``dense``: rank 0's dense state);
+        returns once the snapshot is taken (and the checkpoint committed, with ``wait``)."""
+        if global_step == self.last_step:
+            return
+        self.writer.wait()  # one checkpoint in flight at a time
+        started = time.perf_counter()
+        views = self.views()
+        touched_here = sum(int(v.touched.sum()) for v in views if self.rank == 0 or not v.replicated)
+        (touched,) = self.sum_over_ranks([float(touched_here)])
+        full = self.config.mode == "full" or not self.chain or self.chain_rows + touched > self.total_rows
+        shards = take_snapshot(views, full, self.rank)
+        dense_bytes = None
+        if dense is not None:
+            buffer = io.BytesIO()
+            torch.save(dense, buffer)
+            dense_bytes = buffer.getvalue()
+        snapshot_s = time.perf_counter() - started
+        name = step_name(global_step)
+        chain = [name] if full else [*self.chain, name]
+        manifest = None
+        if self.rank == 0:
+            manifest = manifest_fields(name=name, step=global_step, epoch=epoch, step_in_epoch=step_in_epoch,
+                                       kind="full" if full else "incremental", chain=chain, bits=self.config.bits,
+                                       world_size=self.world_size, config=self.run_config, plan=self.plan,
+                                       tables=self.tables)
+        self.writer.submit(CheckpointJob(
+            directory=self.root / name, rank=self.rank, world_size=self.world_size, attempt=self.attempt,
+            shards=shards, bits=self.config.bits, sparse_steps=self.local_optimizer_steps(), dense=dense_bytes,
+            manifest=manifest, keep=self.config.keep, commit_timeout_s=self.commit_timeout_s, snapshot_s=snapshot_s))
+        self.stall_seconds.append(time.perf_counter() - started)  # a synchronous save's stall includes the write
+        self.chain = chain
+        self.chain_rows = 0.0 if full else self.chain_rows + touched
+        self.last_time = time.monotonic()
+        self.last_step = global_step
+        if wait:
+            self.writer.wait()
+
+    def close(self) -> None:
+        """Wait for the checkpoint in flight (raising its error, if any)."""
+        self.writer.wait()
+
+
+RESUMABLE_SECTIONS = ("model", "optimizer")
+RESUMABLE_KEYS = {"data": ("path", "train_split", "eval_split", "dense_transform", "id_mapping", "remainder",
+                           "shuffle", "shuffle_window"),
+                  "train": ("seed", "batch_size")}
+"""What must not change for a resumed run to continue the same run: the model, the
+optimizers, the data and its order. The rest (epochs, logging, threads, devices, reader
+services, sharding, checkpoints) may."""
+
+
+def check_resumable(saved: dict[str, Any], config: TrainConfig) -> None:
+    """Raise :class:`~trainer.checkpoint.layout.CheckpointError` naming the first setting of
+    ``config`` that differs from the checkpoint's ``saved`` config where a resumed run must
+    not differ."""
+    current = config.to_dict()
+    keys = [(section, key) for section in RESUMABLE_SECTIONS for key in current[section]]
+    keys += [(section, key) for section, names in RESUMABLE_KEYS.items() for key in names]
+    for section, key in keys:
+        before, now = saved.get(section, {}).get(key), current[section][key]
+        if before != now:
+            raise CheckpointError(f"--resume: {section}.{key} is {now!r}, the checkpoint was made with {before!r}; "
+                                  f"a resumed run keeps the model, optimizers and data of the run it continues")

@@ -1,0 +1,239 @@
+"""On-disk layout of a run's checkpoints, and the commit that makes one complete.
+
+``CHECKPOINTS/step-000000120/`` holds one checkpoint: each rank's embedding file
+(``rank-00001.emb``, :mod:`trainer.checkpoint.records`), rank 0's ``dense.pt`` (MLPs, dense
+optimizer, RNG, position), each rank's ``rank-00001.json`` (its files with sizes and
+SHA-256, the records they hold, written once those files are durable), and
+``manifest.json``, written by rank 0 once every rank's record is there: to a temporary name,
+fsynced, renamed into place, and the directory fsynced. A checkpoint directory without a
+manifest is incomplete and never restored. ``CHECKPOINTS/LATEST`` names the newest complete
+checkpoint, replaced the same way.
+
+An incremental checkpoint holds only the rows modified since the checkpoint before it; its
+manifest lists its ``chain``, from the full checkpoint it builds on to itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = "neorec-checkpoint/2"
+MANIFEST = "manifest.json"
+LATEST = "LATEST"
+DENSE_FILE = "dense.pt"
+PREFIX = "step-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be restored: missing, incomplete, corrupt (the message names the
+    file), or made for another model."""
+
+
+def step_name(step: int) -> str:
+    return f"{PREFIX}{step:09d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.emb"
+
+
+def rank_record(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+@dataclass
+class FileEntry:
+    name: str
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class RecordEntry:
+    """Where one shard's rows lie: ``file`` bytes ``[offset, offset + length)`` with CRC-32
+    ``crc32``; the shard's place in its table; ``count`` rows held."""
+
+    file: str
+    offset: int
+    length: int
+    table: str
+    row_offset: int
+    rows: int
+    col_offset: int
+    cols: int
+    count: int
+    crc32: int
+
+
+@dataclass
+class RankRecord:
+    """What one rank wrote for a checkpoint."""
+
+    rank: int
+    files: list[FileEntry]
+    records: list[RecordEntry]
+    sparse_steps: int
+    touched: dict[str, int]
+    """Per table, the rows this rank modified since the last checkpoint."""
+    attempt: str
+    """The training attempt that wrote it: a record left by a crashed attempt at the same
+    step is not this checkpoint's."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "RankRecord":
+        return cls(obj["rank"], [FileEntry(**f) for f in obj["files"]], [RecordEntry(**r) for r in obj["records"]],
+                   obj["sparse_steps"], obj["touched"], obj["attempt"])
+
+
+@dataclass
+class Manifest:
+    """A complete checkpoint: where training stood, what it holds, and its files."""
+
+    name: str
+    step: int
+    epoch: int
+    step_in_epoch: int
+    kind: str
+    """``full`` or ``incremental``."""
+    chain: list[str]
+    """Checkpoints to apply in order to restore this one: a full one, then increments."""
+    bits: int
+    world_size: int
+    config: dict[str, Any]
+    plan: dict[str, Any] | None
+    tables: dict[str, dict[str, Any]]
+    """Per table: ``rows``, ``dim``, ``storage`` (weight dtype) and ``optimizer``."""
+    files: list[FileEntry]
+    records: list[RecordEntry]
+    sparse_steps: int
+    stats: dict[str, Any] = field(default_factory=dict)
+    """``bytes`` written, ``touched`` rows per table, ``snapshot_s`` (the training stall)
+    and ``write_s``."""
+    format: str = FORMAT
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "Manifest":
+        fields = dict(obj)
+        fields["files"] = [FileEntry(**f) for f in obj["files"]]
+        fields["records"] = [RecordEntry(**r) for r in obj["records"]]
+        return cls(**fields)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` once this returns (written, fsynced, renamed into place)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def commit(directory: Path, manifest: Manifest) -> None:
+    """Make ``directory`` a complete checkpoint, then point ``LATEST`` at it."""
+    write_durably(directory / MANIFEST, (json.dumps(manifest.to_json(), indent=1) + "\n").encode())
+    write_durably(directory.parent / LATEST, (directory.name + "\n").encode())
+
+
+def read_manifest(directory: Path) -> Manifest:
+    path = directory / MANIFEST
+    try:
+        obj = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory} is not a complete checkpoint (no {MANIFEST})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path} is corrupt: {err}") from None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} manifest")
+    try:
+        return Manifest.from_json(obj)
+    except (KeyError, TypeError) as err:
+        raise CheckpointError(f"{path} is corrupt: {err}") from None
+
+
+def complete(root: Path) -> list[Path]:
+    """The complete checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / MANIFEST).is_file())
+
+
+def checkpoints_root(path: str | Path) -> tuple[Path, Path | None]:
+    """``(root, checkpoint)`` for a run directory, a checkpoints directory or one
+    checkpoint's directory (``checkpoint`` is None unless one was named)."""
+    path = Path(path)
+    if (path / MANIFEST).is_file() or path.name.startswith(PREFIX):
+        return path.parent, path
+    if (path / "checkpoint").is_dir():
+        return path / "checkpoint", None
+    return path, None
+
+
+def verify(directory: Path, manifest: Manifest) -> None:
+    """Raise :class:`CheckpointError` naming the first file whose size or SHA-256 is not the
+    manifest's."""
+    for entry in manifest.files:
+        path = directory / entry.name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing")
+        if path.stat().st_size != entry.bytes:
+            raise CheckpointError(f"{path} is {path.stat().st_size} bytes, the manifest says {entry.bytes}: truncated "
+                                  f"or corrupt")
+        if sha256_of(path) != entry.sha256:
+            raise CheckpointError(f"{path} does not match its checksum: corrupt")
+
+
+def remove(directory: Path) -> None:
+    """Delete a checkpoint: its manifest first, so that a crash midway leaves an incomplete
+    checkpoint, never a complete-looking one with files missing."""
+    (directory / MANIFEST).unlink(missing_ok=True)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def prune(root: Path, keep: int, protect: set[str] = frozenset()) -> list[str]:
+    """Keep the newest ``keep`` complete checkpoints, the checkpoints their chains need and
+    ``protect``; delete the other complete ones and incomplete ones older than the newest
+    complete (left by a crash). Returns the names deleted."""
+    done = complete(root)
+    if not done:
+        return []
+    kept = set(protect)
+    for path in done[-keep:]:
+        kept.update(read_manifest(path).chain)
+    newest = done[-1].name
+    deleted = []
+    for path in sorted(root.iterdir()):
+        if not path.name.startswith(PREFIX) or path.name in kept or path.name >= newest:
+            continue
+        remove(path)
+        deleted.append(path.name)
+    return deleted

@@ -1,0 +1,212 @@
+"""Restoring a checkpoint into a model of any world size and plan.
+
+Every rank restores only its own pieces of the tables (:class:`~trainer.fused_embedding.
+ShardView`), from whichever records of the checkpoint's chain overlap them: the full
+checkpoint's, then each increment's, so a row ends with its newest value. No process ever
+reads the whole model, only the records that overlap its shards, one at a time.
+
+Weights and element-wise optimizer state (Adagrad, Adam) move exactly into any rows and
+columns. Row-wise Adagrad keeps one value per row of a shard; a destination shard whose
+columns come from several source shards (column-wise to table-wise) gets their mean
+weighted by the columns each contributes, and a destination within one source shard gets
+its value exactly.
+
+Before anything is applied, every rank checks the records it will read (CRC-32, and each
+file's size) and rank 0's ``dense.pt`` (SHA-256); a corrupt or truncated file is a
+:class:`~trainer.checkpoint.layout.CheckpointError` naming it. With ``fallback`` the ranks
+agree to restore the newest checkpoint that all of them found whole instead.
+"""
+
+from __future__ import annotations
+
+import io
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from trainer.checkpoint import records
+from trainer.checkpoint.layout import (DENSE_FILE, CheckpointError, Manifest, RecordEntry, complete, read_manifest,
+                                       sha256_of)
+from trainer.fused_embedding import ShardView
+
+AgreeFn = Callable[[bool], bool]
+"""True when every rank passes True (a collective in a distributed run)."""
+
+
+@dataclass
+class Restorable:
+    """A complete checkpoint and the chain of checkpoints that restores it."""
+
+    root: Path
+    manifest: Manifest
+    chain: list[Manifest]
+
+    @property
+    def directory(self) -> Path:
+        return self.root / self.manifest.name
+
+
+def open_checkpoint(root: Path, name: str | None = None) -> Restorable:
+    """The checkpoint ``name`` (default: the newest complete one) under ``root``."""
+    if name is None:
+        done = complete(root)
+        if not done:
+            raise CheckpointError(f"{root} holds no complete checkpoint")
+        name = done[-1].name
+    manifest = read_manifest(root / name)
+    chain = [manifest if link == manifest.name else read_manifest(root / link) for link in manifest.chain]
+    return Restorable(root, manifest, chain)
+
+
+def choose(root: Path, views: list[ShardView], agree: AgreeFn, fallback: bool, need_dense: bool) -> Restorable:
+    """The checkpoint to restore: the newest complete one, whole for every rank; with
+    ``fallback``, older ones are tried when it is not (every rank calls this alike)."""
+    candidates = [p.name for p in reversed(complete(root))]
+    if not candidates:
+        raise CheckpointError(f"{root} holds no complete checkpoint")
+    first_error: CheckpointError | None = None
+    for name in candidates:
+        try:
+            restorable = open_checkpoint(root, name)
+            check(restorable, views, need_dense)
+            whole = True
+        except CheckpointError as err:
+            first_error = first_error or err
+            whole = False
+        if agree(whole):
+            return restorable
+        if not fallback:
+            raise first_error or CheckpointError(f"checkpoint {root / name}: another rank found a file of it corrupt "
+                                                 f"(see its error)")
+    raise CheckpointError(f"no checkpoint under {root} is whole; the newest failed with: {first_error}")
+
+
+def check(restorable: Restorable, views: list[ShardView], need_dense: bool) -> None:
+    """Check every record these ``views`` would read, and ``dense.pt`` when ``need_dense``."""
+    for manifest in restorable.chain:
+        directory = restorable.root / manifest.name
+        sizes = {f.name: f.bytes for f in manifest.files}
+        for name, size in sizes.items():
+            path = directory / name
+            if not path.is_file():
+                raise CheckpointError(f"{path} is missing")
+            if path.stat().st_size != size:
+                raise CheckpointError(f"{path} is {path.stat().st_size} bytes, the manifest says {size}: truncated "
+                                      f"or corrupt")
+        for entry in _overlapping(manifest, views):
+            _read(directory, entry)
+    if need_dense:
+        dense = next(f for f in restorable.manifest.files if f.name == DENSE_FILE)
+        if sha256_of(restorable.directory / DENSE_FILE) != dense.sha256:
+            raise CheckpointError(f"{restorable.directory / DENSE_FILE} does not match its checksum: corrupt")
+
+
+def restore_embeddings(restorable: Restorable, views: list[ShardView]) -> None:
+    """Write the checkpoint's rows into ``views`` (this rank's pieces), chain in order."""
+    by_table = _check_tables(restorable.manifest, views)
+    for manifest in restorable.chain:
+        directory = restorable.root / manifest.name
+        rowwise: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per view: accumulated state, rows covered
+        for entry in manifest.records:
+            for index in by_table.get(entry.table, []):
+                view = views[index]
+                if _overlaps(entry, view):
+                    rows = view.weight.shape[0]
+                    accumulator = rowwise.setdefault(index, (np.zeros(rows, np.float32), np.zeros(rows, bool))) \
+                        if _rowwise(view) else None
+                    _apply(records.decode(_read(directory, entry)), view, accumulator)
+        for index, (accumulated, covered) in rowwise.items():
+            rows = torch.from_numpy(np.flatnonzero(covered))
+            views[index].states[0][:, 0].index_copy_(
+                0, rows.to(views[index].weight.device), torch.from_numpy(accumulated[covered]).to(
+                    views[index].weight.device))
+
+
+def load_dense(restorable: Restorable) -> dict[str, Any]:
+    """Rank 0's dense state (MLPs, dense optimizer, RNG, position)."""
+    path = restorable.directory / DENSE_FILE
+    return torch.load(io.BytesIO(path.read_bytes()), weights_only=False)
+
+
+def _check_tables(manifest: Manifest, views: list[ShardView]) -> dict[str, list[int]]:
+    by_table: dict[str, list[int]] = {}
+    for index, view in enumerate(views):
+        info = manifest.tables.get(view.table)
+        if info is None:
+            raise CheckpointError(f"checkpoint {manifest.name} has no table {view.table!r} "
+                                  f"(it has {', '.join(sorted(manifest.tables))})")
+        rows, cols = view.weight.shape
+        if view.row_offset + rows > info["rows"] or view.col_offset + cols > info["dim"]:
+            raise CheckpointError(f"table {view.table!r} is {info['rows']} x {info['dim']} in checkpoint "
+                                  f"{manifest.name}, the model's is larger")
+        if len(view.states) != info["states"]:
+            raise CheckpointError(f"table {view.table!r}: the checkpoint's optimizer ({info['optimizer']}) keeps "
+                                  f"{info['states']} state arrays, the model's {len(view.states)}")
+        by_table.setdefault(view.table, []).append(index)
+    return by_table
+
+
+def _overlapping(manifest: Manifest, views: list[ShardView]) -> list[RecordEntry]:
+    return [e for e in manifest.records if any(v.table == e.table and _overlaps(e, v) for v in views)]
+
+
+def _overlaps(entry: RecordEntry, view: ShardView) -> bool:
+    rows, cols = view.weight.shape
+    return (entry.row_offset < view.row_offset + rows and view.row_offset < entry.row_offset + entry.rows
+            and entry.col_offset < view.col_offset + cols and view.col_offset < entry.col_offset + entry.cols)
+
+
+def _read(directory: Path, entry: RecordEntry) -> bytes:
+    path = directory / entry.file
+    with open(path, "rb") as f:
+        f.seek(entry.offset)
+        data = f.read(entry.length)
+    if len(data) != entry.length or zlib.crc32(data) != entry.crc32:
+        raise CheckpointError(f"{path}: the rows of table {entry.table!r} at byte {entry.offset} are corrupt "
+                              f"(checksum mismatch)")
+    return data
+
+
+def _rowwise(view: ShardView) -> bool:
+    """Whether ``view`` keeps one optimizer state value per row (row-wise Adagrad)."""
+    return any(state.shape[1] != view.weight.shape[1] for state in view.states)
+
+
+def _apply(source: records.ShardRows, view: ShardView, rowwise: tuple[np.ndarray, np.ndarray] | None) -> None:
+    """Copy the part of ``source`` that falls in ``view``; a row-wise state's contribution
+    is added to ``rowwise`` (accumulated values, rows covered) instead."""
+    rows, cols = view.weight.shape
+    local = np.arange(source.count, dtype=np.int64) if source.ids is None else source.ids
+    global_rows = source.row_offset + local
+    keep = (global_rows >= view.row_offset) & (global_rows < view.row_offset + rows)
+    targets = torch.from_numpy(global_rows[keep] - view.row_offset).to(view.weight.device)
+    lo, hi = max(view.col_offset, source.col_offset), min(view.col_offset + cols, source.col_offset + source.cols)
+    src_cols = slice(lo - source.col_offset, hi - source.col_offset)
+    dst_cols = slice(lo - view.col_offset, hi - view.col_offset)
+    weights = source.weights[keep][:, src_cols]
+    if source.storage == view.storage and weights.dtype != np.float32:  # fp16/bf16 bits: exact
+        values = torch.from_numpy(np.ascontiguousarray(weights).view(np.int16)).view(view.weight.dtype)
+    else:
+        values = torch.from_numpy(np.ascontiguousarray(records.as_float32(weights, source.storage)))
+    _copy_columns(view.weight, targets, dst_cols, values)
+    for state, target in zip(source.states, view.states):
+        if target.shape[1] == cols:  # element-wise: the same columns
+            _copy_columns(target, targets, dst_cols, torch.from_numpy(np.ascontiguousarray(state[keep][:, src_cols])))
+        else:  # row-wise: weighted by the columns this source contributes
+            assert rowwise is not None
+            accumulated, covered = rowwise
+            rows_here = targets.cpu().numpy()
+            accumulated[rows_here] += state[keep][:, 0] * np.float32((hi - lo) / cols)
+            covered[rows_here] = True
+
+
+def _copy_columns(target: torch.Tensor, rows: torch.Tensor, columns: slice, values: torch.Tensor) -> None:
+    """``target[rows, columns] = values``."""
+    if columns == slice(0, target.shape[1]):
+        target.index_copy_(0, rows, values.to(target.device, target.dtype))
+    else:
+        target[rows, columns] = values.to(target.device, target.dtype)

@@ -1,0 +1,331 @@
+"""One training run: set up, optionally restore, train epoch by epoch with evaluation and
+checkpoints, write the summary.
+
+Every step: the step itself, the progress report, the metrics line (every
+``train.log_every`` steps), the periodic evaluation (``train.eval_every``), the checkpoint
+(``checkpoint.every_steps`` / ``every_minutes``); each epoch ends with an evaluation. A
+checkpoint holds everything the rest of the run depends on: the model and both
+optimizers, the data position (epoch and step, so the reader continues with the very next
+batch), the RNG, the interval of metrics not yet logged and the length of
+``metrics.jsonl``; so a run resumed from an fp32 checkpoint continues exactly as if it had
+never stopped.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
+from itertools import islice
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ingest.schema import Dataset
+from trainer import run_dir as run_directory
+from trainer.affinity import pin_rank
+from trainer.batch import Batch
+from trainer.build import build_model, decode_options, dense_optimizer, sparse_optimizer, table_configs
+from trainer.checkpoint.checkpointer import Checkpointer, check_resumable
+from trainer.checkpoint.restore import choose, load_dense, restore_embeddings
+from trainer.config import TrainConfig
+from trainer.distributed import DistributedContext, check_same_steps, gather_arrays, global_sum, wrap_data_parallel
+from trainer.metrics import MetricsLog, evaluate
+from trainer.model import DLRM
+from trainer.planner.from_config import shared_plan
+from trainer.prefetch import Prefetcher
+from trainer.sharding.input_pipeline import InputPipeline
+from trainer.sharding.sharded_embedding import PreparedSparse
+from trainer.train import (ProgressFn, StepReport, batches, check_splits, eval_reader_config, make_reader,
+                           set_threads, train_reader_config, train_step)
+from trainer.warmup import compile_kernels
+
+
+@dataclass
+class LoopState:
+    """Where training stands and what it has counted: all a resumed run needs to continue
+    (timings aside)."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    """Batches of ``epoch`` trained."""
+    global_step: int = 0
+    samples: int = 0
+    train_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    interval_loss_shares: float = 0.0
+    interval_steps: int = 0
+    interval_samples: int = 0
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+
+
+class TrainingRun:
+    """A training run of ``config`` on this rank (see :func:`trainer.train.train`)."""
+
+    def __init__(self, config: TrainConfig, context: DistributedContext, overwrite: bool = False,
+                 resume: bool = False) -> None:
+        loop = config.train
+        self.config = config
+        self.context = context
+        if loop.pin_cores:
+            pin_rank(context.local_rank, context.local_world_size)
+        set_threads(loop.threads, context.local_world_size)
+        torch.manual_seed(loop.seed)
+        self.dataset = Dataset.load(config.data.path)
+        options = decode_options(self.dataset.schema, config)
+        self.train_reader = make_reader(self.dataset, config.data.train_split, options,
+                                        train_reader_config(config, context), config)
+        self.eval_reader = make_reader(self.dataset, config.data.eval_split, options,
+                                       eval_reader_config(config, context), config)
+        check_splits(self.train_reader.plan(0), self.eval_reader.plan(0), config)
+        self.run_dir = Path(config.run.dir)
+        if context.is_main:
+            run_directory.claim(self.run_dir, overwrite=overwrite, resume=resume)
+        self.steps_per_epoch = self.train_reader.plan(0).num_batches
+        self.total_steps = self.steps_per_epoch * loop.epochs
+        if loop.max_steps:
+            self.total_steps = min(self.total_steps, loop.max_steps)
+        self.early: Prefetcher | None = None
+        """The first epoch's batches, read from before the model exists (a fresh run's)."""
+        if loop.prefetch and not context.distributed and not resume:
+            self.early = Prefetcher(batches(self.train_reader, 0, 0, context.device), loop.prefetch)
+        self.plan = shared_plan(self.dataset, config, context) if context.distributed else None
+        self.dlrm = build_model(self.dataset, config, self.plan).to(context.device)
+        self.optimizer = dense_optimizer(self.dlrm, config)
+        self.state = LoopState()
+        self.metrics_bytes: int | None = None
+        self.checkpointer = self._checkpointer()
+        if resume:
+            self._restore()
+        if loop.prefetch and context.distributed and not resume:
+            steps = min(self.steps_per_epoch, self.total_steps)
+            self.early = Prefetcher(_prepared(self.dlrm, batches(self.train_reader, 0, 0, context.device), steps),
+                                    loop.prefetch)
+        compile_kernels()  # load the Numba kernels now, not in the first steps
+        self.model = wrap_data_parallel(self.dlrm) if context.distributed else self.dlrm
+        if context.is_main:
+            run_directory.write_json(self.run_dir / run_directory.CONFIG, config.to_dict())
+            if self.plan is not None:
+                run_directory.write_json(self.run_dir / run_directory.PLAN, self.plan.to_dict())
+        self.log = MetricsLog(self.run_dir / run_directory.METRICS if context.is_main else None,
+                              keep_bytes=self.metrics_bytes)
+        check_same_steps(context, self.steps_per_epoch, "train")
+        check_same_steps(context, self.eval_reader.plan(0).num_batches, "eval")
+
+    # ------------------------------------------------------------------- the loop
+    def run(self, progress: ProgressFn | None = None) -> dict[str, Any]:
+        """Train to the end, evaluating and checkpointing on the way; returns the summary."""
+        state, loop = self.state, self.config.train
+        try:
+            while state.epoch < loop.epochs and state.global_step < self.total_steps:
+                self._epoch(progress)
+                state.eval_metrics = self._evaluate()
+                state.epoch += 1
+                state.step_in_epoch = 0
+            if not state.eval_metrics:
+                state.eval_metrics = self._evaluate()
+            if self.config.checkpoint.final:
+                self._checkpoint(wait=True)
+            self.checkpointer.close()
+        finally:
+            if self.early is not None:
+                self.early.close()
+            self.log.close()
+            self.train_reader.close()
+            self.eval_reader.close()
+        return self._summary()
+
+    def _epoch(self, progress: ProgressFn | None) -> None:
+        state, context = self.state, self.context
+        steps = min(self.steps_per_epoch - state.step_in_epoch, self.total_steps - state.global_step)
+        if steps <= 0:
+            return  # resumed at the end of the epoch: only its evaluation is left
+        source: Prefetcher | None
+        if self.early is not None:  # the first epoch of a fresh run, already being read
+            source, self.early = self.early, None
+            stream: Iterator[Any] = source
+        else:
+            stream = batches(self.train_reader, state.epoch, state.step_in_epoch, self.context.device)
+            if context.distributed:
+                stream = _prepared(self.dlrm, stream, steps)
+            source = Prefetcher(stream, self.config.train.prefetch) if self.config.train.prefetch else None
+            stream = source or stream
+        if context.distributed:
+            stream = _distributed(self.dlrm, stream)
+        interval = _Interval(context, state)
+        full_batches = self.config.data.remainder == "drop"
+        try:
+            for batch in stream:
+                share = float(train_step(self.model, self.optimizer, batch, context, full_batches))
+                state.global_step += 1
+                state.step_in_epoch += 1
+                interval.add(share, batch.num_valid)
+                if progress is not None:
+                    progress(StepReport(state.global_step, state.epoch, share * context.world_size, interval.qps(),
+                                        self.total_steps))
+                time_due = False
+                if state.global_step % self.config.train.log_every == 0 or state.global_step == self.total_steps:
+                    report, time_due = interval.close(self.checkpointer.due_by_time())
+                    self.log.write({"split": "train", "step": state.global_step, "epoch": state.epoch, **report})
+                    interval = _Interval(context, state)
+                if self.config.train.eval_every and state.global_step % self.config.train.eval_every == 0:
+                    self._evaluate()
+                last = state.global_step >= self.total_steps
+                if (self.checkpointer.due(state.global_step) or time_due) and not (last and self.config.checkpoint.final):
+                    self._checkpoint(interval)
+                if last:
+                    break
+            interval.close(False)
+        finally:
+            if source is not None:
+                state.wait_seconds += source.wait_seconds
+                source.close()
+
+    def _evaluate(self) -> dict[str, float]:
+        started = time.perf_counter()
+        metrics = evaluate(self.model, batches(self.eval_reader, 0, device=self.context.device),
+                           partial(gather_arrays, self.context))
+        seconds = time.perf_counter() - started
+        self.log.write({"split": "eval", "step": self.state.global_step, "epoch": self.state.epoch,
+                        "loss": metrics["logloss"], "qps": metrics["rows"] / seconds if seconds else 0.0, **metrics})
+        return metrics
+
+    def _summary(self) -> dict[str, Any]:
+        state = self.state
+        summary = {
+            "steps": state.global_step,
+            "train_samples": state.samples,
+            "train_qps": state.samples / state.train_seconds if state.train_seconds else 0.0,
+            "input_wait_frac": state.wait_seconds / state.train_seconds if state.train_seconds else 0.0,
+            **{f"eval_{k}": v for k, v in state.eval_metrics.items()},
+        }
+        oracle = self.dataset.oracle
+        if oracle:
+            summary.update(oracle_auc=oracle.get("eval_auc"), oracle_logloss=oracle.get("eval_logloss"),
+                           oracle_ne=oracle.get("eval_ne"))
+        if self.plan is not None:
+            summary["world_size"] = self.context.world_size
+        if self.checkpointer.stall_seconds:
+            summary["checkpoint_stall_s"] = sum(self.checkpointer.stall_seconds)
+        if self.context.is_main:
+            run_directory.write_json(self.run_dir / run_directory.SUMMARY, summary)
+        return summary
+
+    # ------------------------------------------------------------- checkpoints
+    def _checkpointer(self) -> Checkpointer:
+        context, config = self.context, self.config
+        attempt = [secrets.token_hex(8) if context.is_main else ""]
+        if context.distributed:
+            dist.broadcast_object_list(attempt, src=0)
+        embeddings = self.dlrm.embeddings
+        optimizer = sparse_optimizer(config)
+        tables = {t.name: {"rows": t.num_embeddings, "dim": t.embedding_dim, "storage": config.model.weight_dtype,
+                           "optimizer": optimizer.kind, "states": optimizer.num_states}
+                  for t in table_configs(self.dataset.schema, config)}
+        return Checkpointer(
+            self.run_dir / run_directory.CHECKPOINTS, config.checkpoint, rank=context.rank,
+            world_size=context.world_size, attempt=attempt[0], views=embeddings.shard_views,
+            local_optimizer_steps=embeddings.local_optimizer_steps, tables=tables, run_config=config.to_dict(),
+            plan=None if self.plan is None else self.plan.to_dict(),
+            sum_over_ranks=partial(global_sum, context), commit_timeout_s=config.train.collective_timeout_s)
+
+    def _checkpoint(self, interval: "_Interval | None" = None, wait: bool = False) -> None:
+        state = self.state
+        if interval is not None:
+            interval.store()
+        dense = None
+        if self.context.is_main:
+            self.log.flush()
+            dense = {"bottom": self.dlrm.bottom.state_dict(), "top": self.dlrm.top.state_dict(),
+                     "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state(),
+                     "state": asdict(state), "metrics_bytes": self.log.size()}
+        self.checkpointer.save(global_step=state.global_step, epoch=state.epoch, step_in_epoch=state.step_in_epoch,
+                               dense=dense, wait=wait)
+
+    def _restore(self) -> None:
+        """Continue from the newest complete checkpoint of the run directory."""
+        context, config = self.context, self.config
+        root = self.run_dir / run_directory.CHECKPOINTS
+        views = self.dlrm.embeddings.shard_views()
+
+        def agree(ok: bool) -> bool:
+            return global_sum(context, [0.0 if ok else 1.0])[0] == 0.0
+
+        restorable = choose(root, views, agree, config.checkpoint.fallback, need_dense=True)
+        check_resumable(restorable.manifest.config, config)
+        restore_embeddings(restorable, views)
+        self.dlrm.embeddings.set_optimizer_steps(restorable.manifest.sparse_steps)
+        dense = load_dense(restorable)
+        with torch.no_grad():
+            self.dlrm.bottom.load_state_dict(dense["bottom"])
+            self.dlrm.top.load_state_dict(dense["top"])
+        self.optimizer.load_state_dict(dense["optimizer"])
+        torch.set_rng_state(dense["rng"])
+        self.state = LoopState(**dense["state"])
+        self.metrics_bytes = dense["metrics_bytes"]
+        touched = [sum(m.stats.get("touched", {}).values()) for m in restorable.chain[1:]]
+        self.checkpointer.continue_chain(restorable.manifest.chain, float(sum(touched)), self.state.global_step)
+
+
+class _Interval:
+    """Loss and throughput since the last log line, over all ranks; its accumulators live in
+    the :class:`LoopState` (a checkpoint keeps them)."""
+
+    def __init__(self, context: DistributedContext, state: LoopState) -> None:
+        self.context = context
+        self.state = state
+        self.started = time.perf_counter()
+        self.loss_shares = state.interval_loss_shares
+        self.steps = state.interval_steps
+        self.samples = state.interval_samples
+
+    def add(self, loss_share: float, samples: int) -> None:
+        """A step's loss share and valid samples on this rank."""
+        self.loss_shares += loss_share
+        self.steps += 1
+        self.samples += samples
+
+    def qps(self) -> float:
+        """This rank's samples per second times the world size (a rank's view, no
+        communication)."""
+        elapsed = time.perf_counter() - self.started
+        return self.samples * self.context.world_size / elapsed if elapsed else 0.0
+
+    def store(self) -> None:
+        """Put the accumulators in the loop state (for a checkpoint)."""
+        self.state.interval_loss_shares = self.loss_shares
+        self.state.interval_steps = self.steps
+        self.state.interval_samples = self.samples
+
+    def close(self, checkpoint_due: bool) -> tuple[dict[str, float], bool]:
+        """``loss`` (mean over the steps of the global batch's mean loss), global ``samples``,
+        ``qps`` and ``seconds`` (added to the loop state, whose accumulators are reset), and
+        whether any rank's ``checkpoint_due``: one all-reduce over the ranks."""
+        seconds = time.perf_counter() - self.started
+        loss_sum, samples, due = global_sum(self.context, [self.loss_shares, float(self.samples),
+                                                           float(checkpoint_due)])
+        state = self.state
+        state.train_seconds += seconds
+        state.samples += int(samples)
+        state.interval_loss_shares, state.interval_steps, state.interval_samples = 0.0, 0, 0
+        return ({"loss": loss_sum / max(self.steps, 1), "qps": samples / seconds if seconds else 0.0,
+                 "samples": int(samples), "seconds": seconds}, due > 0)
+
+
+def _prepared(model: DLRM, epoch_batches: Iterator[Batch], steps: int) -> Iterator[tuple[Batch, PreparedSparse]]:
+    """The first ``steps`` batches, each with its ids routed for the input all-to-all (run
+    in the prefetch thread). Exactly ``steps`` on every rank, so no rank waits for a batch
+    another rank never sends."""
+    for batch in islice(epoch_batches, steps):
+        yield batch, model.embeddings.prepare(batch.sparse)
+
+
+def _distributed(model: DLRM, prepared: Iterator[tuple[Batch, PreparedSparse]]) -> Iterator[Batch]:
+    """The batches with their ids sent to the ranks that hold their rows; the all-to-alls
+    of the next batches are in flight while the caller trains on one."""
+    for batch, distributed in InputPipeline(model.embeddings)(prepared):
+        yield replace(batch, sparse=distributed)
+
