@@ -134,9 +134,12 @@ def _resolves_to_loopback(host: str) -> bool:
 
 
 def _check_free(host: str, port: int) -> None:
-    """Raise unless ``port`` of ``host`` can be bound now (without SO_REUSEPORT)."""
+    """Raise unless ``port`` of ``host`` can be bound now: nothing listens on it (with
+    SO_REUSEADDR, as gRPC binds: connections of a previous process on the port, lingering in
+    TIME_WAIT, do not count; without SO_REUSEPORT: another listener does)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as err:

@@ -17,6 +17,7 @@ from ingest.errors import DataError
 from ingest.row_group_cache import DEFAULT_CAPACITY_BYTES
 from ingest.service import DEFAULT_MAX_STREAMS
 from ingest.transport import TOKEN_ENV
+from orchestration.supervisor import die_with_parent
 from trainer.checkpoint.layout import CheckpointError
 from trainer.config import ConfigError
 from trainer.distributed import RankSilentError
@@ -24,6 +25,7 @@ from trainer.sharding.plan import PlanError
 
 if TYPE_CHECKING:
     from ingest.transport import ClientSecurity, ServerSecurity
+    from orchestration.trainer_status import TrainerStatusServer
     from trainer.config import TrainConfig
     from trainer.distributed import DistributedContext
 
@@ -32,12 +34,15 @@ log = logging.getLogger("neorec")
 
 USER_ERROR = 2
 INTERRUPTED = 130
+BAD_ARGUMENTS = 1
+"""``neorec status``'s exit status for bad arguments (grpc_health_probe's)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a ``neorec`` command. A user error (bad configuration, data, arguments, a file
     that cannot be read or written, a service that refuses) is one line on stderr and exit
     status 2; Ctrl-C is one line and 130; anything else is a bug and keeps its traceback."""
+    die_with_parent()
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -175,7 +180,30 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="RUN_DIR",
                        help="continue the run in RUN_DIR from its newest complete checkpoint (same epoch, step, next "
                             "batch and RNG); RUN_DIR becomes run.dir")
+    train.add_argument("--status-port", type=_port,
+                       help="rank 0 serves grpc.health.v1 and its progress (neorec status) on this port (0: any)")
+    train.add_argument("--status-host", default="127.0.0.1", help="where --status-port binds")
     train.set_defaults(run=_train)
+
+    launch = commands.add_parser("launch", help="run a whole job on this host: reader services, trainers, supervised")
+    launch.add_argument("config", help="a training config with a [launch] section")
+    launch.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    launch.add_argument("--overwrite", action="store_true", help="replace the run already in run.dir")
+    launch.add_argument("--resume", action="store_true", help="continue the run in run.dir from its checkpoint")
+    launch.add_argument("--emit", nargs=2, metavar=("k8s", "DIR"),
+                        help="write Kubernetes manifests for the job's roles into DIR instead of running it")
+    launch.add_argument("--image", default="neorec:latest", help="with --emit k8s: the container image")
+    launch.set_defaults(run=_launch)
+
+    status = commands.add_parser("status", help="probe services like grpc_health_probe (exit 0 serving, 1 bad "
+                                                "arguments, 2 connect failure, 3 RPC failure, 4 not serving)")
+    status.add_argument("targets", nargs="+", metavar="HOST:PORT|RUN_DIR",
+                        help="service addresses, or a `neorec launch` run directory")
+    status.add_argument("--json", action="store_true", help="print every service's Status counters as JSON")
+    status.add_argument("--timeout", type=_seconds, default=1.0, help="seconds to connect and to answer")
+    _add_client_security(status)
+    status.set_defaults(run=_status)
+    status.error = lambda message: status.exit(BAD_ARGUMENTS, f"{status.prog}: error: {message}\n")  # as grpc_health_probe
 
     plan = commands.add_parser("plan", help="print the sharding plan for a config, without training")
     plan.add_argument("config")
@@ -285,14 +313,26 @@ def _train(args: argparse.Namespace) -> int:
 
         compile_kernels()  # the ranks then load Numba's cache instead of racing to write it
         flags = (["--overwrite"] if args.overwrite else []) + (["--resume", args.resume] if args.resume else [])
+        if args.status_port is not None:
+            flags += ["--status-port", str(args.status_port), "--status-host", args.status_host]
         return run_torchrun(args.nproc, ["train", args.config, *[a for o in args.set for a in ("--set", o)],
                                          *(["--ingest", args.ingest] if args.ingest else []), *flags])
     loop = config.train
     context = (init_from_torchrun(loop.device, loop.collective_timeout_s) if launched_by_torchrun()
                else single_process(loop.device))
+    status = None
+    if args.status_port is not None and context.is_main:
+        from ingest.transport import ServerSecurity, read_token
+        from orchestration.trainer_status import TrainerStatusServer
+
+        status = TrainerStatusServer(args.status_host, args.status_port, context.world_size,
+                                     ServerSecurity(token=read_token(None)))
+        status.start()
     try:
-        summary = _train_rank(config, context, args.overwrite, bool(args.resume))
+        summary = _train_rank(config, context, args.overwrite, bool(args.resume), status)
     finally:
+        if status is not None:
+            status.stop()
         shutdown(context)
     if context.is_main:
         print(json.dumps(summary, indent=2, sort_keys=True))
@@ -303,8 +343,9 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_rank(config: "TrainConfig", context: "DistributedContext", overwrite: bool, resume: bool) -> dict:
-    """Train this rank; rank 0 shows a progress bar."""
+def _train_rank(config: "TrainConfig", context: "DistributedContext", overwrite: bool, resume: bool,
+                status: "TrainerStatusServer | None") -> dict:
+    """Train this rank; rank 0 shows a progress bar (and feeds the status service)."""
     from trainer.train import StepReport, train
 
     if not context.is_main:
@@ -316,9 +357,14 @@ def _train_rank(config: "TrainConfig", context: "DistributedContext", overwrite:
             bar.total = report.total_steps
         bar.update(1)
         bar.set_postfix(epoch=report.epoch, loss=f"{report.loss:.4f}", qps=f"{report.qps:,.0f}", refresh=False)
+        if status is not None:
+            status.update(report)
 
     try:
-        return train(config, progress=progress, context=context, overwrite=overwrite, resume=resume)
+        summary = train(config, progress=progress, context=context, overwrite=overwrite, resume=resume)
+        if status is not None:
+            status.done()
+        return summary
     finally:
         bar.close()
 
@@ -362,6 +408,54 @@ def _checkpoint_inspect(args: argparse.Namespace) -> int:
     described = describe(args.directory, verify=args.verify)
     print(json.dumps(described, indent=2) if args.json else render(described))
     return 0 if all(c.get("verified", True) for c in described["checkpoints"]) else 1
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from orchestration.config import load_config
+    from orchestration.launch import Job, JobFailed
+
+    if args.overwrite and args.resume:
+        raise ConfigError("--resume continues a run, --overwrite replaces it: give one of them")
+    config = load_config(args.config, args.set)
+    if args.emit:
+        from orchestration.k8s import write_manifests
+
+        kind, directory = args.emit
+        if kind != "k8s":
+            raise ConfigError(f"--emit: only k8s is supported, got {kind!r}")
+        for path in write_manifests(config, args.config, directory, args.image):
+            print(path)
+        return 0
+    try:
+        return Job(args.config, config, args.set, overwrite=args.overwrite, resume=args.resume).run()
+    except JobFailed as err:
+        print(f"neorec: error: job failed: {err}", file=sys.stderr)
+        return 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    from orchestration.status import check_address, job_services, probe
+
+    addresses: list[str] = []
+    try:
+        for target in args.targets:
+            if Path(target).is_dir():
+                addresses += job_services(target)
+            else:
+                check_address(target)
+                addresses.append(target)
+        security = _client_security(args)
+    except (ValueError, OSError) as err:
+        print(f"neorec: error: {_one_line(err)}", file=sys.stderr)
+        return BAD_ARGUMENTS
+    probes = [probe(a, security, args.timeout, with_status=args.json) for a in addresses]
+    if args.json:
+        print(json.dumps([{"address": p.address, "role": p.role, "code": p.code, "health": p.detail,
+                           "status": p.status} for p in probes], indent=2))
+    else:
+        for p in probes:
+            print(f"{p.address} {p.role or '?'}: {'SERVING' if p.code == 0 else p.detail}")
+    return max(p.code for p in probes)
 
 
 def _bench(args: argparse.Namespace) -> int:

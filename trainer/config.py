@@ -238,6 +238,42 @@ class CheckpointConfig:
 
 
 @dataclass
+class LaunchConfig:
+    """How ``neorec launch`` runs the job on this host (see :mod:`orchestration.launch`)."""
+
+    ingest_workers: int = 2
+    """Reader services to start (0: the trainers read in process)."""
+    worker_threads: int = 2
+    nproc: int = 1
+    """Trainer ranks (through torchrun when more than one)."""
+    host: str = "127.0.0.1"
+    """Where the services bind."""
+    restarts: int = 5
+    """Restarts allowed per reader service before the job fails."""
+    trainer_restarts: int = 3
+    """Restarts of the trainer group (from the newest checkpoint) before the job fails."""
+    startup_grace_s: float = 60.0
+    """A process gets this long to come up (answer its health probe) before that counts."""
+    probe_interval_s: float = 1.0
+    probe_misses: int = 3
+    """A service that misses this many probes in a row (a hung process) is restarted."""
+    backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+    trainer_stall_s: float = 120.0
+    """A trainer whose step has not advanced for this long (evaluation and checkpoints
+    included) is hung: its group is restarted."""
+
+    def validate(self) -> None:
+        for key in ("ingest_workers", "restarts", "trainer_restarts"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"launch.{key}: must be >= 0, got {getattr(self, key)}")
+        for key in ("worker_threads", "nproc", "probe_misses"):
+            _positive(f"launch.{key}", getattr(self, key))
+        for key in ("startup_grace_s", "probe_interval_s", "backoff_s", "max_backoff_s", "trainer_stall_s"):
+            _positive(f"launch.{key}", getattr(self, key))
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/latest"
 
@@ -272,10 +308,11 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def validate(self) -> None:
         for section in (self.data, self.model, self.optimizer, self.train, self.sharding, self.checkpoint, self.run,
-                        self.security):
+                        self.security, self.launch):
             section.validate()
 
     def to_dict(self) -> dict[str, Any]:

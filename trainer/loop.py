@@ -130,6 +130,9 @@ class TrainingRun:
             if self.config.checkpoint.final:
                 self._checkpoint(wait=True)
             self.checkpointer.close()
+        except BaseException:
+            self.checkpointer.abandon()
+            raise
         finally:
             if self.early is not None:
                 self.early.close()
@@ -164,8 +167,11 @@ class TrainingRun:
                 state.step_in_epoch += 1
                 interval.add(share, batch.num_valid)
                 if progress is not None:
+                    committed = self.checkpointer.writer.last_committed
                     progress(StepReport(state.global_step, state.epoch, share * context.world_size, interval.qps(),
-                                        self.total_steps))
+                                        self.total_steps,
+                                        state.wait_seconds / state.train_seconds if state.train_seconds else 0.0,
+                                        committed.name if committed else ""))
                 time_due = False
                 if state.global_step % self.config.train.log_every == 0 or state.global_step == self.total_steps:
                     report, time_due = interval.close(self.checkpointer.due_by_time())

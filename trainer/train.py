@@ -40,6 +40,10 @@ class StepReport:
     """The step's mean loss (sharded runs: estimated from rank 0's samples alone)."""
     qps: float
     total_steps: int
+    input_wait_frac: float = 0.0
+    """Of the training time so far (completed epochs), the share spent waiting for batches."""
+    last_checkpoint: str = ""
+    """The newest checkpoint committed ("" before the first)."""
 
 
 ProgressFn = Callable[[StepReport], None]

@@ -63,3 +63,10 @@ def test_mlp_stacks_that_do_not_end_as_torchrec_s_are_refused(tmp_path):
     path.write_text("[data]\nshuffle = true\n")
     with pytest.raises(ConfigError, match="data.shuffle: expected a string"):
         load_config(path)
+
+
+def test_the_shipped_configs_load():
+    for path in ("configs/demo.toml", "configs/job.toml"):
+        config = load_config(path)
+        assert config.model.bottom_mlp[-1] == config.model.embedding_dim
+    assert load_config("configs/job.toml").launch.ingest_workers == 2

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.orchestration.test_cli import _neorec
 from tests.trainer.test_train import final_state

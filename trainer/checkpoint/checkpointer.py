@@ -123,6 +123,11 @@ class Checkpointer:
         """Wait for the checkpoint in flight (raising its error, if any)."""
         self.writer.wait()
 
+    def abandon(self) -> None:
+        """Training failed: let the checkpoint in flight finish (bounded by the commit
+        timeout), without raising."""
+        self.writer.abandon(self.commit_timeout_s)
+
 
 RESUMABLE_SECTIONS = ("model", "optimizer")
 RESUMABLE_KEYS = {"data": ("path", "train_split", "eval_split", "dense_transform", "id_mapping", "remainder",

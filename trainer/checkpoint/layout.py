@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,9 +50,12 @@ def rank_record(rank: int) -> str:
 
 @dataclass
 class FileEntry:
+    """A file of a checkpoint, its size and its SHA-256 (empty for a file of records: each
+    record carries its own CRC-32)."""
+
     name: str
     bytes: int
-    sha256: str
+    sha256: str = ""
 
 
 @dataclass
@@ -198,9 +202,8 @@ def checkpoints_root(path: str | Path) -> tuple[Path, Path | None]:
     return path, None
 
 
-def verify(directory: Path, manifest: Manifest) -> None:
-    """Raise :class:`CheckpointError` naming the first file whose size or SHA-256 is not the
-    manifest's."""
+def check_sizes(directory: Path, manifest: Manifest) -> None:
+    """Raise :class:`CheckpointError` naming the first file missing or not of the manifest's size."""
     for entry in manifest.files:
         path = directory / entry.name
         if not path.is_file():
@@ -208,8 +211,30 @@ def verify(directory: Path, manifest: Manifest) -> None:
         if path.stat().st_size != entry.bytes:
             raise CheckpointError(f"{path} is {path.stat().st_size} bytes, the manifest says {entry.bytes}: truncated "
                                   f"or corrupt")
-        if sha256_of(path) != entry.sha256:
-            raise CheckpointError(f"{path} does not match its checksum: corrupt")
+
+
+def read_record(directory: Path, entry: RecordEntry) -> bytes:
+    """A record's bytes, checked against its CRC-32 (:class:`CheckpointError` naming the file
+    when they do not match)."""
+    path = directory / entry.file
+    with open(path, "rb") as f:
+        f.seek(entry.offset)
+        data = f.read(entry.length)
+    if len(data) != entry.length or zlib.crc32(data) != entry.crc32:
+        raise CheckpointError(f"{path}: the rows of table {entry.table!r} at byte {entry.offset} are corrupt "
+                              f"(checksum mismatch)")
+    return data
+
+
+def verify(directory: Path, manifest: Manifest) -> None:
+    """Raise :class:`CheckpointError` naming the first file of the checkpoint that is not
+    whole: its size, its SHA-256 or the CRC-32 of a record it holds."""
+    check_sizes(directory, manifest)
+    for entry in manifest.files:
+        if entry.sha256 and sha256_of(directory / entry.name) != entry.sha256:
+            raise CheckpointError(f"{directory / entry.name} does not match its checksum: corrupt")
+    for record in manifest.records:
+        read_record(directory, record)
 
 
 def remove(directory: Path) -> None:

@@ -21,7 +21,7 @@ import zstandard
 from trainer.checkpoint.quantize import QuantizedRows, quantize
 
 MAGIC = b"NRC1"
-ZSTD_LEVEL = 3
+ZSTD_LEVEL = 1
 FP16_MAX = 65504.0
 WEIGHT_BITS = (32, 16, 8, 4, 2)
 

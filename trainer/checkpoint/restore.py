@@ -20,7 +20,6 @@ agree to restore the newest checkpoint that all of them found whole instead.
 from __future__ import annotations
 
 import io
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -29,8 +28,8 @@ import numpy as np
 import torch
 
 from trainer.checkpoint import records
-from trainer.checkpoint.layout import (DENSE_FILE, CheckpointError, Manifest, RecordEntry, complete, read_manifest,
-                                       sha256_of)
+from trainer.checkpoint.layout import (DENSE_FILE, CheckpointError, Manifest, RecordEntry, check_sizes, complete,
+                                       read_manifest, read_record, sha256_of)
 from trainer.fused_embedding import ShardView
 
 AgreeFn = Callable[[bool], bool]
@@ -89,16 +88,9 @@ def check(restorable: Restorable, views: list[ShardView], need_dense: bool) -> N
     """Check every record these ``views`` would read, and ``dense.pt`` when ``need_dense``."""
     for manifest in restorable.chain:
         directory = restorable.root / manifest.name
-        sizes = {f.name: f.bytes for f in manifest.files}
-        for name, size in sizes.items():
-            path = directory / name
-            if not path.is_file():
-                raise CheckpointError(f"{path} is missing")
-            if path.stat().st_size != size:
-                raise CheckpointError(f"{path} is {path.stat().st_size} bytes, the manifest says {size}: truncated "
-                                      f"or corrupt")
+        check_sizes(directory, manifest)
         for entry in _overlapping(manifest, views):
-            _read(directory, entry)
+            read_record(directory, entry)
     if need_dense:
         dense = next(f for f in restorable.manifest.files if f.name == DENSE_FILE)
         if sha256_of(restorable.directory / DENSE_FILE) != dense.sha256:
@@ -118,7 +110,7 @@ def restore_embeddings(restorable: Restorable, views: list[ShardView]) -> None:
                     rows = view.weight.shape[0]
                     accumulator = rowwise.setdefault(index, (np.zeros(rows, np.float32), np.zeros(rows, bool))) \
                         if _rowwise(view) else None
-                    _apply(records.decode(_read(directory, entry)), view, accumulator)
+                    _apply(records.decode(read_record(directory, entry)), view, accumulator)
         for index, (accumulated, covered) in rowwise.items():
             rows = torch.from_numpy(np.flatnonzero(covered))
             views[index].states[0][:, 0].index_copy_(
@@ -158,17 +150,6 @@ def _overlaps(entry: RecordEntry, view: ShardView) -> bool:
     rows, cols = view.weight.shape
     return (entry.row_offset < view.row_offset + rows and view.row_offset < entry.row_offset + entry.rows
             and entry.col_offset < view.col_offset + cols and view.col_offset < entry.col_offset + entry.cols)
-
-
-def _read(directory: Path, entry: RecordEntry) -> bytes:
-    path = directory / entry.file
-    with open(path, "rb") as f:
-        f.seek(entry.offset)
-        data = f.read(entry.length)
-    if len(data) != entry.length or zlib.crc32(data) != entry.crc32:
-        raise CheckpointError(f"{path}: the rows of table {entry.table!r} at byte {entry.offset} are corrupt "
-                              f"(checksum mismatch)")
-    return data
 
 
 def _rowwise(view: ShardView) -> bool:

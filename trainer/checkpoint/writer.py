@@ -79,12 +79,22 @@ class CheckpointWriter:
             self._thread = None
         self._raise()
 
+    def abandon(self, timeout_s: float) -> None:
+        """Training failed: give the checkpoint in flight up to ``timeout_s`` to finish (it
+        may be the one the run resumes from), ignoring its error."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        self._error = None
+
     def _raise(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
 
     def _run(self, job: CheckpointJob) -> None:
+        if self.asynchronous:
+            _lower_priority()
         try:
             started = time.perf_counter()
             job.directory.mkdir(parents=True, exist_ok=True)
@@ -102,7 +112,6 @@ def _write_rank(job: CheckpointJob) -> RankRecord:
     name = rank_file(job.rank)
     path = job.directory / name
     entries: list[RecordEntry] = []
-    digest = hashlib.sha256()
     offset = 0
     try:
         with open(path, "wb") as f:
@@ -110,7 +119,6 @@ def _write_rank(job: CheckpointJob) -> RankRecord:
                 for piece in split(snapshot.rows):
                     data = records.encode(piece, job.bits)
                     f.write(data)
-                    digest.update(data)
                     entries.append(RecordEntry(name, offset, len(data), piece.table, piece.row_offset, piece.rows,
                                                piece.col_offset, piece.cols, piece.count, zlib.crc32(data)))
                     offset += len(data)
@@ -118,7 +126,7 @@ def _write_rank(job: CheckpointJob) -> RankRecord:
             os.fsync(f.fileno())
     except OSError as err:  # name the file (a failed write does not)
         raise OSError(err.errno, err.strerror, str(path)) from None
-    files = [FileEntry(name, offset, digest.hexdigest())]
+    files = [FileEntry(name, offset)]
     if job.dense is not None:
         write_durably(job.directory / DENSE_FILE, job.dense)
         files.append(FileEntry(DENSE_FILE, len(job.dense), hashlib.sha256(job.dense).hexdigest()))
@@ -169,3 +177,15 @@ def _commit(job: CheckpointJob, own: RankRecord, write_s: float) -> Manifest:
 def manifest_fields(**fields: Any) -> Manifest:
     """A manifest to be completed by the commit (files, records and stats empty)."""
     return Manifest(files=[], records=[], sparse_steps=0, **fields)
+
+
+WRITER_NICENESS = 10
+"""How much the background writer yields the CPU to training (Linux: per-thread nice)."""
+
+
+def _lower_priority() -> None:
+    """Run this thread at a lower priority than training's (where the platform allows it)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the writer runs as it is
+        pass

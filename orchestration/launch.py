@@ -1,0 +1,274 @@
+"""``neorec launch JOB.toml``: a whole training job on this host, supervised.
+
+The job file is a training config with a ``[launch]`` section. The launcher starts the
+reader services (each on a port it picks, kept across restarts), waits until every one
+answers ``grpc.health.v1`` SERVING, records the job's addresses in
+``RUN_DIR/services.json``, then starts the trainers (``neorec train --nproc N``, torchrun
+underneath) pointed at the services, with trainer rank 0 serving its own health and Status.
+
+It then watches every process, a tick every 0.25 s (an exit is noticed within it):
+
+- a reader service that exits, or misses ``probe_misses`` health probes in a row (hung,
+  e.g. SIGSTOP), is killed and restarted alone, on its port, after a backoff; the
+  trainers ride it out (their client re-requests its batches from the others);
+- a trainer group that exits with a failure, stops answering its probe, or takes no step
+  for ``trainer_stall_s``, is killed and restarted from the run's newest complete
+  checkpoint (``--resume``; from scratch if there is none yet);
+- a process gets ``startup_grace_s`` to come up before its probe counts;
+- more failures than ``restarts`` (per service) or ``trainer_restarts`` end the job with
+  exit status 1 and the first failure's error; a trainer's user error (status 2) ends it
+  at once.
+
+When the trainers finish, the services are stopped and the launcher exits 0. Ctrl-C or
+SIGTERM stops everything (SIGTERM, then SIGKILL of whatever is left of each process tree)
+within a few seconds and exits 130 or 143. Every line a process writes is echoed with its
+role and index (``[ingest-1] …``) and kept in ``RUN_DIR/logs/``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Sequence
+
+import grpc
+
+from ingest.transport import ClientSecurity, bracketed
+from orchestration.status import SERVICES_FILE
+from orchestration.supervisor import HealthProbe, ManagedProcess
+from protos import trainer_pb2, trainer_pb2_grpc
+from trainer.checkpoint.layout import complete
+from trainer.config import TrainConfig
+from trainer.run_dir import CHECKPOINTS
+
+TICK_S = 0.25
+STOP_GRACE_S = 3.0
+USER_ERROR = 2
+INGEST_SERVICE = "neorec.ingest.Reader"
+TRAINER_SERVICE = "neorec.trainer.Trainer"
+
+
+class JobFailed(RuntimeError):
+    """The job could not finish: a role failed more often than it may, or could not start."""
+
+
+@dataclass
+class Watched:
+    """A process of the job and its supervision state."""
+
+    process: ManagedProcess
+    address: str
+    probe: HealthProbe
+    limit: int
+    failures: int = 0
+    restart_at: float | None = None
+    """When a failed process is due to start again (None: it is running)."""
+
+
+class Job:
+    """One launch of a job config (see the module docstring)."""
+
+    def __init__(self, config_path: str, config: TrainConfig, overrides: Sequence[str], *, overwrite: bool = False,
+                 resume: bool = False, echo: IO[str] = sys.stdout, security: ClientSecurity = ClientSecurity()) -> None:
+        self.config = config
+        self.launch = config.launch
+        self.run_dir = Path(config.run.dir)
+        self.echo = echo
+        self.security = security
+        self.logs = self.run_dir / "logs"
+        self.first_failure: str | None = None
+        self.stop_signal: int | None = None
+        host = self.launch.host
+        ports = free_ports(host, self.launch.ingest_workers + 1)
+        python = [sys.executable, "-m", "orchestration.cli"]
+        data_root = str(Path(config.data.path).resolve())
+        self.workers = []
+        for index in range(self.launch.ingest_workers):
+            address = f"{bracketed(host)}:{ports[index]}"
+            command = [*python, "ingest", "serve", "--host", host, "--port", str(ports[index]), "--data-root",
+                       data_root, "--worker-threads", str(self.launch.worker_threads), "--grace", "1"]
+            process = ManagedProcess("ingest", index, command, self.logs / f"ingest-{index}.log", echo)
+            self.workers.append(Watched(process, address, self._probe(address, INGEST_SERVICE), self.launch.restarts))
+        trainer_address = f"{bracketed(host)}:{ports[-1]}"
+        settings = [a for override in overrides for a in ("--set", override)]
+        command = [*python, "train", config_path, *settings, "--nproc", str(self.launch.nproc),
+                   "--status-port", str(ports[-1]), "--status-host", host]
+        if self.workers:
+            command += ["--ingest", ",".join(w.address for w in self.workers)]
+        self.trainer = Watched(ManagedProcess("trainer", 0, command, self.logs / "trainer.log", echo),
+                               trainer_address, self._probe(trainer_address, TRAINER_SERVICE),
+                               self.launch.trainer_restarts)
+        self.trainer_status = trainer_pb2_grpc.TrainerStub(self.trainer.probe.channel)
+        self._status_future: grpc.Future | None = None
+        self._status_next = 0.0
+        self.first_flags = ["--overwrite"] if overwrite else ["--resume", str(self.run_dir)] if resume else []
+
+    def _probe(self, address: str, service: str) -> HealthProbe:
+        return HealthProbe(address, service, self.launch.probe_interval_s, self.security)
+
+    # -------------------------------------------------------------------------- run
+    def run(self) -> int:
+        """Run the job to its end; returns the launcher's exit status."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        started_cpu, started = time.process_time(), time.monotonic()
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            for worker in self.workers:
+                worker.process.start()
+            self._await_services()
+            self._write_services()
+            self.trainer.process.start(self.first_flags)
+            return self._supervise()
+        except JobFailed as err:
+            self._say(f"job failed: {err}")
+            raise
+        finally:
+            self._stop_all()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            wall, cpu = time.monotonic() - started, time.process_time() - started_cpu
+            self._say(f"launcher used {cpu:.2f} s of CPU over {wall:.1f} s ({100 * cpu / max(wall, 1e-9):.2f}% of a "
+                      f"core)")
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.stop_signal = signum
+
+    def _await_services(self) -> None:
+        deadline = time.monotonic() + self.launch.startup_grace_s
+        while self.workers and not all(w.probe.answered for w in self.workers):
+            if self.stop_signal is not None:
+                raise JobFailed("stopped while the services started")
+            for worker in self.workers:
+                code = worker.process.exit_code()
+                if code is not None:
+                    raise JobFailed(f"{worker.process.name} exited with status {code} while starting: "
+                                    f"{' / '.join(worker.process.last_lines[-3:])}")
+                worker.probe.tick(time.monotonic())
+            if time.monotonic() > deadline:
+                slow = [w.process.name for w in self.workers if not w.probe.answered]
+                raise JobFailed(f"{', '.join(slow)} did not answer SERVING within {self.launch.startup_grace_s:g} s")
+            time.sleep(TICK_S)
+
+    def _write_services(self) -> None:
+        services = {"ingest": [w.address for w in self.workers], "trainer": [self.trainer.address]}
+        (self.run_dir / SERVICES_FILE).write_text(json.dumps(services, indent=2) + "\n")
+
+    def _supervise(self) -> int:
+        while True:
+            if self.stop_signal is not None:
+                self._say(f"stopping ({signal.Signals(self.stop_signal).name})")
+                return 128 + self.stop_signal
+            now = time.monotonic()
+            for worker in self.workers:
+                self._watch_service(worker, now)
+            code = self.trainer.process.exit_code()
+            if code == 0:
+                self._say("the trainers finished")
+                return 0
+            if code == USER_ERROR:
+                raise JobFailed(f"the trainer refused the job: {' / '.join(self.trainer.process.last_lines[-3:])}")
+            self._watch_trainer(code, now)
+            time.sleep(TICK_S)
+
+    def _watch_service(self, worker: Watched, now: float) -> None:
+        process = worker.process
+        if worker.restart_at is not None:
+            if now >= worker.restart_at:
+                worker.restart_at = None
+                worker.probe.reset()
+                process.start()
+            return
+        code = process.exit_code()
+        worker.probe.tick(now)
+        if code is not None:
+            self._failed(worker, f"{process.name} exited with status {code}", now)
+        elif worker.probe.misses >= self.launch.probe_misses and self._past_grace(worker, now):
+            self._failed(worker, f"{process.name} missed {worker.probe.misses} health probes ({worker.probe.last_error})",
+                         now)
+
+    def _watch_trainer(self, code: int | None, now: float) -> None:
+        trainer = self.trainer
+        if trainer.restart_at is not None:
+            if now >= trainer.restart_at:
+                trainer.restart_at = None
+                trainer.probe.reset()
+                checkpoints = complete(self.run_dir / CHECKPOINTS)
+                flags = ["--resume", str(self.run_dir)] if checkpoints else ["--overwrite"]
+                self._say(f"restarting the trainers ({' '.join(flags)})")
+                trainer.process.start(flags)
+            return
+        trainer.probe.tick(now)
+        stalled = self._stalled_for(now)
+        if code is not None:
+            self._failed(trainer, f"the trainers exited with status {code}", now)
+        elif trainer.probe.misses >= self.launch.probe_misses and self._past_grace(trainer, now):
+            self._failed(trainer, f"trainer rank 0 missed {trainer.probe.misses} health probes "
+                                  f"({trainer.probe.last_error})", now)
+        elif stalled is not None and stalled > self.launch.trainer_stall_s:
+            self._failed(trainer, f"the trainers took no step for {stalled:.0f} s", now)
+
+    def _stalled_for(self, now: float) -> float | None:
+        """Seconds since the trainers' last step, from rank 0's Status (None: unknown yet)."""
+        if now < self._status_next:
+            return None
+        self._status_next = now + self.launch.probe_interval_s
+        previous, self._status_future = self._status_future, self.trainer_status.Status.future(
+            trainer_pb2.StatusRequest(), timeout=self.launch.probe_interval_s)
+        if previous is None or not previous.done():
+            return None
+        try:
+            reply = previous.result()
+        except grpc.RpcError:
+            return None
+        return reply.seconds_since_step if reply.phase == "training" else None
+
+    def _past_grace(self, watched: Watched, now: float) -> bool:
+        return watched.probe.answered or now - watched.process.started_at > self.launch.startup_grace_s
+
+    def _failed(self, watched: Watched, why: str, now: float) -> None:
+        """Kill ``watched``'s process tree and schedule its restart, or end the job."""
+        self.first_failure = self.first_failure or why
+        watched.process.stop(grace_s=0.0)
+        watched.failures += 1
+        if watched.failures > watched.limit:
+            raise JobFailed(f"{why}; that is {watched.failures} failures of {watched.process.name} (at most "
+                            f"{watched.limit} restarts); the first failure: {self.first_failure}")
+        delay = min(self.launch.backoff_s * 2 ** (watched.failures - 1), self.launch.max_backoff_s)
+        self._say(f"{why}; restarting it in {delay:g} s ({watched.failures} of {watched.limit} restarts)")
+        watched.restart_at = now + delay
+
+    def _stop_all(self) -> None:
+        """Stop the trainers, then the services, each tree within a few seconds."""
+        processes = [self.trainer.process, *(w.process for w in self.workers)]
+        stoppers = [threading.Thread(target=p.stop, args=(STOP_GRACE_S,)) for p in processes]
+        for thread in stoppers:
+            thread.start()
+        for thread in stoppers:
+            thread.join()
+        for watched in (self.trainer, *self.workers):
+            watched.probe.close()
+
+    def _say(self, text: str) -> None:
+        self.echo.write(f"[launch] {text}\n")
+        self.echo.flush()
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct ports free on ``host`` now (bound, then released)."""
+    sockets, ports = [], []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            sockets.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in sockets:
+            s.close()
+    return ports

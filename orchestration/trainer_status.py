@@ -1,0 +1,73 @@
+"""Trainer rank 0's status service: ``grpc.health.v1`` and ``neorec.trainer.Trainer/Status``
+(step, epoch, QPS, loss, input wait, last checkpoint), fed by the training loop's progress
+reports, so that the launcher sees a hung trainer and ``neorec status`` shows progress."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+
+from ingest.transport import RESERVED_THREADS, ServerSecurity, ServiceHost
+from protos import trainer_pb2, trainer_pb2_grpc
+from trainer.train import StepReport
+
+SERVICE_NAME = "neorec.trainer.Trainer"
+MAX_REQUEST_BYTES = 1 << 16
+
+
+class TrainerStatusServer(trainer_pb2_grpc.TrainerServicer):
+    """Serves the latest :class:`~trainer.train.StepReport` on ``host:port`` (0: a free one)."""
+
+    def __init__(self, host: str, port: int, world_size: int, security: ServerSecurity = ServerSecurity()) -> None:
+        self._lock = threading.Lock()
+        self._report: StepReport | None = None
+        self._reported_at = time.monotonic()
+        self._started = time.monotonic()
+        self._phase = "starting"
+        self.world_size = world_size
+        handler = grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Status": grpc.unary_unary_rpc_method_handler(
+                self.Status, request_deserializer=trainer_pb2.StatusRequest.FromString,
+                response_serializer=trainer_pb2.StatusReply.SerializeToString)})
+        self.host = ServiceHost(host, port, security, RESERVED_THREADS, [handler], [SERVICE_NAME], MAX_REQUEST_BYTES,
+                                MAX_REQUEST_BYTES)
+
+    @property
+    def address(self) -> str:
+        return self.host.address
+
+    def start(self) -> None:
+        self.host.start()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.host.draining()
+        self.host.stop(grace_s)
+
+    def update(self, report: StepReport) -> None:
+        """The loop took a step."""
+        with self._lock:
+            self._report = report
+            self._reported_at = time.monotonic()
+            self._phase = "training"
+
+    def done(self) -> None:
+        with self._lock:
+            self._phase = "done"
+
+    def Status(self, request: trainer_pb2.StatusRequest, context: grpc.ServicerContext) -> trainer_pb2.StatusReply:
+        with self._lock:
+            report, phase = self._report, self._phase
+            now = time.monotonic()
+            reply = trainer_pb2.StatusReply(world_size=self.world_size, uptime_seconds=now - self._started,
+                                            seconds_since_step=now - self._reported_at, phase=phase)
+        if report is not None:
+            reply.step = report.global_step
+            reply.total_steps = report.total_steps
+            reply.epoch = report.epoch
+            reply.qps = report.qps
+            reply.loss = report.loss
+            reply.input_wait_frac = report.input_wait_frac
+            reply.last_checkpoint = report.last_checkpoint
+        return reply

@@ -1,0 +1,302 @@
+"""``neorec launch`` and ``neorec status`` as a user runs them: a job of reader services and
+trainers that finishes as a plain run does, restarts what fails, stops on Ctrl-C and leaves
+no process or port behind; status exit codes as grpc_health_probe's."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ingest.service import ReaderServer
+from orchestration.k8s import manifests
+from orchestration.config import load_config
+from tests.ingest.workers import DATA_ROOTS, start_worker, stop_all
+from tests.trainer.checkpoint.test_resume import metrics
+from tests.trainer.test_train import final_state, untimed
+
+PYTHON = [sys.executable, "-m", "orchestration.cli"]
+
+
+def _neorec(*args, timeout=600):
+    return subprocess.run([*PYTHON, *args], capture_output=True, text=True, timeout=timeout)
+
+
+# ----------------------------------------------------------------------- neorec status
+def test_status_exit_codes_are_grpc_health_probe_s(tmp_path):
+    live, stopped, dead = start_worker(), start_worker(), start_worker()
+    dead.kill()
+    draining = ReaderServer(data_roots=DATA_ROOTS)
+    draining.start()
+    draining.host.draining()  # health says NOT_SERVING, as during a graceful shutdown
+    bare = grpc.server(ThreadPoolExecutor(1))  # a gRPC server without the health service
+    bare_port = bare.add_insecure_port("127.0.0.1:0")
+    bare.start()
+    try:
+        stopped.process.send_signal(signal.SIGSTOP)
+        assert _neorec("status", live.address).returncode == 0
+        assert _neorec("status", dead.address).returncode == 2
+        assert _neorec("status", stopped.address, "--timeout", "1").returncode == 2
+        assert _neorec("status", f"127.0.0.1:{bare_port}").returncode == 3
+        assert _neorec("status", draining.address).returncode == 4
+        assert _neorec("status", "not-an-address").returncode == 1
+        assert _neorec("status").returncode == 1
+        assert _neorec("status", live.address, dead.address).returncode == 2  # the worst wins
+        report = json.loads(_neorec("status", live.address, "--json").stdout)
+        assert report[0]["role"] == "ingest" and report[0]["code"] == 0 and "uptimeSeconds" in report[0]["status"]
+    finally:
+        stopped.process.send_signal(signal.SIGCONT)
+        stop_all([live, stopped])
+        draining.stop(grace_s=0.1)
+        bare.stop(0)
+
+
+# ----------------------------------------------------------------------- neorec launch
+def job_file(tmp_path: Path, dataset, *, nproc: int = 1, workers: int = 2, **more: str) -> Path:
+    """A job config: the demo model on the tests' dataset, checkpoints every 10 steps."""
+    sections = {
+        "data": {"path": f"'{dataset.root}'"},
+        "model": {"max_table_rows": "3000"},
+        "train": {"batch_size": "64", "epochs": "3", "log_every": "10", "collective_timeout_s": "10"},
+        "checkpoint": {"every_steps": "10"},
+        "run": {"dir": f"'{tmp_path / 'run'}'"},
+        "launch": {"ingest_workers": str(workers), "nproc": str(nproc), "worker_threads": "1",
+                   "startup_grace_s": "60", "trainer_stall_s": "20", "backoff_s": "0.2"},
+    }
+    for key, value in more.items():
+        section, name = key.split("__")
+        sections.setdefault(section, {})[name] = value
+    text = Path("configs/demo.toml").read_text()
+    for section in sections:
+        text = _drop_section(text, section)
+    text += "".join(f"\n[{s}]\n" + "".join(f"{k} = {v}\n" for k, v in keys.items()) for s, keys in sections.items())
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def _drop_section(text: str, section: str) -> str:
+    """``text`` (TOML) without the ``[section]`` table."""
+    lines, keep, out = text.splitlines(), True, []
+    for line in lines:
+        if line.startswith("["):
+            keep = line.strip() != f"[{section}]"
+        if keep:
+            out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def job_processes(job: Path) -> list[int]:
+    """Processes still alive that a launch of ``job`` started (their command names it)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            command = (proc / "cmdline").read_text()
+            environ = (proc / "environ").read_text()
+        except OSError:
+            continue
+        if "NEOREC_DIE_WITH_PARENT=1" in environ and (str(job) in command or str(job.parent) in command):
+            found.append(int(proc.name))
+    return found
+
+
+def assert_ports_free(run: Path) -> None:
+    services = json.loads((run / "services.json").read_text())
+    for address in (a for addresses in services.values() for a in addresses):
+        host, port = address.rsplit(":", 1)
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # closed connections may linger
+            probe.bind((host, int(port)))  # raises while a process of the job still listens on it
+
+
+def test_a_launched_job_trains_as_a_plain_run_and_leaves_nothing(criteo_dataset, tmp_path):
+    job = job_file(tmp_path, criteo_dataset)
+    result = _neorec("launch", str(job))
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    run = tmp_path / "run"
+    assert "[ingest-0]" in result.stdout and "[trainer-0]" in result.stdout and "[launch] the trainers finished" \
+        in result.stdout
+    assert (run / "logs" / "trainer.log").read_text() and (run / "logs" / "ingest-1.log").read_text()
+    plain = _neorec("train", str(job), "--set", f"run.dir='{tmp_path / 'plain'}'")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert untimed(json.loads((run / "summary.json").read_text())) == \
+        untimed(json.loads((tmp_path / "plain" / "summary.json").read_text()))
+    assert job_processes(job) == []
+    assert_ports_free(run)
+
+
+def _wait_for_steps(run: Path, process: subprocess.Popen, steps: int) -> None:
+    deadline = time.monotonic() + 180
+    while True:
+        lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
+        if any(json.loads(line)["step"] >= steps for line in lines):
+            return
+        assert process.poll() is None, process.stdout.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_whole_job_within_seconds(criteo_dataset, tmp_path):
+    job = job_file(tmp_path, criteo_dataset, train__epochs="200")
+    process = subprocess.Popen([*PYTHON, "launch", str(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    try:
+        _wait_for_steps(tmp_path / "run", process, 10)
+        started = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 130
+        assert time.monotonic() - started < 10
+        assert job_processes(job) == []
+        assert_ports_free(tmp_path / "run")
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def _read_until(process: subprocess.Popen, text: str, timeout: float) -> tuple[float, list[str]]:
+    """Read the launcher's output until a line holds ``text``; when it came, and the lines."""
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        lines.append(line)
+        if text in line:
+            return time.monotonic(), lines
+        assert line, "".join(lines[-50:])
+    raise AssertionError(f"no line with {text!r} within {timeout} s")
+
+
+@pytest.mark.slow
+def test_failed_reader_services_are_noticed_fast_and_restarted_alone_and_the_run_is_unchanged(criteo_dataset,
+                                                                                             tmp_path):
+    job = job_file(tmp_path, criteo_dataset, train__epochs="6")
+    process = subprocess.Popen([*PYTHON, "launch", str(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    run = tmp_path / "run"
+    try:
+        _wait_for_steps(run, process, 20)
+        services = json.loads((run / "services.json").read_text())
+        killed, hung = (_pid_listening_on(int(a.rsplit(":", 1)[1])) for a in services["ingest"])
+        assert killed is not None and hung is not None
+        os.kill(killed, signal.SIGKILL)
+        at = time.monotonic()
+        noticed, _ = _read_until(process, "ingest-0 exited with status -9; restarting it", 30)
+        assert noticed - at < 1.0  # the exit is seen at the next 0.25 s tick (plus the output's way here)
+        os.kill(hung, signal.SIGSTOP)
+        at = time.monotonic()
+        noticed, _ = _read_until(process, "ingest-1 missed 3 health probes", 30)
+        assert noticed - at < 6.0  # probes every second, three misses
+        output, _ = process.communicate(timeout=300)
+        assert process.returncode == 0, output[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    plain = _neorec("train", str(job), "--set", f"run.dir='{tmp_path / 'plain'}'")
+    assert plain.returncode == 0
+    assert metrics(run) == metrics(tmp_path / "plain")
+
+
+def _pid_listening_on(port: int) -> int | None:
+    """The process holding a listening socket on ``port`` (from /proc/net/tcp and fds), if
+    any (a service being restarted has none)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
+                inodes.add(fields[9])
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                target = str(fd.readlink()) if fd.is_symlink() else ""
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    return int(proc.name)
+        except OSError:
+            continue
+    return None
+
+
+def test_kubernetes_manifests_have_probes_and_an_indexed_trainer_job(criteo_dataset, tmp_path):
+    config = load_config(job_file(tmp_path, criteo_dataset, nproc=2, workers=3))
+    objects = manifests(config, "job.toml", "registry/neorec:1")
+    reader, reader_service = objects["ingest.yaml"]
+    assert reader["kind"] == "StatefulSet" and reader["spec"]["replicas"] == 3
+    container = reader["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["grpc"] == {"port": 50051, "service": "neorec.ingest.Reader"}
+    assert container["livenessProbe"]["grpc"]["service"] == "neorec.ingest.Reader"
+    assert "--token-file" in container["command"] and container["image"] == "registry/neorec:1"
+    assert reader_service["spec"]["clusterIP"] == "None"
+    trainer, _ = objects["trainer.yaml"]
+    assert trainer["kind"] == "Job" and trainer["spec"]["completionMode"] == "Indexed"
+    command = trainer["spec"]["template"]["spec"]["containers"][0]["command"][-1]
+    assert "torchrun" in command and "--nproc-per-node=2" in command and "--rdzv-backend=c10d" in command
+    assert "neorec-ingest-2.neorec-ingest:50051" in command and "--resume" in command
+    result = _neorec("launch", str(tmp_path / "job.toml"), "--emit", "k8s", str(tmp_path / "k8s"))
+    assert result.returncode == 0, result.stderr
+    text = (tmp_path / "k8s" / "ingest.yaml").read_text()
+    assert "kind: \"StatefulSet\"" in text and "---" in text
+
+
+@pytest.mark.slow
+def test_chaos_kills_and_stops_change_nothing(criteo_dataset, tmp_path):
+    """Two reader services, two trainer ranks, fp32 checkpoints; twelve random SIGKILLs and
+    SIGSTOPs of random roles while the job runs. It finishes with the weights and metrics of
+    a job left alone, and leaves no process or port behind."""
+    import random
+
+    from tests.orchestration.test_sharded_cli import _rank_processes
+
+    (tmp_path / "calm").mkdir()
+    calm = job_file(tmp_path / "calm", criteo_dataset, nproc=2, train__epochs="30")
+    result = _neorec("launch", str(calm))
+    assert result.returncode == 0, result.stdout[-3000:]
+    (tmp_path / "chaos").mkdir()
+    job = job_file(tmp_path / "chaos", criteo_dataset, nproc=2, train__epochs="30", launch__restarts="20",
+                   launch__trainer_restarts="20", launch__max_backoff_s="1")
+    process = subprocess.Popen([*PYTHON, "launch", str(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    run = tmp_path / "chaos" / "run"
+    rng = random.Random(7)
+    faults = []
+    try:
+        _wait_for_steps(run, process, 5)
+        while len(faults) < 12 and process.poll() is None:
+            time.sleep(rng.uniform(1.0, 3.0))
+            services = json.loads((run / "services.json").read_text())
+            targets = {f"ingest-{i}": _pid_listening_on(int(a.rsplit(":", 1)[1]))
+                       for i, a in enumerate(services["ingest"])}
+            targets = {name: pid for name, pid in targets.items() if pid is not None}
+            targets.update({f"rank-{r}": pid for r, pid in _rank_processes(process.pid).items()})
+            if not targets:
+                continue
+            name = rng.choice(sorted(targets))
+            sig = rng.choice([signal.SIGKILL, signal.SIGSTOP])
+            try:
+                os.kill(targets[name], sig)
+            except ProcessLookupError:
+                continue
+            faults.append((name, sig.name))
+        output, _ = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert len(faults) >= 10, faults
+    assert process.returncode == 0, output[-4000:]
+    assert metrics(run) == metrics(tmp_path / "calm" / "run")
+    a, b = final_state(run), final_state(tmp_path / "calm" / "run")
+    assert all(a[k].equal(b[k]) for k in a)
+    assert job_processes(job) == []
+    assert_ports_free(run)
