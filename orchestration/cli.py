@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from tqdm import tqdm
 
+from embedding_store.client import StoreServiceError
+from embedding_store.segments import SegmentError
 from ingest.arrow_memory import MEMORY_POOLS, SERVICE_MEMORY_POOL, use_memory_pool
 from ingest.client import IngestError
 from ingest.errors import DataError
@@ -22,6 +24,7 @@ from trainer.checkpoint.layout import CheckpointError
 from trainer.config import ConfigError
 from trainer.distributed import RankSilentError
 from trainer.sharding.plan import PlanError
+from trainer.store_backed import StoreError
 
 if TYPE_CHECKING:
     from ingest.transport import ClientSecurity, ServerSecurity
@@ -51,8 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("neorec: interrupted", file=sys.stderr)
         return INTERRUPTED
-    except (ConfigError, DataError, IngestError, PlanError, RankSilentError, CheckpointError, ValueError,
-            OSError) as err:
+    except (ConfigError, DataError, IngestError, PlanError, RankSilentError, CheckpointError, StoreServiceError,
+            SegmentError, StoreError, ValueError, OSError) as err:
         print(f"neorec: error: {_one_line(err)}", file=sys.stderr)
         return USER_ERROR
 
@@ -168,6 +171,24 @@ def _parser() -> argparse.ArgumentParser:
     _add_client_security(status)
     status.set_defaults(run=_ingest_status)
 
+    store = commands.add_parser("store", help="embedding store services").add_subparsers(dest="store", required=True)
+    serve = store.add_parser("serve", help="run an embedding store service until SIGTERM/Ctrl-C")
+    serve.add_argument("--dir", required=True, help="local disk directory for the tiers' segment files")
+    serve.add_argument("--port", type=_port, default=0, help="0: a free port, printed once serving")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="interface to bind (loopback unless told otherwise: then TLS and/or a token, or "
+                            "--insecure)")
+    serve.add_argument("--direct-io", action="store_true", help="read segments with O_DIRECT (not the page cache)")
+    serve.add_argument("--threads", type=_at_least(1), default=16, help="requests served at once")
+    serve.add_argument("--grace", type=_seconds, default=5.0, help="seconds calls in flight get on shutdown")
+    _add_server_security(serve)
+    serve.set_defaults(run=_store_serve)
+    status = store.add_parser("status", help="print a store service's counters")
+    status.add_argument("address", help="host:port")
+    status.add_argument("--timeout", type=_seconds, default=5.0)
+    _add_client_security(status)
+    status.set_defaults(run=_store_status)
+
     train = commands.add_parser("train", help="train a DLRM as a config says")
     train.add_argument("config")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
@@ -230,7 +251,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.set_defaults(run=_checkpoint_inspect)
 
     bench = commands.add_parser("bench", help="benchmarks: ours against a baseline, side by side")
-    bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives", "checkpoint"))
+    bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives", "checkpoint", "store"))
     bench.add_argument("--json", help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (for smoke tests)")
     bench.add_argument("--nproc", type=int, default=1,
@@ -291,6 +312,37 @@ def _ingest_status(args: argparse.Namespace) -> int:
         except grpc.RpcError as err:
             print(f"neorec: error: {args.address}: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
+    print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True), indent=2))
+    return 0
+
+
+def _store_serve(args: argparse.Namespace) -> int:
+    from embedding_store.service import StoreServer
+    from ingest.transport import serve_until_signal
+
+    server = StoreServer(args.dir, host=args.host, port=args.port, direct_io=args.direct_io, threads=args.threads,
+                         security=_server_security(args))
+
+    def ready(address: str) -> None:
+        print(f"neorec store: serving {args.dir} on {address}", flush=True)
+
+    serve_until_signal(server, args.grace, ready)
+    return 0
+
+
+def _store_status(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from embedding_store.client import StoreClient, StoreServiceError
+
+    client = StoreClient(args.address, tls_ca=args.tls_ca or "", token_file=args.token_file or "")
+    try:
+        reply = client.status(args.timeout)
+    except StoreServiceError as err:
+        print(f"neorec: error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
     print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True), indent=2))
     return 0
 

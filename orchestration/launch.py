@@ -1,8 +1,8 @@
 """``neorec launch JOB.toml``: a whole training job on this host, supervised.
 
 The job file is a training config with a ``[launch]`` section. The launcher starts the
-reader services (each on a port it picks, kept across restarts), waits until every one
-answers ``grpc.health.v1`` SERVING, records the job's addresses in
+reader services and, with ``store_service``, an embedding store service (each on a port it
+picks, kept across restarts), waits until every one answers ``grpc.health.v1`` SERVING, records the job's addresses in
 ``RUN_DIR/services.json``, then starts the trainers (``neorec train --nproc N``, torchrun
 underneath) pointed at the services, with trainer rank 0 serving its own health and Status.
 
@@ -10,7 +10,9 @@ It then watches every process, a tick every 0.25 s (an exit is noticed within it
 
 - a reader service that exits, or misses ``probe_misses`` health probes in a row (hung,
   e.g. SIGSTOP), is killed and restarted alone, on its port, after a backoff; the
-  trainers ride it out (their client re-requests its batches from the others);
+  trainers ride it out (their client re-requests its batches from the others); a store
+  service is restarted the same way, and the trainers, which stop when it goes, restart
+  from the newest checkpoint (which holds their store tables);
 - a trainer group that exits with a failure, stops answering its probe, or takes no step
   for ``trainer_stall_s``, is killed and restarted from the run's newest complete
   checkpoint (``--resume``; from scratch if there is none yet);
@@ -51,6 +53,9 @@ TICK_S = 0.25
 STOP_GRACE_S = 3.0
 USER_ERROR = 2
 INGEST_SERVICE = "neorec.ingest.Reader"
+STORE_SERVICE = "neorec.store.Store"
+STORE_SERVICE_DIR = "store-service"
+"""The store service's tiers, under the run directory."""
 TRAINER_SERVICE = "neorec.trainer.Trainer"
 
 
@@ -69,6 +74,8 @@ class Watched:
     failures: int = 0
     restart_at: float | None = None
     """When a failed process is due to start again (None: it is running)."""
+    failed_at: float | None = None
+    """When it last failed (monotonic seconds)."""
 
 
 class Job:
@@ -85,22 +92,32 @@ class Job:
         self.first_failure: str | None = None
         self.stop_signal: int | None = None
         host = self.launch.host
-        ports = free_ports(host, self.launch.ingest_workers + 1)
+        ports = free_ports(host, self.launch.ingest_workers + int(self.launch.store_service) + 1)
         python = [sys.executable, "-m", "orchestration.cli"]
         data_root = str(Path(config.data.path).resolve())
-        self.workers = []
+        self.services: list[Watched] = []
+        """The reader services, then the store service (if the job has one)."""
         for index in range(self.launch.ingest_workers):
             address = f"{bracketed(host)}:{ports[index]}"
             command = [*python, "ingest", "serve", "--host", host, "--port", str(ports[index]), "--data-root",
                        data_root, "--worker-threads", str(self.launch.worker_threads), "--grace", "1"]
             process = ManagedProcess("ingest", index, command, self.logs / f"ingest-{index}.log", echo)
-            self.workers.append(Watched(process, address, self._probe(address, INGEST_SERVICE), self.launch.restarts))
-        trainer_address = f"{bracketed(host)}:{ports[-1]}"
+            self.services.append(Watched(process, address, self._probe(address, INGEST_SERVICE), self.launch.restarts))
+        readers = [w.address for w in self.services]
         settings = [a for override in overrides for a in ("--set", override)]
+        if self.launch.store_service:
+            port = ports[self.launch.ingest_workers]
+            address = f"{bracketed(host)}:{port}"
+            command = [*python, "store", "serve", "--dir", str(self.run_dir / STORE_SERVICE_DIR), "--host", host,
+                       "--port", str(port), "--grace", "1"]
+            process = ManagedProcess("store", 0, command, self.logs / "store-0.log", echo)
+            self.services.append(Watched(process, address, self._probe(address, STORE_SERVICE), self.launch.restarts))
+            settings += ["--set", f"embedding_store.service='{address}'"]
+        trainer_address = f"{bracketed(host)}:{ports[-1]}"
         command = [*python, "train", config_path, *settings, "--nproc", str(self.launch.nproc),
                    "--status-port", str(ports[-1]), "--status-host", host]
-        if self.workers:
-            command += ["--ingest", ",".join(w.address for w in self.workers)]
+        if readers:
+            command += ["--ingest", ",".join(readers)]
         self.trainer = Watched(ManagedProcess("trainer", 0, command, self.logs / "trainer.log", echo),
                                trainer_address, self._probe(trainer_address, TRAINER_SERVICE),
                                self.launch.trainer_restarts)
@@ -119,8 +136,8 @@ class Job:
         started_cpu, started = time.process_time(), time.monotonic()
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            for worker in self.workers:
-                worker.process.start()
+            for service in self.services:
+                service.process.start()
             self._await_services()
             self._write_services()
             self.trainer.process.start(self.first_flags)
@@ -141,22 +158,24 @@ class Job:
 
     def _await_services(self) -> None:
         deadline = time.monotonic() + self.launch.startup_grace_s
-        while self.workers and not all(w.probe.answered for w in self.workers):
+        while self.services and not all(w.probe.answered for w in self.services):
             if self.stop_signal is not None:
                 raise JobFailed("stopped while the services started")
-            for worker in self.workers:
-                code = worker.process.exit_code()
+            for service in self.services:
+                code = service.process.exit_code()
                 if code is not None:
-                    raise JobFailed(f"{worker.process.name} exited with status {code} while starting: "
-                                    f"{' / '.join(worker.process.last_lines[-3:])}")
-                worker.probe.tick(time.monotonic())
+                    raise JobFailed(f"{service.process.name} exited with status {code} while starting: "
+                                    f"{' / '.join(service.process.last_lines[-3:])}")
+                service.probe.tick(time.monotonic())
             if time.monotonic() > deadline:
-                slow = [w.process.name for w in self.workers if not w.probe.answered]
+                slow = [w.process.name for w in self.services if not w.probe.answered]
                 raise JobFailed(f"{', '.join(slow)} did not answer SERVING within {self.launch.startup_grace_s:g} s")
             time.sleep(TICK_S)
 
     def _write_services(self) -> None:
-        services = {"ingest": [w.address for w in self.workers], "trainer": [self.trainer.address]}
+        services: dict[str, list[str]] = {"ingest": []}
+        for watched in (*self.services, self.trainer):
+            services.setdefault(watched.process.role, []).append(watched.address)
         (self.run_dir / SERVICES_FILE).write_text(json.dumps(services, indent=2) + "\n")
 
     def _supervise(self) -> int:
@@ -165,31 +184,31 @@ class Job:
                 self._say(f"stopping ({signal.Signals(self.stop_signal).name})")
                 return 128 + self.stop_signal
             now = time.monotonic()
-            for worker in self.workers:
-                self._watch_service(worker, now)
+            for service in self.services:
+                self._watch_service(service, now)
             code = self.trainer.process.exit_code()
             if code == 0:
                 self._say("the trainers finished")
                 return 0
-            if code == USER_ERROR:
+            if code == USER_ERROR and not self._service_failed_under_trainer():
                 raise JobFailed(f"the trainer refused the job: {' / '.join(self.trainer.process.last_lines[-3:])}")
             self._watch_trainer(code, now)
             time.sleep(TICK_S)
 
-    def _watch_service(self, worker: Watched, now: float) -> None:
-        process = worker.process
-        if worker.restart_at is not None:
-            if now >= worker.restart_at:
-                worker.restart_at = None
-                worker.probe.reset()
+    def _watch_service(self, service: Watched, now: float) -> None:
+        process = service.process
+        if service.restart_at is not None:
+            if now >= service.restart_at:
+                service.restart_at = None
+                service.probe.reset()
                 process.start()
             return
         code = process.exit_code()
-        worker.probe.tick(now)
+        service.probe.tick(now)
         if code is not None:
-            self._failed(worker, f"{process.name} exited with status {code}", now)
-        elif worker.probe.misses >= self.launch.probe_misses and self._past_grace(worker, now):
-            self._failed(worker, f"{process.name} missed {worker.probe.misses} health probes ({worker.probe.last_error})",
+            self._failed(service, f"{process.name} exited with status {code}", now)
+        elif service.probe.misses >= self.launch.probe_misses and self._past_grace(service, now):
+            self._failed(service, f"{process.name} missed {service.probe.misses} health probes ({service.probe.last_error})",
                          now)
 
     def _watch_trainer(self, code: int | None, now: float) -> None:
@@ -212,6 +231,12 @@ class Job:
                                   f"({trainer.probe.last_error})", now)
         elif stalled is not None and stalled > self.launch.trainer_stall_s:
             self._failed(trainer, f"the trainers took no step for {stalled:.0f} s", now)
+
+    def _service_failed_under_trainer(self) -> bool:
+        """Whether a service failed since the trainers started: their error is its, and
+        they are restarted, not the job refused (a store service's death ends the trainers)."""
+        started = self.trainer.process.started_at
+        return any(s.failed_at is not None and s.failed_at >= started for s in self.services)
 
     def _stalled_for(self, now: float) -> float | None:
         """Seconds since the trainers' last step, from rank 0's Status (None: unknown yet)."""
@@ -236,6 +261,7 @@ class Job:
         self.first_failure = self.first_failure or why
         watched.process.stop(grace_s=0.0)
         watched.failures += 1
+        watched.failed_at = time.monotonic()
         if watched.failures > watched.limit:
             raise JobFailed(f"{why}; that is {watched.failures} failures of {watched.process.name} (at most "
                             f"{watched.limit} restarts); the first failure: {self.first_failure}")
@@ -245,13 +271,13 @@ class Job:
 
     def _stop_all(self) -> None:
         """Stop the trainers, then the services, each tree within a few seconds."""
-        processes = [self.trainer.process, *(w.process for w in self.workers)]
+        processes = [self.trainer.process, *(w.process for w in self.services)]
         stoppers = [threading.Thread(target=p.stop, args=(STOP_GRACE_S,)) for p in processes]
         for thread in stoppers:
             thread.start()
         for thread in stoppers:
             thread.join()
-        for watched in (self.trainer, *self.workers):
+        for watched in (self.trainer, *self.services):
             watched.probe.close()
 
     def _say(self, text: str) -> None:

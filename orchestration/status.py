@@ -23,7 +23,7 @@ from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ingest.transport import ClientSecurity
-from protos import ingest_pb2, ingest_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from protos import ingest_pb2, ingest_pb2_grpc, store_pb2, store_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 SERVING, BAD_ARGUMENTS, CONNECT_FAILURE, RPC_FAILURE, NOT_SERVING = 0, 1, 2, 3, 4
 SERVICES_FILE = "services.json"
@@ -38,13 +38,13 @@ def _trainer_status(channel: grpc.Channel, timeout: float) -> Any:
     return trainer_pb2_grpc.TrainerStub(channel).Status(trainer_pb2.StatusRequest(), timeout=timeout)
 
 
-KINDS = {"neorec.ingest.Reader": ("ingest", _ingest_status), "neorec.trainer.Trainer": ("trainer", _trainer_status)}
+def _store_status(channel: grpc.Channel, timeout: float) -> Any:
+    return store_pb2_grpc.StoreStub(channel).Status(store_pb2.StatusRequest(), timeout=timeout)
+
+
+KINDS = {"neorec.ingest.Reader": ("ingest", _ingest_status), "neorec.trainer.Trainer": ("trainer", _trainer_status),
+         "neorec.store.Store": ("store", _store_status)}
 """Health service name → (role, how to read its Status)."""
-
-
-def register_kind(service_name: str, role: str, status) -> None:
-    """Teach the probe another service (the embedding store registers itself)."""
-    KINDS[service_name] = (role, status)
 
 
 @dataclass

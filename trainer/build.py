@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from functools import partial
+from pathlib import Path
 
 import torch
 
+from embedding_store.segments import SegmentTier
 from ingest.decoder import DecodeOptions
 from ingest.schema import Dataset, DatasetSchema
 from trainer.config import TrainConfig
@@ -14,6 +17,7 @@ from trainer.fused_embedding import FusedEmbeddingBagCollection
 from trainer.model import DLRM
 from trainer.sharding.plan import ShardingPlan
 from trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection
+from trainer.store_backed import StoreBackedEmbeddings, StoreSettings
 
 
 def table_configs(schema: DatasetSchema, config: TrainConfig) -> list[TableConfig]:
@@ -53,25 +57,54 @@ def sparse_optimizer(config: TrainConfig) -> SparseOptimizer:
     )
 
 
+def store_settings(config: TrainConfig, directory: Path, reset: bool) -> StoreSettings:
+    """``config.embedding_store`` resolved: tiers under ``directory`` (or in the store
+    service it names), emptied first when ``reset`` (a fresh run)."""
+    store = config.embedding_store
+    if store.service:
+        from embedding_store.client import StoreClient
+
+        client = StoreClient(store.service, tls_ca=config.security.tls_ca, token_file=config.security.token_file)
+        open_tier = partial(client.open_tier, reset=reset)
+    else:
+        open_tier = partial(_segment_tier, directory, store.direct_io, reset)
+    return StoreSettings(open_tier, ways=store.ways, policy=store.policy, scratch_rows=store.scratch_rows,
+                         batch_size=max(config.train.batch_size, config.train.eval_batch_size))
+
+
+def _segment_tier(directory: Path, direct_io: bool, reset: bool, key: str, rows: int, row_bytes: int) -> SegmentTier:
+    return SegmentTier(directory / key, rows, row_bytes, direct_io=direct_io, reset=reset)
+
+
 def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None = None,
-                table_weights: dict[str, torch.Tensor] | None = None) -> DLRM:
-    """The DLRM with a fused embedding module over all tables (or, given a ``plan``, this
-    rank's :class:`ShardedEmbeddingBagCollection`), initialised from the seed: the same
-    weights whichever it is. ``table_weights``: float32 ``[rows, dim]`` of every table, to
-    start the fused module from instead."""
+                table_weights: dict[str, torch.Tensor] | None = None, store: StoreSettings | None = None) -> DLRM:
+    """The DLRM with a fused embedding module over all tables (or, given a ``plan`` of more
+    than one rank, this rank's :class:`ShardedEmbeddingBagCollection`; given a plan that
+    puts tables on the embedding store, ``store`` says where), initialised from the seed:
+    the same weights whichever it is. ``table_weights``: float32 ``[rows, dim]`` of every
+    table, to start the fused module from instead."""
     schema = dataset.schema
     seed = config.train.seed
     tables = table_configs(schema, config)
     storage = {"weight_dtype": config.model.weight_dtype, "stochastic_rounding": config.model.stochastic_rounding,
                "kernels": config.train.kernels}
-    if plan is None:
+    on_store = {} if plan is None else plan.on_store()
+    if plan is not None and plan.world_size > 1:
+        embeddings = ShardedEmbeddingBagCollection(
+            tables, sparse_optimizer(config), plan, seed=seed,
+            timeout=timedelta(seconds=config.train.collective_timeout_s), store=store, **storage)
+    elif on_store:
+        if store is None:
+            raise ValueError("the plan puts tables on the embedding store: give the store's settings")
+        caches = [store.table(t.name, t.num_embeddings, on_store[t.name], len(t.feature_names))
+                  for t in tables if t.name in on_store]
+        initial = None if table_weights is None else [table_weights.get(t.name) for t in tables]
+        embeddings = StoreBackedEmbeddings(tables, sparse_optimizer(config), caches, store, seed=seed,
+                                           initial_weights=initial, **storage)
+    else:
         initial = None if table_weights is None else [table_weights[t.name] for t in tables]
         embeddings = FusedEmbeddingBagCollection(tables, sparse_optimizer(config), seed=seed,
                                                  initial_weights=initial, **storage)
-    else:
-        embeddings = ShardedEmbeddingBagCollection(
-            tables, sparse_optimizer(config), plan, seed=seed,
-            timeout=timedelta(seconds=config.train.collective_timeout_s), **storage)
     if embeddings.feature_names != schema.feature_names:
         raise AssertionError("tables must list the schema's features in schema order")
     return DLRM(

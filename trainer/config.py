@@ -198,6 +198,55 @@ class ShardingConfig:
                 raise ConfigError(f"sharding.tables.{table}: {err}") from None
 
 
+STORE_POLICIES = ("lru", "lfu")
+DEFAULT_CACHE_FRACTION = 0.25
+
+
+@dataclass
+class EmbeddingStoreConfig:
+    """Tables larger than memory: rows on a tier on local disk (segment files), a
+    set-associative cache of them in the trainer (see :mod:`trainer.store_backed`)."""
+
+    dir: str = ""
+    """Where the tier's files go (local disk); empty: ``RUN_DIR/store``. A fresh run empties
+    it; a resumed one replaces it by its checkpoint's."""
+    tables: dict[str, float] = field(default_factory=dict)
+    """Tables the config puts on the store, each with its cache's share of its rows
+    (``tables.t_C1 = 0.05``)."""
+    cache_fraction: float = DEFAULT_CACHE_FRACTION
+    """The cache's share of a table the planner puts on the store because memory
+    (``sharding.memory_per_rank``) cannot hold it; 0: the planner puts none there."""
+    ways: int = 32
+    """Rows per cache set."""
+    policy: str = "lru"
+    """Which row of a full set leaves: least recently (``lru``) or least frequently
+    (``lfu``) used."""
+    scratch_rows: int = 0
+    """Rows beyond the cache for a batch's rows whose set is full of that batch's rows;
+    0: twice the batch's ids of the table, at most its rows."""
+    direct_io: bool = False
+    """Read the tier with O_DIRECT (every read a disk read, not the page cache's)."""
+    service: str = ""
+    """``HOST:PORT`` of a store service (``neorec store serve``) that holds the tier;
+    empty: the trainer holds it."""
+
+    def validate(self) -> None:
+        for table, fraction in self.tables.items():
+            if not 0 < fraction <= 1:
+                raise ConfigError(f"embedding_store.tables.{table}: a cache fraction in (0, 1], got {fraction}")
+        if not 0 <= self.cache_fraction <= 1:
+            raise ConfigError(f"embedding_store.cache_fraction: must lie in [0, 1], got {self.cache_fraction}")
+        _positive("embedding_store.ways", self.ways)
+        _one_of("embedding_store.policy", self.policy, STORE_POLICIES)
+        if self.scratch_rows < 0:
+            raise ConfigError(f"embedding_store.scratch_rows: must be >= 0, got {self.scratch_rows}")
+        if self.service:
+            try:
+                check_address(self.service)
+            except ValueError as err:
+                raise ConfigError(f"embedding_store.service: {err}") from None
+
+
 CHECKPOINT_MODES = ("full", "incremental")
 CHECKPOINT_BITS = (32, 16, 8, 4, 2)
 
@@ -243,6 +292,9 @@ class LaunchConfig:
 
     ingest_workers: int = 2
     """Reader services to start (0: the trainers read in process)."""
+    store_service: bool = False
+    """Start an embedding store service (``neorec store serve``, its tiers under
+    ``RUN_DIR/store-service``) for the trainers' store tables; else the trainers hold them."""
     worker_threads: int = 2
     nproc: int = 1
     """Trainer ranks (through torchrun when more than one)."""
@@ -309,10 +361,11 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    embedding_store: EmbeddingStoreConfig = field(default_factory=EmbeddingStoreConfig)
 
     def validate(self) -> None:
         for section in (self.data, self.model, self.optimizer, self.train, self.sharding, self.checkpoint, self.run,
-                        self.security, self.launch):
+                        self.security, self.launch, self.embedding_store):
             section.validate()
 
     def to_dict(self) -> dict[str, Any]:

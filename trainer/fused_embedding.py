@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from embedding_store.initial import initial_block
 from trainer.batch import KeyedJaggedTensor
 from trainer.embedding_config import SparseOptimizer, TableConfig
 from trainer.kernels import backward as backward_kernels
@@ -51,7 +52,8 @@ class FusedEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimizer, *, seed: int = 0,
                  initial_weights: Sequence[torch.Tensor] | None = None, weight_dtype: str = "fp32",
                  stochastic_rounding: bool = True,
-                 shard_origins: Sequence[tuple[int, int, int, int]] | None = None, kernels: str = "auto") -> None:
+                 shard_origins: Sequence[tuple[int, int, int, int]] | None = None, kernels: str = "auto",
+                 slot_tables: Sequence[str] = ()) -> None:
         """``initial_weights``: float32 ``[rows, dim]`` per table; default
         :func:`initial_table_weight` of each table from ``seed``.
 
@@ -64,6 +66,9 @@ class FusedEmbeddingBagCollection(nn.Module):
 
         ``kernels``: ``"numba"`` (CPU), ``"torch"`` (torch ops, any device) or ``"auto"``:
         Numba on CPU, torch ops when the module is on CUDA.
+
+        ``slot_tables``: tables whose rows are slots of a cache (the store tier); each slot's
+        row in its table is set in :meth:`slot_rows`, and rounding noise follows it.
         """
         super().__init__()
         if not tables:
@@ -115,6 +120,11 @@ class FusedEmbeddingBagCollection(nn.Module):
         if shard_origins is None:
             shard_origins = [(t, 0, 0, int(d)) for t, d in enumerate(dims)]
         self._noise_origin = np.array(shard_origins, dtype=np.int64).reshape(len(tables), 4)
+        self._slot_base = np.full(len(tables), -1, dtype=np.int64)
+        for name in slot_tables:
+            t = names.index(name)
+            self._slot_base[t] = sum(int(rows[names.index(n)]) for n in slot_tables[: list(slot_tables).index(name)])
+        self._slot_rows = np.full(sum(int(rows[names.index(n)]) for n in slot_tables), -1, dtype=np.int64)
         self.register_buffer("weights", huge_page_empty(int((rows * dims).sum()), _STORAGE[weight_dtype]))
         for offset, weight in zip(self._table_offsets.tolist(), initial_weights):
             self.weights[offset : offset + weight.numel()].copy_(weight.reshape(-1))
@@ -191,6 +201,15 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     def clear_touched(self) -> None:
         self.touched.zero_()
+
+    def slot_rows(self, name: str) -> np.ndarray:
+        """int64 ``[rows]`` view: the table row each slot of slot table ``name`` holds (its
+        owner keeps it current)."""
+        t = self._table_index(name)
+        base = int(self._slot_base[t])
+        if base < 0:
+            raise KeyError(f"table {name!r} is not a slot table")
+        return self._slot_rows[base : base + int(self._rows[t])]
 
     def set_optimizer_steps(self, steps: int) -> None:
         """Set the sparse optimizer's step count (restoring a checkpoint)."""
@@ -273,6 +292,8 @@ class FusedEmbeddingBagCollection(nn.Module):
                 int(self.optimizer_step), torch_ops.Rounding(
                     None if self._precision == FP32 else self.weights.dtype, self._rounding_seed),
                 [tuple(o) for o in self._noise_origin.tolist()],
+                [None if b < 0 else torch.from_numpy(self._slot_rows[b : b + int(n)])
+                 for b, n in zip(self._slot_base.tolist(), self._rows.tolist())],
             )
             return
         positions, table_starts = self._positions_by_table(ctx)
@@ -284,7 +305,8 @@ class FusedEmbeddingBagCollection(nn.Module):
         runs = np.append(runs, positions.shape[0])
         opt = self.optimizer
         backward_kernels.apply_updates(
-            *self._kernel_weights(), self._rounding_seed, self._noise_origin, self.state1.numpy(), self.state2.numpy(),
+            *self._kernel_weights(), self._rounding_seed, self._noise_origin, self._slot_base, self._slot_rows,
+            self.state1.numpy(), self.state2.numpy(),
             self._table_offsets, self._state_offsets, self._state_width, self._row_offsets,
             self._dims, self._feature_table, self._out_columns, self._mean_pooling,
             ctx.bag_offsets, ctx.source, ctx.values, ctx.id_weights, ctx.bag_of_id,
@@ -365,9 +387,12 @@ _EMPTY_F32 = np.zeros(0, dtype=np.float32)
 _EMPTY_U16 = np.zeros(0, dtype=np.uint16)
 
 
-def initial_table_weight(table_index: int, rows: int, dim: int, seed: int) -> torch.Tensor:
-    """float32 ``[rows, dim]`` uniform in ``±sqrt(1 / rows)`` (DLRM's init), drawn from
-    ``(seed, table_index)`` (a sharded collection slices the same values)."""
-    generator = torch.Generator().manual_seed(seed * 100_003 + table_index)
-    bound = float(np.sqrt(1.0 / rows))
-    return torch.rand(int(rows) * int(dim), generator=generator).mul_(2 * bound).sub_(bound).view(int(rows), int(dim))
+def initial_table_weight(table_index: int, rows: int, dim: int, seed: int, row_offset: int = 0,
+                         shard_rows: int | None = None, columns: tuple[int, int] | None = None) -> torch.Tensor:
+    """float32 ``[shard_rows, cols]``: rows ``[row_offset, row_offset + shard_rows)`` (default:
+    all ``rows``) and ``columns`` of table number ``table_index`` as they start, uniform in
+    ``±sqrt(1 / rows)`` (DLRM's init), each element a pure function of (seed, table, row,
+    column) (:func:`embedding_store.initial.initial_rows`): a shard, or a row a store tier
+    reads for the first time, starts where the whole table in memory would."""
+    count = rows - row_offset if shard_rows is None else shard_rows
+    return torch.from_numpy(initial_block(seed, table_index, row_offset, count, rows, dim, columns))

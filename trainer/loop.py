@@ -27,20 +27,23 @@ import torch.distributed as dist
 from ingest.schema import Dataset
 from trainer import run_dir as run_directory
 from trainer.affinity import pin_rank
-from trainer.batch import Batch
-from trainer.build import build_model, decode_options, dense_optimizer, sparse_optimizer, table_configs
+from trainer.batch import Batch, DistributedSparse
+from trainer.build import (build_model, decode_options, dense_optimizer, sparse_optimizer, store_settings,
+                           table_configs)
+from trainer.checkpoint import restore_store_tables
 from trainer.checkpoint.checkpointer import Checkpointer, check_resumable
 from trainer.checkpoint.restore import choose, load_dense, restore_embeddings
 from trainer.config import TrainConfig
 from trainer.distributed import DistributedContext, check_same_steps, gather_arrays, global_sum, wrap_data_parallel
 from trainer.metrics import MetricsLog, evaluate
 from trainer.model import DLRM
-from trainer.planner.from_config import shared_plan
+from trainer.planner.from_config import job_plan
 from trainer.prefetch import Prefetcher
 from trainer.sharding.input_pipeline import InputPipeline
 from trainer.sharding.sharded_embedding import PreparedSparse
 from trainer.train import (ProgressFn, StepReport, batches, check_splits, eval_reader_config, make_reader,
                            set_threads, train_reader_config, train_step)
+from trainer.store_backed import StoreBackedEmbeddings, StorePiece, store_of
 from trainer.warmup import compile_kernels
 
 
@@ -92,8 +95,13 @@ class TrainingRun:
         """The first epoch's batches, read from before the model exists (a fresh run's)."""
         if loop.prefetch and not context.distributed and not resume:
             self.early = Prefetcher(batches(self.train_reader, 0, 0, context.device), loop.prefetch)
-        self.plan = shared_plan(self.dataset, config, context) if context.distributed else None
-        self.dlrm = build_model(self.dataset, config, self.plan).to(context.device)
+        self.plan = job_plan(self.dataset, config, context)
+        store_dir = Path(config.embedding_store.dir or self.run_dir / run_directory.STORE)
+        self.dlrm = build_model(self.dataset, config, self.plan, store=store_settings(config, store_dir, not resume))
+        self.dlrm = self.dlrm.to(context.device)
+        self.store = store_of(self.dlrm.embeddings)
+        self.store_report: dict[str, float] = {}
+        """The store's counters once training ended (for the summary)."""
         self.optimizer = dense_optimizer(self.dlrm, config)
         self.state = LoopState()
         self.metrics_bytes: int | None = None
@@ -130,8 +138,14 @@ class TrainingRun:
             if self.config.checkpoint.final:
                 self._checkpoint(wait=True)
             self.checkpointer.close()
+            if self.store is not None:
+                self.store.write_back()
+                self.store_report = self.store.report()
+                self.store.close()
         except BaseException:
             self.checkpointer.abandon()
+            if self.store is not None:
+                self.store.close(write_back=False)
             raise
         finally:
             if self.early is not None:
@@ -158,6 +172,8 @@ class TrainingRun:
             stream = source or stream
         if context.distributed:
             stream = _distributed(self.dlrm, stream)
+        if self.store is not None:
+            stream = _announced(stream, self.store)
         interval = _Interval(context, state)
         full_batches = self.config.data.remainder == "drop"
         try:
@@ -216,6 +232,8 @@ class TrainingRun:
             summary["world_size"] = self.context.world_size
         if self.checkpointer.stall_seconds:
             summary["checkpoint_stall_s"] = sum(self.checkpointer.stall_seconds)
+        if self.store is not None:
+            summary["store"] = self.store_report
         if self.context.is_main:
             run_directory.write_json(self.run_dir / run_directory.SUMMARY, summary)
         return summary
@@ -233,10 +251,17 @@ class TrainingRun:
                   for t in table_configs(self.dataset.schema, config)}
         return Checkpointer(
             self.run_dir / run_directory.CHECKPOINTS, config.checkpoint, rank=context.rank,
-            world_size=context.world_size, attempt=attempt[0], views=embeddings.shard_views,
+            world_size=context.world_size, attempt=attempt[0], views=embeddings.shard_views, store=self._store_pieces,
             local_optimizer_steps=embeddings.local_optimizer_steps, tables=tables, run_config=config.to_dict(),
             plan=None if self.plan is None else self.plan.to_dict(),
             sum_over_ranks=partial(global_sum, context), commit_timeout_s=config.train.collective_timeout_s)
+
+    def _store_pieces(self) -> list[StorePiece]:
+        """This rank's store pieces, every changed row written back to their tiers."""
+        if self.store is None:
+            return []
+        self.store.write_back()
+        return self.store.store_pieces()
 
     def _checkpoint(self, interval: "_Interval | None" = None, wait: bool = False) -> None:
         state = self.state
@@ -263,6 +288,8 @@ class TrainingRun:
         restorable = choose(root, views, agree, config.checkpoint.fallback, need_dense=True)
         check_resumable(restorable.manifest.config, config)
         restore_embeddings(restorable, views)
+        if self.store is not None or restorable.manifest.store:
+            restore_store_tables(restorable, self.store, views)
         self.dlrm.embeddings.set_optimizer_steps(restorable.manifest.sparse_steps)
         dense = load_dense(restorable)
         with torch.no_grad():
@@ -327,6 +354,20 @@ def _prepared(model: DLRM, epoch_batches: Iterator[Batch], steps: int) -> Iterat
     another rank never sends."""
     for batch in islice(epoch_batches, steps):
         yield batch, model.embeddings.prepare(batch.sparse)
+
+
+def _announced(batches: Iterator[Batch], store: StoreBackedEmbeddings) -> Iterator[Batch]:
+    """The batches, each step announcing the batch after it to the store, whose tier reads
+    then run while the step trains."""
+    iterator = iter(batches)
+    current = next(iterator, None)
+    while current is not None:
+        upcoming = next(iterator, None)
+        if upcoming is not None:
+            sparse = upcoming.sparse
+            store.expect(sparse.local if isinstance(sparse, DistributedSparse) else sparse)
+        yield current
+        current = upcoming
 
 
 def _distributed(model: DLRM, prepared: Iterator[tuple[Batch, PreparedSparse]]) -> Iterator[Batch]:

@@ -2,11 +2,12 @@
 describing one run.
 
 It holds ``config.json`` (the resolved config), ``metrics.jsonl``, ``summary.json``,
-``plan.json`` (sharded runs) and ``checkpoint/``. A directory that already holds a run is
-only reused when told: ``overwrite`` removes that run's files first (never anything
-else), ``resume`` continues it. Before training starts the directory must take a write (a
-read-only or unwritable directory is found then, not after an epoch); JSON files are
-replaced atomically, so a crash leaves the old file or the new one.
+``plan.json`` (sharded runs), ``checkpoint/`` and ``store/`` (the embedding store's
+tiers). A directory that already holds a run is only reused when told: ``overwrite``
+removes that run's files first (never anything else), ``resume`` continues it. Before
+training starts the directory must take a write (a read-only or unwritable directory is
+found then, not after an epoch); JSON files are replaced atomically, so a crash leaves the
+old file or the new one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 PLAN = "plan.json"
 CHECKPOINTS = "checkpoint"
-RUN_FILES = (CONFIG, METRICS, SUMMARY, PLAN, CHECKPOINTS)
+STORE = "store"
+"""The tiers of tables on the embedding store (unless ``embedding_store.dir`` says where)."""
+RUN_FILES = (CONFIG, METRICS, SUMMARY, PLAN, CHECKPOINTS, STORE)
 """What a run writes; ``overwrite`` removes these and nothing else."""
 
 

@@ -3,7 +3,8 @@ readers, one training step, the thread settings."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -22,12 +23,14 @@ from ingest.reader import BatchReader, InProcessReader, ReaderConfig
 from ingest.schema import Dataset
 from trainer import checkpoint
 from trainer.batch import Batch
-from trainer.build import build_model, decode_options
-from trainer.config import TrainConfig
+from trainer.build import build_model, decode_options, store_settings
+from trainer.config import DEFAULT_CACHE_FRACTION, TrainConfig
 from trainer.distributed import (SINGLE_PROCESS, DistributedContext, explain_collective_failure,
                                  global_sum)
 from trainer.metrics import evaluate
 from trainer.model import DLRM
+from trainer.planner.from_config import plan_for_config
+from trainer.store_backed import store_of
 
 
 @dataclass(frozen=True)
@@ -168,11 +171,23 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None =
         config = TrainConfig.from_dict(restorable.manifest.config)
     set_threads(config.train.threads)
     dataset = Dataset.load(config.data.path)
-    model = build_model(dataset, config)
-    checkpoint.restore_model(restorable, model)
-    reader = make_reader(dataset, config.data.eval_split, decode_options(dataset.schema, config),
-                         eval_reader_config(config), config)
-    try:
-        return evaluate(model, batches(reader, 0))
-    finally:
-        reader.close()
+    on_store = {entry.table for entry in restorable.manifest.store}
+    with tempfile.TemporaryDirectory(prefix="neorec-eval-store-") as store_dir:
+        plan = None
+        if on_store:  # the same tables on the store, their tiers here, linked from the checkpoint
+            fraction = config.embedding_store.cache_fraction or DEFAULT_CACHE_FRACTION
+            config = replace(config, embedding_store=replace(
+                config.embedding_store, tables={t: config.embedding_store.tables.get(t, fraction) for t in on_store},
+                service=""))
+            plan = plan_for_config(dataset, config, 1).plan
+        model = build_model(dataset, config, plan, store=store_settings(config, Path(store_dir), reset=True))
+        checkpoint.restore_model(restorable, model)
+        reader = make_reader(dataset, config.data.eval_split, decode_options(dataset.schema, config),
+                             eval_reader_config(config), config)
+        try:
+            return evaluate(model, batches(reader, 0))
+        finally:
+            reader.close()
+            store = store_of(model.embeddings)
+            if store is not None:
+                store.close(write_back=False)

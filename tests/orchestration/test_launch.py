@@ -207,6 +207,30 @@ def test_failed_reader_services_are_noticed_fast_and_restarted_alone_and_the_run
     assert metrics(run) == metrics(tmp_path / "plain")
 
 
+@pytest.mark.slow
+def test_a_killed_store_service_is_restarted_and_the_trainers_resume_unchanged(criteo_dataset, tmp_path):
+    job = job_file(tmp_path, criteo_dataset, workers=0, train__epochs="4", launch__store_service="true",
+                   embedding_store__tables="{ t_C3 = 0.01, t_C4 = 0.02 }")
+    process = subprocess.Popen([*PYTHON, "launch", str(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    run = tmp_path / "run"
+    try:
+        _wait_for_steps(run, process, 25)
+        store = json.loads((run / "services.json").read_text())["store"][0]
+        os.kill(_pid_listening_on(int(store.rsplit(":", 1)[1])), signal.SIGKILL)
+        _read_until(process, "store-0 exited with status -9; restarting it", 30)
+        _read_until(process, "restarting the trainers (--resume", 60)
+        output, _ = process.communicate(timeout=300)
+        assert process.returncode == 0, output[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    plain = _neorec("train", str(job), "--set", f"run.dir='{tmp_path / 'plain'}'")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert metrics(run) == metrics(tmp_path / "plain")
+    assert job_processes(job) == []
+
+
 def _pid_listening_on(port: int) -> int | None:
     """The process holding a listening socket on ``port`` (from /proc/net/tcp and fds), if
     any (a service being restarted has none)."""

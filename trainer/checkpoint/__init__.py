@@ -8,7 +8,8 @@ quantized per row, committed by an atomic manifest, restorable into any world si
 - :mod:`~trainer.checkpoint.snapshot`: the copy training waits for;
 - :mod:`~trainer.checkpoint.writer`: encoding, writing and committing in the background;
 - :mod:`~trainer.checkpoint.checkpointer`: when, and full or incremental;
-- :mod:`~trainer.checkpoint.restore`: resharding restore of a chain.
+- :mod:`~trainer.checkpoint.restore`: resharding restore of a chain;
+- :mod:`~trainer.checkpoint.store`: the tables on the embedding store, linked not copied.
 """
 
 from __future__ import annotations
@@ -17,16 +18,33 @@ import torch
 
 from trainer.checkpoint.layout import CheckpointError, checkpoints_root
 from trainer.checkpoint.restore import Restorable, load_dense, open_checkpoint, restore_embeddings
+from trainer.checkpoint.store import check_store, restore_store
+from trainer.fused_embedding import ShardView
 from trainer.model import DLRM
+from trainer.store_backed import StoreBackedEmbeddings, store_of
 
-__all__ = ["CheckpointError", "Restorable", "checkpoints_root", "open_checkpoint", "restore_model"]
+__all__ = ["CheckpointError", "Restorable", "checkpoints_root", "open_checkpoint", "restore_model",
+           "restore_store_tables"]
+
+
+def restore_store_tables(restorable: Restorable, store: StoreBackedEmbeddings | None, views: list[ShardView]) -> None:
+    """Make the tiers of this rank's store tables (``store``; None: it has none) hold the
+    checkpoint's rows; ``views``: its tables in memory (checked not to be on the store in
+    the checkpoint)."""
+    pieces = [] if store is None else store.store_pieces()
+    check_store(restorable.manifest, pieces, {v.table for v in views})
+    restore_store(restorable.directory, restorable.manifest, pieces)
+    if store is not None:
+        store.clear_cache()
 
 
 def restore_model(restorable: Restorable, model: DLRM) -> dict:
     """Restore ``model`` (its embeddings, whatever their sharding, and its MLPs) from a
     checkpoint; returns the checkpoint's dense state (optimizer, RNG, position)."""
     embeddings = model.embeddings
-    restore_embeddings(restorable, embeddings.shard_views())
+    views = embeddings.shard_views()
+    restore_embeddings(restorable, views)
+    restore_store_tables(restorable, store_of(embeddings), views)
     embeddings.set_optimizer_steps(restorable.manifest.sparse_steps)
     dense = load_dense(restorable)
     with torch.no_grad():

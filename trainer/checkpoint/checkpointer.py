@@ -17,9 +17,11 @@ import torch
 
 from trainer.checkpoint.layout import CheckpointError, step_name
 from trainer.checkpoint.snapshot import take_snapshot
+from trainer.checkpoint.store import snapshot_store
 from trainer.checkpoint.writer import CheckpointJob, CheckpointWriter, manifest_fields
 from trainer.config import CheckpointConfig, TrainConfig
 from trainer.fused_embedding import ShardView
+from trainer.store_backed import StorePiece
 
 SumFn = Callable[[list[float]], list[float]]
 """Values summed over every rank (identity in a single process)."""
@@ -28,13 +30,15 @@ SumFn = Callable[[list[float]], list[float]]
 class Checkpointer:
     """Writes the checkpoints of one training attempt under ``root``.
 
-    ``views()`` gives this rank's embedding pieces; ``tables`` describes every table of the
+    ``views()`` gives this rank's embedding pieces in memory, ``store()`` its pieces on the
+    embedding store (their rows written back); ``tables`` describes every table of the
     model (rows, dim, storage, optimizer, states) for the manifest; ``attempt`` is shared
     by the attempt's ranks.
     """
 
     def __init__(self, root: Path, config: CheckpointConfig, *, rank: int, world_size: int, attempt: str,
-                 views: Callable[[], list[ShardView]], local_optimizer_steps: Callable[[], int],
+                 views: Callable[[], list[ShardView]], store: Callable[[], list[StorePiece]],
+                 local_optimizer_steps: Callable[[], int],
                  tables: dict[str, dict[str, Any]], run_config: dict[str, Any], plan: dict[str, Any] | None,
                  sum_over_ranks: SumFn, commit_timeout_s: float) -> None:
         self.root = root
@@ -43,6 +47,7 @@ class Checkpointer:
         self.world_size = world_size
         self.attempt = attempt
         self.views = views
+        self.store = store
         self.local_optimizer_steps = local_optimizer_steps
         self.tables = tables
         self.run_config = run_config
@@ -93,13 +98,14 @@ class Checkpointer:
         (touched,) = self.sum_over_ranks([float(touched_here)])
         full = self.config.mode == "full" or not self.chain or self.chain_rows + touched > self.total_rows
         shards = take_snapshot(views, full, self.rank)
+        name = step_name(global_step)
+        store = snapshot_store(self.store(), self.root / name)
         dense_bytes = None
         if dense is not None:
             buffer = io.BytesIO()
             torch.save(dense, buffer)
             dense_bytes = buffer.getvalue()
         snapshot_s = time.perf_counter() - started
-        name = step_name(global_step)
         chain = [name] if full else [*self.chain, name]
         manifest = None
         if self.rank == 0:
@@ -109,7 +115,8 @@ class Checkpointer:
                                        tables=self.tables)
         self.writer.submit(CheckpointJob(
             directory=self.root / name, rank=self.rank, world_size=self.world_size, attempt=self.attempt,
-            shards=shards, bits=self.config.bits, sparse_steps=self.local_optimizer_steps(), dense=dense_bytes,
+            shards=shards, store=store, bits=self.config.bits, sparse_steps=self.local_optimizer_steps(),
+            dense=dense_bytes,
             manifest=manifest, keep=self.config.keep, commit_timeout_s=self.commit_timeout_s, snapshot_s=snapshot_s))
         self.stall_seconds.append(time.perf_counter() - started)  # a synchronous save's stall includes the write
         self.chain = chain

@@ -24,6 +24,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from embedding_store.segments import SegmentError, read_segments
+
 FORMAT = "neorec-checkpoint/2"
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
@@ -76,6 +80,26 @@ class RecordEntry:
 
 
 @dataclass
+class StoreEntry:
+    """A piece of a table on the embedding store (``key``: ``table@row_offset``): rows
+    ``[row_offset, row_offset + rows)`` of ``row_bytes`` bytes (weights as stored, then
+    optimizer state) in the segment ``files`` of ``directory`` (relative to the checkpoint),
+    linked from the tier when the checkpoint was taken."""
+
+    table: str
+    key: str
+    row_offset: int
+    rows: int
+    row_bytes: int
+    directory: str
+    files: list[FileEntry]
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "StoreEntry":
+        return cls(**{**obj, "files": [FileEntry(**f) for f in obj["files"]]})
+
+
+@dataclass
 class RankRecord:
     """What one rank wrote for a checkpoint."""
 
@@ -88,6 +112,7 @@ class RankRecord:
     attempt: str
     """The training attempt that wrote it: a record left by a crashed attempt at the same
     step is not this checkpoint's."""
+    store: list[StoreEntry] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,7 +120,8 @@ class RankRecord:
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "RankRecord":
         return cls(obj["rank"], [FileEntry(**f) for f in obj["files"]], [RecordEntry(**r) for r in obj["records"]],
-                   obj["sparse_steps"], obj["touched"], obj["attempt"])
+                   obj["sparse_steps"], obj["touched"], obj["attempt"],
+                   [StoreEntry.from_json(e) for e in obj.get("store", [])])
 
 
 @dataclass
@@ -122,6 +148,8 @@ class Manifest:
     stats: dict[str, Any] = field(default_factory=dict)
     """``bytes`` written, ``touched`` rows per table, ``snapshot_s`` (the training stall)
     and ``write_s``."""
+    store: list[StoreEntry] = field(default_factory=list)
+    """The pieces of the tables on the embedding store (their rows are not in ``records``)."""
     format: str = FORMAT
 
     def to_json(self) -> dict[str, Any]:
@@ -132,6 +160,7 @@ class Manifest:
         fields = dict(obj)
         fields["files"] = [FileEntry(**f) for f in obj["files"]]
         fields["records"] = [RecordEntry(**r) for r in obj["records"]]
+        fields["store"] = [StoreEntry.from_json(e) for e in obj.get("store", [])]
         return cls(**fields)
 
 
@@ -204,8 +233,9 @@ def checkpoints_root(path: str | Path) -> tuple[Path, Path | None]:
 
 def check_sizes(directory: Path, manifest: Manifest) -> None:
     """Raise :class:`CheckpointError` naming the first file missing or not of the manifest's size."""
-    for entry in manifest.files:
-        path = directory / entry.name
+    files = [(directory / e.name, e) for e in manifest.files]
+    files += [(directory / s.directory / e.name, e) for s in manifest.store for e in s.files]
+    for path, entry in files:
         if not path.is_file():
             raise CheckpointError(f"{path} is missing")
         if path.stat().st_size != entry.bytes:
@@ -235,6 +265,17 @@ def verify(directory: Path, manifest: Manifest) -> None:
             raise CheckpointError(f"{directory / entry.name} does not match its checksum: corrupt")
     for record in manifest.records:
         read_record(directory, record)
+    for piece in manifest.store:
+        read_store_segments(directory, piece)
+
+
+def read_store_segments(directory: Path, piece: StoreEntry) -> tuple[np.ndarray, np.ndarray]:
+    """The newest copy of every row a store piece holds (int64 rows, uint8 ``[n,
+    row_bytes]``); :class:`CheckpointError` naming a corrupt segment."""
+    try:
+        return read_segments([directory / piece.directory / f.name for f in piece.files], piece.row_bytes)
+    except SegmentError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def remove(directory: Path) -> None:

@@ -22,7 +22,8 @@ from typing import Any
 
 from trainer.checkpoint import records
 from trainer.checkpoint.layout import (DENSE_FILE, CheckpointError, FileEntry, Manifest, RankRecord, RecordEntry,
-                                       commit, fsync_directory, prune, rank_file, rank_record, write_durably)
+                                       StoreEntry, commit, fsync_directory, prune, rank_file, rank_record,
+                                       write_durably)
 from trainer.checkpoint.snapshot import ShardSnapshot, split
 from trainer.run_dir import RunDirError, describe
 
@@ -41,6 +42,8 @@ class CheckpointJob:
     attempt: str
     """Shared by the ranks of one training attempt (see :class:`RankRecord`)."""
     shards: list[ShardSnapshot]
+    store: list[StoreEntry]
+    """This rank's store pieces, already linked into the directory."""
     bits: int
     sparse_steps: int
     dense: bytes | None = None
@@ -134,7 +137,7 @@ def _write_rank(job: CheckpointJob) -> RankRecord:
     touched: dict[str, int] = {}
     for snapshot in job.shards:
         touched[snapshot.rows.table] = touched.get(snapshot.rows.table, 0) + snapshot.touched
-    record = RankRecord(job.rank, files, entries, job.sparse_steps, touched, job.attempt)
+    record = RankRecord(job.rank, files, entries, job.sparse_steps, touched, job.attempt, job.store)
     write_durably(job.directory / rank_record(job.rank), json.dumps(record.to_json()).encode())
     return record
 
@@ -162,6 +165,7 @@ def _commit(job: CheckpointJob, own: RankRecord, write_s: float) -> Manifest:
     for record in ranks.values():
         manifest.files.extend(record.files)
         manifest.records.extend(record.records)
+        manifest.store.extend(record.store)
         manifest.sparse_steps = max(manifest.sparse_steps, record.sparse_steps)
         for table, count in record.touched.items():
             touched[table] = touched.get(table, 0) + count

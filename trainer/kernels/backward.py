@@ -64,6 +64,9 @@ def apply_updates(
     stochastic_seed: int,       # half precision: < 0 rounds to nearest even, else the rounding noise's seed
     noise_origin: np.ndarray,   # int64 [T, 4]: (table id, first row, first column, full width) of each
                                 # table in its whole table, so a weight's noise does not depend on sharding
+    slot_base: np.ndarray,      # int64 [T]: -1, or where table t's rows start in slot_rows (its rows are
+                                # cache slots, and the noise follows the row a slot holds)
+    slot_rows: np.ndarray,      # int64 [slots of such tables]: the table row each slot holds
     state1: np.ndarray,         # float32 optimizer state (see SparseOptimizer), updated
     state2: np.ndarray,         # float32 second optimizer state (Adam), same layout as state1
     table_offsets: np.ndarray,  # int64 [T]
@@ -143,7 +146,8 @@ def apply_updates(
                 row_copy[d] = decode(bits[d], precision)
             _update_row(row_copy, s1, s2, grad, dim, optimizer, learning_rates[t],
                         np.float32(eps), beta1, beta2, np.float32(weight_decay), adam_step_size)
-            element = ((noise_origin[t, 0] << 40) + (noise_origin[t, 1] + row) * noise_origin[t, 3]
+            held = row if slot_base[t] < 0 else slot_rows[slot_base[t] + row]
+            element = ((noise_origin[t, 0] << 40) + (noise_origin[t, 1] + held) * noise_origin[t, 3]
                        + noise_origin[t, 2])
             for d in range(dim):
                 noise = -1.0 if stochastic_seed < 0 else uniform_noise(stochastic_seed, step, element + d)

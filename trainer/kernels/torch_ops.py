@@ -80,8 +80,10 @@ def apply_updates(table_views: list[torch.Tensor], state_views: list[list[torch.
                   touched_views: list[torch.Tensor], feature_table: list[int], out_columns: list[int],
                   saved: TorchLookup, grad_out: torch.Tensor, optimizer: SparseOptimizer,
                   learning_rates: list[float], step: int, rounding: Rounding,
-                  noise_origin: list[tuple[int, int, int, int]]) -> None:
-    """Update every row the lookup touched, table by table, in place."""
+                  noise_origin: list[tuple[int, int, int, int]], slot_rows: list[torch.Tensor | None]) -> None:
+    """Update every row the lookup touched, table by table, in place. ``slot_rows[t]``: the
+    table row each row of table ``t`` holds when its rows are cache slots (the rounding noise
+    follows the row), else None."""
     for t, table in enumerate(table_views):
         features = [f for f, ft in enumerate(feature_table) if ft == t]
         if not features:
@@ -101,7 +103,8 @@ def apply_updates(table_views: list[torch.Tensor], state_views: list[list[torch.
         weights = table.index_select(0, rows).float()
         new_weights = _optimizer_step(weights, grad, [s.index_select(0, rows) for s in state_views[t]],
                                       state_views[t], rows, optimizer, learning_rates[t], step)
-        table.index_copy_(0, rows, _round(new_weights, rounding, step, rows, noise_origin[t]))
+        held = rows if slot_rows[t] is None else slot_rows[t].to(rows.device)[rows]
+        table.index_copy_(0, rows, _round(new_weights, rounding, step, held, noise_origin[t]))
         touched_views[t].index_fill_(0, rows, 1)
 
 

@@ -1,10 +1,12 @@
 """Assign options to ranks: a greedy pass (biggest tables first, each to the option and
-ranks that keep the slowest rank fastest), then a local search that re-places the tables of
-the slowest rank while that makes it faster."""
+ranks that keep the slowest rank fastest; when a table fits nowhere, tables already placed
+in memory move to the embedding store, those freeing the most memory per second they add
+first, until it fits), then a local search that re-places the tables of the slowest rank
+while that makes it faster."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -70,9 +72,39 @@ class Assignment:
     def greedy(self, order: list[int]) -> None:
         for t in order:
             placement = self.best(t)
+            while placement is None and self._move_one_to_store():
+                placement = self.best(t)
             if placement is None:
                 raise Unplaceable(t, self.capacity - self.memory)
             self.place(t, placement)
+
+    def _move_one_to_store(self) -> bool:
+        """Put one placed in-memory table on the store, on the same ranks: the one whose
+        store option frees the most memory per second of step time it adds. False when no
+        table can move."""
+        best: tuple[float, int, Placement] | None = None
+        for u, placement in enumerate(self.placements):
+            if placement is None:
+                continue
+            current = self.candidates[u][placement.index]
+            if current.option.cache_fraction is not None:
+                continue
+            for index, candidate in enumerate(self.candidates[u]):
+                option = candidate.option
+                if option.cache_fraction is None or replace(option, cache_fraction=None) != current.option:
+                    continue
+                saved = float(current.costs.memory.sum() - candidate.costs.memory.sum())
+                if saved <= 0:
+                    continue
+                score = (candidate.total_seconds - current.total_seconds) / saved
+                if best is None or score < best[0]:
+                    best = (score, u, Placement(index, placement.ranks))
+        if best is None:
+            return False
+        _, u, placement = best
+        self.remove(u)
+        self.place(u, placement)
+        return True
 
     def refine(self) -> int:
         """Move tables off the slowest rank while that lowers the peak; returns the moves."""

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from trainer.planner.inputs import TableSpec, Topology
-from trainer.sharding.plan import (COLUMN_WISE, DATA_PARALLEL, ROW_WISE, SHARDING_TYPES, TABLE_ROW_WISE,
-                                   TABLE_WISE, PlanError, split_evenly)
+from trainer.sharding.plan import (COLUMN_WISE, DATA_PARALLEL, ROW_WISE, SHARDING_TYPES, STORE_TYPES,
+                                   TABLE_ROW_WISE, TABLE_WISE, PlanError, split_evenly)
 
 MIN_COLUMN_SHARD = 4
 """Narrowest column shard considered (narrower ones cost more in per-row overhead than
@@ -31,16 +31,19 @@ class Option:
     sharding_type: str
     shapes: tuple[ShardShape, ...]
     ranks: tuple[int, ...] | None = None
+    cache_fraction: float | None = None
+    """None: in memory; else on the store, this fraction of each shard's rows cached."""
 
 
 @dataclass(frozen=True)
 class Constraint:
     """A user's override for one table: a sharding type and optionally its argument (the
     rank of ``table_wise``, the shard count of ``column_wise``, the group of
-    ``table_row_wise``)."""
+    ``table_row_wise``), and/or its tier (``cache_fraction``: on the store)."""
 
-    sharding_type: str
+    sharding_type: str | None
     argument: int | None = None
+    cache_fraction: float | None = None
 
     @classmethod
     def parse(cls, table: str, text: str) -> "Constraint":
@@ -72,7 +75,15 @@ def enumerate_options(table: TableSpec, topology: Topology, constraint: Constrai
             group_shapes = _row_shapes(table, topology.group_size)
             options.extend(Option(TABLE_ROW_WISE, group_shapes, group) for group in topology.groups())
         options.append(Option(DATA_PARALLEL, (whole,) * world, tuple(range(world))))
+    if topology.store_fraction:
+        options += [replace(o, cache_fraction=topology.store_fraction) for o in options
+                     if o.sharding_type in STORE_TYPES]
     if constraint is None:
+        return options
+    if constraint.cache_fraction is not None:
+        options = [replace(o, cache_fraction=constraint.cache_fraction) for o in options
+                   if o.sharding_type in STORE_TYPES and o.cache_fraction is None]
+    if constraint.sharding_type is None:
         return options
     return _constrained(table, topology, options, constraint)
 
@@ -82,7 +93,7 @@ def _constrained(table: TableSpec, topology: Topology, options: list[Option], c:
     if kind == TABLE_WISE and arg is not None:
         if not 0 <= arg < topology.world_size:
             raise PlanError(f"table {table.name!r}: rank {arg} is outside world size {topology.world_size}")
-        return [Option(TABLE_WISE, options[0].shapes, (arg,))]
+        return [replace(o, ranks=(arg,)) for o in options if o.sharding_type == TABLE_WISE]
     if kind == TABLE_ROW_WISE and arg is not None:
         groups = topology.groups()
         if not 0 <= arg < len(groups):

@@ -21,6 +21,8 @@ from trainer.sharding.plan import DATA_PARALLEL, ROW_SPLIT_TYPES
 
 LOOKUP_PASSES = 3
 """Row traffic per looked-up id: read in the forward, read and written in the update."""
+STORE_PASSES = 2
+"""Store tier traffic per cache miss: the row read, a row written back."""
 
 
 @dataclass(frozen=True)
@@ -49,4 +51,13 @@ def estimate(table: TableSpec, option: Option, topology: Topology, batch_size: i
     outputs = (1 if option.sharding_type == DATA_PARALLEL else 2) * bags * cols * 4
     comm = (bags * 4 + shard_ids * 8 + outputs) * topology.seconds_per_byte()
     memory = rows * table.row_bytes(cols)
+    if option.cache_fraction is not None:  # the store: a cache in memory, misses read and written back
+        misses = shard_ids * (1.0 - table.hit_rate(option.cache_fraction))
+        compute = compute + STORE_PASSES * misses * row_traffic / topology.store_bandwidth
+        memory = np.ceil(rows * option.cache_fraction) * table.row_bytes(cols)
     return ShardCosts(compute, comm, memory)
+
+
+def miss_rate(table: TableSpec, cache_fraction: float) -> float:
+    """The share of a store table's lookups the estimate counts as cache misses."""
+    return 1.0 - table.hit_rate(cache_fraction)

@@ -34,13 +34,20 @@ def explain_unplaceable(table: TableSpec, topology: Topology, free_memory: np.nd
     need = min(whole, row_wise) + (topology.memory_per_rank - least_free if row_wise < whole else
                                    topology.memory_per_rank - most_free)
     fixes.append(f"a memory budget of {format_bytes(need)} per rank fits it")
-    fixes.append("or serve it from the embedding store (only hot rows on the trainers)")
+    if topology.store_fraction:
+        cached = np.ceil(table.rows * topology.store_fraction) * table.row_bytes(table.dim)
+        fixes.append(f"on the embedding store its cache of {topology.store_fraction:.0%} of its rows needs "
+                     f"{format_bytes(cached)}: a smaller embedding_store.cache_fraction")
+    else:
+        fixes.append("or serve it from the embedding store (only hot rows on the trainers: "
+                     "embedding_store.cache_fraction)")
     return text + ". Options: " + "; ".join(fixes) + "."
 
 
 def explain_total(tables: list[TableSpec], topology: Topology) -> str | None:
-    """A sentence when all tables together exceed the memory of all ranks, else ``None``."""
-    total = sum(t.bytes() for t in tables)
+    """A sentence when all tables together exceed the memory of all ranks (those the
+    store may take counted at their cache's size), else ``None``."""
+    total = sum(_least_bytes(t, topology) for t in tables)
     capacity = topology.world_size * topology.memory_per_rank
     if total <= capacity:
         return None
@@ -49,3 +56,9 @@ def explain_total(tables: list[TableSpec], topology: Topology) -> str | None:
             f"ranks x {format_bytes(topology.memory_per_rank)} hold {format_bytes(capacity)}; the largest is "
             f"{biggest.name!r} ({format_bytes(biggest.bytes())}). Options: more ranks or memory per rank "
             f"(at least {format_bytes(total / topology.world_size)} each), fp16 weights, or the embedding store.")
+
+
+def _least_bytes(table: TableSpec, topology: Topology) -> float:
+    if not topology.store_fraction:
+        return table.bytes()
+    return min(table.bytes(), np.ceil(table.rows * topology.store_fraction) * table.row_bytes(table.dim))

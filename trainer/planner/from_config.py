@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import numpy as np
 import torch.distributed as dist
 
@@ -18,6 +20,9 @@ from trainer.sharding.plan import ShardingPlan
 
 POOLING_SAMPLE_ROWS = 4096
 """Rows of the train split read to measure each feature's mean ids per bag."""
+STORE_SAMPLE_ROWS = 65536
+"""Rows read instead when a table may go to the embedding store: how often each row is
+looked up there is what the planner estimates the store cache's hit rate from."""
 
 
 def topology(config: TrainConfig, world_size: int) -> Topology:
@@ -26,36 +31,81 @@ def topology(config: TrainConfig, world_size: int) -> Topology:
         world_size=world_size, ranks_per_node=s.ranks_per_node, memory_per_rank=parse_bytes(s.memory_per_rank),
         group_size=s.group_size, intra_node_bandwidth=s.intra_node_gbps * 1e9,
         inter_node_bandwidth=s.inter_node_gbps * 1e9, lookup_bandwidth=s.lookup_gbps * 1e9,
+        store_fraction=config.embedding_store.cache_fraction,
     )
 
 
-def pooling_factors(dataset: Dataset, config: TrainConfig) -> dict[str, float]:
-    """Mean ids per bag of every feature over the first rows of the train split."""
+@dataclass(frozen=True)
+class Sample:
+    """What the first rows of the train split say about each table's lookups."""
+
+    pooling: dict[str, float]
+    """Mean ids per bag of every feature."""
+    id_counts: dict[str, tuple[int, ...]]
+    """Per table, how often each distinct row was looked up, most frequent first."""
+
+
+def sample_lookups(dataset: Dataset, config: TrainConfig, rows: int = POOLING_SAMPLE_ROWS) -> Sample:
+    """Lookups of the first ``rows`` rows of the train split."""
     reader = InProcessReader(dataset, config.data.train_split, decode_options(dataset.schema, config),
-                             ReaderConfig(batch_size=POOLING_SAMPLE_ROWS, remainder="pad", shuffle="none"))
+                             ReaderConfig(batch_size=rows, remainder="pad", shuffle="none"))
     try:
         batch = next(iter(reader.epoch(0)))
     finally:
         reader.close()
-    lengths = batch.lengths.reshape(len(batch.keys), -1)[:, : batch.num_valid]
-    return {key: float(np.mean(row)) if row.size else 1.0 for key, row in zip(batch.keys, lengths)}
+    per_feature = batch.lengths.reshape(len(batch.keys), -1)
+    lengths = per_feature[:, : batch.num_valid]
+    pooling = {key: float(np.mean(row)) if row.size else 1.0 for key, row in zip(batch.keys, lengths)}
+    bounds = np.concatenate([[0], np.cumsum(per_feature.sum(axis=1))])
+    ids: dict[str, list[np.ndarray]] = {}
+    table_of = {feature.name: feature.table for feature in dataset.schema.sparse}
+    for f, key in enumerate(batch.keys):
+        ids.setdefault(table_of[key], []).append(batch.values[bounds[f] : bounds[f + 1]])
+    counts = {table: tuple(sorted(np.unique(np.concatenate(parts), return_counts=True)[1].tolist(), reverse=True))
+              for table, parts in ids.items()}
+    return Sample(pooling, counts)
 
 
-def table_specs(tables: list[TableConfig], config: TrainConfig, pooling: dict[str, float]) -> list[TableSpec]:
+def table_specs(tables: list[TableConfig], config: TrainConfig, sample: Sample) -> list[TableSpec]:
     return [
         TableSpec(t.name, t.num_embeddings, t.embedding_dim, num_features=len(t.feature_names),
-                  pooling_factor=max(float(np.mean([pooling[f] for f in t.feature_names])), 1e-3),
-                  weight_bytes=WEIGHT_DTYPES[config.model.weight_dtype], optimizer=config.optimizer.sparse)
+                  pooling_factor=max(float(np.mean([sample.pooling[f] for f in t.feature_names])), 1e-3),
+                  weight_bytes=WEIGHT_DTYPES[config.model.weight_dtype], optimizer=config.optimizer.sparse,
+                  id_counts=sample.id_counts.get(t.name, ()))
         for t in tables
     ]
+
+
+def constraints(config: TrainConfig, world_size: int) -> dict[str, Constraint]:
+    """The config's overrides: ``sharding.tables`` (a sharding type; not for one rank,
+    which has one place for a table) and ``embedding_store.tables`` (the store, with a
+    cache fraction)."""
+    out = {name: Constraint.parse(name, text) for name, text in config.sharding.tables.items()} \
+        if world_size > 1 else {}
+    for name, fraction in config.embedding_store.tables.items():
+        out[name] = replace(out.get(name, Constraint(None)), cache_fraction=fraction)
+    return out
+
+
+def may_use_store(tables: list[TableConfig], config: TrainConfig) -> bool:
+    """Whether a single process needs a plan for the store: the config puts tables there,
+    or they do not all fit its memory budget."""
+    if config.embedding_store.tables:
+        return True
+    weight_bytes = WEIGHT_DTYPES[config.model.weight_dtype]
+    total = sum(TableSpec(t.name, t.num_embeddings, t.embedding_dim, weight_bytes=weight_bytes,
+                          optimizer=config.optimizer.sparse).bytes() for t in tables)
+    return bool(config.embedding_store.cache_fraction) and total > parse_bytes(config.sharding.memory_per_rank)
 
 
 def planner_inputs(dataset: Dataset, config: TrainConfig,
                    world_size: int) -> tuple[list[TableSpec], Topology, dict[str, Constraint]]:
     """``config``'s tables, its topology for ``world_size`` ranks and its overrides."""
-    specs = table_specs(table_configs(dataset.schema, config), config, pooling_factors(dataset, config))
-    constraints = {name: Constraint.parse(name, text) for name, text in config.sharding.tables.items()}
-    return specs, topology(config, world_size), constraints
+    topo = topology(config, world_size)
+    sample = sample_lookups(dataset, config, STORE_SAMPLE_ROWS if topo.store_fraction or config.embedding_store.tables
+                            else POOLING_SAMPLE_ROWS)
+    specs = table_specs(table_configs(dataset.schema, config), config, sample)
+    return specs, topo, constraints(config, world_size)
 
 
 def plan_for_config(dataset: Dataset, config: TrainConfig, world_size: int) -> PlanResult:
@@ -72,3 +122,13 @@ def shared_plan(dataset: Dataset, config: TrainConfig, context: DistributedConte
         holder[0] = plan_for_config(dataset, config, context.world_size).plan
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
+
+
+def job_plan(dataset: Dataset, config: TrainConfig, context: DistributedContext) -> ShardingPlan | None:
+    """The plan a run trains with: the ranks' shared plan, or a single process's when it
+    may need the embedding store (else None: every table in memory, unsharded)."""
+    if context.distributed:
+        return shared_plan(dataset, config, context)
+    if may_use_store(table_configs(dataset.schema, config), config):
+        return plan_for_config(dataset, config, 1).plan
+    return None

@@ -29,6 +29,9 @@ class TableSpec:
     pooling_factor: float = 1.0
     weight_bytes: int = 4
     optimizer: str = "rowwise_adagrad"
+    id_counts: tuple[int, ...] = ()
+    """How often each distinct row appeared in a sample of the train split, most frequent
+    first (what the planner estimates a store cache's hit rate from); empty: no sample."""
 
     def __post_init__(self) -> None:
         if self.rows <= 0 or self.dim <= 0 or self.num_features <= 0:
@@ -50,6 +53,14 @@ class TableSpec:
     def bytes(self) -> int:
         return self.rows * self.row_bytes(self.dim)
 
+    def hit_rate(self, cached_fraction: float) -> float:
+        """The share of lookups a cache of ``cached_fraction`` of the table's rows serves,
+        were it to hold the sample's most frequent rows (no sample: that fraction)."""
+        if not self.id_counts:
+            return cached_fraction
+        counts = np.asarray(self.id_counts, dtype=np.float64)
+        return float(counts[: int(cached_fraction * self.rows)].sum() / counts.sum())
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -66,6 +77,11 @@ class Topology:
     intra_node_bandwidth: float = 10e9
     inter_node_bandwidth: float = 1.25e9
     lookup_bandwidth: float = 2e9
+    store_fraction: float = 0.0
+    """Cache fraction of a table the planner places on the embedding store (0: the planner
+    places none there)."""
+    store_bandwidth: float = 1e9
+    """Bytes a rank reads and writes on its store tier per second."""
 
     def __post_init__(self) -> None:
         if self.world_size <= 0:

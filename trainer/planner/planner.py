@@ -27,6 +27,8 @@ class PlanResult:
     comm: np.ndarray
     memory: np.ndarray
     refine_moves: int = 0
+    tables: tuple[TableSpec, ...] = ()
+    """The tables planned, in the plan's order."""
 
     @property
     def step_seconds(self) -> float:
@@ -77,10 +79,10 @@ def round_robin(tables: list[TableSpec], topology: Topology, batch_size: int) ->
 
 def _candidates(table: TableSpec, topology: Topology, batch_size: int,
                 constraint: Constraint | None) -> list[Candidate]:
-    costs: dict[int, ShardCosts] = {}  # table_row_wise options share one shapes tuple
+    costs: dict[tuple[int, float | None], ShardCosts] = {}  # table_row_wise options share one shapes tuple
     candidates = []
     for option in enumerate_options(table, topology, constraint):
-        key = id(option.shapes)
+        key = (id(option.shapes), option.cache_fraction)
         if key not in costs:
             costs[key] = estimate(table, option, topology, batch_size)
         candidates.append(Candidate(option, costs[key]))
@@ -103,8 +105,8 @@ def _result(tables: list[TableSpec], topology: Topology, batch_size: int, assign
         option = candidates[placement.index].option
         shards = tuple(Shard(rank, s.row_offset, s.rows, s.col_offset, s.cols)
                        for rank, s in zip(placement.ranks, option.shapes))
-        shardings.append(TableSharding(table.name, option.sharding_type, shards))
+        shardings.append(TableSharding(table.name, option.sharding_type, shards, option.cache_fraction))
     plan = ShardingPlan(topology.world_size, tuple(shardings))
     plan.validate({t.name: (t.rows, t.dim) for t in tables})
     return PlanResult(plan, topology, batch_size, assignment.compute.copy(), assignment.comm.copy(),
-                      assignment.memory.copy(), moves)
+                      assignment.memory.copy(), moves, tuple(tables))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from trainer.planner.estimate import miss_rate
 from trainer.planner.inputs import format_bytes
 from trainer.planner.planner import PlanResult
 
@@ -12,14 +13,19 @@ def render(result: PlanResult, baseline: PlanResult | None = None) -> str:
     lines = [f"sharding plan: {len(result.plan.tables)} tables on {topo.world_size} ranks "
              f"({topo.ranks_per_node} per node, table_row_wise groups of {topo.group_size}), "
              f"batch {result.batch_size} per rank, {format_bytes(topo.memory_per_rank)} per rank",
-             "", f"{'table':<16} {'sharding':<15} {'ranks':<16} shards (rows x cols)"]
+             "", f"{'table':<16} {'sharding':<15} {'ranks':<16} {'tier':<28} shards (rows x cols)"]
+    specs = {t.name: t for t in result.tables}
     for sharding in result.plan.tables:
         ranks = ",".join(str(r) for r in sharding.ranks)
         shapes = sorted({(s.rows, s.cols) for s in sharding.shards})
         shape_text = ", ".join(f"{rows:,} x {cols}" for rows, cols in shapes)
         if len(sharding.shards) > 1:
             shape_text = f"{len(sharding.shards)} of {shape_text}"
-        lines.append(f"{sharding.table:<16} {sharding.sharding_type:<15} {ranks:<16} {shape_text}")
+        tier = "memory"
+        if sharding.cache_fraction is not None:
+            cached = sum(int(s.rows * sharding.cache_fraction) for s in sharding.shards)
+            tier = f"store, {cached:,} cached, {miss_rate(specs[sharding.table], sharding.cache_fraction):.0%} miss"
+        lines.append(f"{sharding.table:<16} {sharding.sharding_type:<15} {ranks:<16} {tier:<28} {shape_text}")
     lines += ["", f"{'rank':<6} {'memory':>12} {'compute ms':>11} {'comm ms':>9} {'step ms':>9}"]
     for rank in range(topo.world_size):
         compute, comm = result.compute[rank] * 1e3, result.comm[rank] * 1e3

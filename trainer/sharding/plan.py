@@ -22,6 +22,8 @@ DATA_PARALLEL = "data_parallel"
 SHARDING_TYPES = (TABLE_WISE, ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE, DATA_PARALLEL)
 ROW_SPLIT_TYPES = (ROW_WISE, TABLE_ROW_WISE)
 """Types whose shards each hold some rows: a bag's pooled sum is the sum of the shards'."""
+STORE_TYPES = (TABLE_WISE, ROW_WISE, TABLE_ROW_WISE)
+"""Types whose shards may live on the embedding store (whole rows each)."""
 
 
 class PlanError(ValueError):
@@ -43,11 +45,14 @@ class Shard:
 @dataclass(frozen=True)
 class TableSharding:
     """How table ``table`` is sharded: its type and its shards in a fixed order (row-split
-    tables by row range, column-wise by column range, data-parallel by rank)."""
+    tables by row range, column-wise by column range, data-parallel by rank); and its tier:
+    in memory (``cache_fraction`` None) or on the embedding store, each shard's rank
+    caching that fraction of the shard's rows."""
 
     table: str
     sharding_type: str
     shards: tuple[Shard, ...]
+    cache_fraction: float | None = None
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -86,12 +91,17 @@ class ShardingPlan:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def on_store(self) -> dict[str, float]:
+        """The tables on the embedding store, each with its cache fraction."""
+        return {t.table: t.cache_fraction for t in self.tables if t.cache_fraction is not None}
+
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> "ShardingPlan":
         return cls(
             world_size=int(obj["world_size"]),
             tables=tuple(
-                TableSharding(t["table"], t["sharding_type"], tuple(Shard(**s) for s in t["shards"]))
+                TableSharding(t["table"], t["sharding_type"], tuple(Shard(**s) for s in t["shards"]),
+                              t.get("cache_fraction"))
                 for t in obj["tables"]
             ),
         )
@@ -113,6 +123,9 @@ def _check_cover(sharding: TableSharding, rows: int, dim: int, world_size: int) 
     name, kind, shards = sharding.table, sharding.sharding_type, sharding.shards
     if kind not in SHARDING_TYPES:
         raise PlanError(f"table {name!r}: unknown sharding type {kind!r}; known: {', '.join(SHARDING_TYPES)}")
+    if sharding.cache_fraction is not None and (kind not in STORE_TYPES or not 0 < sharding.cache_fraction <= 1):
+        raise PlanError(f"table {name!r}: a store table is {' or '.join(STORE_TYPES)} with a cache fraction in "
+                        f"(0, 1], got {kind} with {sharding.cache_fraction}")
     if not shards:
         raise PlanError(f"table {name!r}: no shards")
     bad_rank = [s.rank for s in shards if not 0 <= s.rank < world_size]

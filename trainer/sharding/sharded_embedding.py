@@ -13,6 +13,7 @@ from torch import nn
 from trainer.batch import DistributedSparse, KeyedJaggedTensor
 from trainer.embedding_config import SparseOptimizer, TableConfig
 from trainer.fused_embedding import FusedEmbeddingBagCollection, ShardView, initial_table_weight
+from trainer.store_backed import StoreBackedEmbeddings, StoreSettings
 from trainer.sharding.input_dist import RoutedSparse, SparseAllToAll
 from trainer.sharding.layout import ShardedLayout
 from trainer.sharding.output_dist import PooledAllToAll
@@ -57,14 +58,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
                  seed: int = 0, group: dist.ProcessGroup | None = None,
                  full_weights: dict[str, torch.Tensor] | None = None, weight_dtype: str = "fp32",
                  stochastic_rounding: bool = True, kernels: str = "auto",
-                 timeout: timedelta | None = None) -> None:
+                 timeout: timedelta | None = None, store: StoreSettings | None = None) -> None:
         """``full_weights``: float32 ``[rows, dim]`` of any table (each rank slices its
         shards); other tables start from :func:`initial_table_weight` with ``seed``.
         ``weight_dtype`` and ``stochastic_rounding`` as for the fused module (rounding noise
         is drawn per element of the whole table, so it does not depend on the plan).
         ``kernels="torch"`` runs routing, lookup and update in torch ops, as on CUDA.
         ``timeout``: how long the input all-to-alls' process group waits for a silent rank
-        (``torch.distributed``'s default for a new group otherwise, half an hour)."""
+        (``torch.distributed``'s default for a new group otherwise, half an hour).
+        ``store``: where the shards of the plan's store tables keep their rows (the local
+        module is then a :class:`~trainer.store_backed.StoreBackedEmbeddings`)."""
         super().__init__()
         if dist.get_world_size(group) != plan.world_size:
             raise ValueError(f"the plan is for {plan.world_size} ranks, the process group has "
@@ -76,23 +79,39 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.feature_names = self.layout.feature_names
         self.output_dim = self.layout.output_dim
         full_weights = full_weights or {}
-        shard_weights = []
+        on_store = plan.on_store()
+        shard_weights: list[torch.Tensor | None] = []
         for local in self.layout.local_shards:
             table, shard = tables[local.table], local.shard
             full = full_weights.get(table.name)
-            if full is None:
-                full = initial_table_weight(local.table, table.num_embeddings, table.embedding_dim, seed)
-            shard_weights.append(full[shard.row_offset : shard.row_offset + shard.rows,
-                                      shard.col_offset : shard.col_offset + shard.cols])
+            if table.name in on_store:
+                shard_weights.append(None)  # its rows start on the store, as they are read
+            elif full is None:
+                shard_weights.append(initial_table_weight(
+                    local.table, table.num_embeddings, table.embedding_dim, seed, shard.row_offset, shard.rows,
+                    (shard.col_offset, shard.col_offset + shard.cols)))
+            else:
+                shard_weights.append(full[shard.row_offset : shard.row_offset + shard.rows,
+                                          shard.col_offset : shard.col_offset + shard.cols])
         self.optimizer = optimizer
-        self.local = None  # a rank may hold no shard (more ranks than table pieces)
-        if shard_weights:
-            self.local = FusedEmbeddingBagCollection(
-                [s.config for s in self.layout.local_shards], optimizer, initial_weights=shard_weights,
-                weight_dtype=weight_dtype, stochastic_rounding=stochastic_rounding, seed=seed,
-                shard_origins=[(s.table, s.shard.row_offset, s.shard.col_offset, tables[s.table].embedding_dim)
-                               for s in self.layout.local_shards], kernels=kernels,
-            )
+        self.local: FusedEmbeddingBagCollection | StoreBackedEmbeddings | None = None
+        """None on a rank that holds no shard (more ranks than table pieces)."""
+        configs = [s.config for s in self.layout.local_shards]
+        origins = [(s.table, s.shard.row_offset, s.shard.col_offset, tables[s.table].embedding_dim)
+                   for s in self.layout.local_shards]
+        storage = {"weight_dtype": weight_dtype, "stochastic_rounding": stochastic_rounding, "seed": seed,
+                   "shard_origins": origins, "kernels": kernels}
+        on_store_here = [s for s in self.layout.local_shards if tables[s.table].name in on_store]
+        if on_store_here:
+            if store is None:
+                raise ValueError("the plan puts tables on the embedding store: give the store's settings")
+            caches = [store.table(s.config.name, s.shard.rows, on_store[tables[s.table].name],
+                                  len(s.config.feature_names)) for s in on_store_here]
+            self.local = StoreBackedEmbeddings(configs, optimizer, caches, store, initial_weights=shard_weights,
+                                               table_rows=[tables[s.table].num_embeddings
+                                                           for s in self.layout.local_shards], **storage)
+        elif configs:
+            self.local = FusedEmbeddingBagCollection(configs, optimizer, initial_weights=shard_weights, **storage)
         self.input_dist = SparseAllToAll(self.layout, torch_routing=kernels == "torch")
         self.output_dist = PooledAllToAll(self.layout, group)
         self.input_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD), timeout=timeout)
@@ -123,7 +142,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return [replace(views[s.config.name], table=self.tables[s.table].name, row_offset=s.shard.row_offset,
                         col_offset=s.shard.col_offset,
                         replicated=self.plan.of(self.tables[s.table].name).sharding_type == DATA_PARALLEL)
-                for s in self.layout.local_shards]
+                for s in self.layout.local_shards if s.config.name in views]
 
     def set_optimizer_steps(self, steps: int) -> None:
         """Set the sparse optimizer's step count (restoring a checkpoint)."""
@@ -153,8 +172,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         mine = []
         for local in self.layout.local_shards:
             if local.table == t:
-                states = [s.clone() for s in self.local.table_state(local.config.name)]
-                mine.append((local.shard, self.local.table_weight(local.config.name).clone(), states))
+                shard_weight, states = self.local.read_rows(local.config.name, torch.arange(local.shard.rows))
+                mine.append((local.shard, shard_weight, states))
         everyone: list[list | None] = [None] * self.plan.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
         rows, dim = table.num_embeddings, table.embedding_dim

@@ -54,7 +54,7 @@ def main(root: Path) -> None:
     tables = {t.name: {"rows": t.num_embeddings, "dim": t.embedding_dim, "storage": "fp32", "optimizer": "adagrad",
                        "states": 1} for t in TABLES}
     writer = Checkpointer(root, CheckpointConfig(keep=3, asynchronous=True), rank=0, world_size=1,
-                          attempt=f"attempt-{step}", views=module.shard_views,
+                          attempt=f"attempt-{step}", views=module.shard_views, store=list,
                           local_optimizer_steps=module.local_optimizer_steps, tables=tables, run_config={},
                           plan=None, sum_over_ranks=lambda v: list(v), commit_timeout_s=10.0)
     writer.continue_chain(chain, 0.0, step)

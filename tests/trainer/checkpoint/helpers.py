@@ -37,7 +37,7 @@ def tables_info(embeddings: FusedEmbeddingBagCollection) -> dict:
 
 def checkpointer(root: Path, embeddings: FusedEmbeddingBagCollection, **config) -> Checkpointer:
     return Checkpointer(root, CheckpointConfig(**config), rank=0, world_size=1, attempt="test",
-                        views=embeddings.shard_views, local_optimizer_steps=embeddings.local_optimizer_steps,
+                        views=embeddings.shard_views, store=list, local_optimizer_steps=embeddings.local_optimizer_steps,
                         tables=tables_info(embeddings), run_config={}, plan=None, sum_over_ranks=lambda v: list(v),
                         commit_timeout_s=10.0)
 

@@ -42,7 +42,7 @@ def _tables(optimizer: SparseOptimizer) -> dict:
 
 def _save(module, root: Path, rank: int, world: int, optimizer: SparseOptimizer) -> None:
     writer = Checkpointer(root, CheckpointConfig(mode="full", asynchronous=False), rank=rank, world_size=world,
-                          attempt="test", views=module.shard_views, local_optimizer_steps=module.local_optimizer_steps,
+                          attempt="test", views=module.shard_views, store=list, local_optimizer_steps=module.local_optimizer_steps,
                           tables=_tables(optimizer), run_config={}, plan=None, sum_over_ranks=_sum,
                           commit_timeout_s=60.0)
     writer.save(global_step=3, epoch=0, step_in_epoch=3, dense=None, wait=True)

@@ -170,3 +170,37 @@ def test_plan_validation_catches_dropped_repeated_and_torn_tables():
     plan = ShardingPlan(2, (whole, TableSharding("b", DATA_PARALLEL, (Shard(0, 0, 10, 0, 4), Shard(1, 0, 10, 0, 4)))))
     plan.validate(shapes)
     assert ShardingPlan.from_dict(plan.to_dict()) == plan
+
+
+# -------------------------------------------------------------------------- the store tier
+def test_tables_memory_cannot_hold_go_to_the_store_the_rest_stay():
+    tables = [TableSpec(f"big{i}", 10_000_000, 64) for i in range(4)] + [TableSpec("small", 1000, 64)]
+    topology = Topology(2, memory_per_rank=4 * GIB, store_fraction=0.1)
+    result = plan_tables(tables, topology, 4096)
+    on_store = result.plan.on_store()
+    assert on_store and set(on_store) <= {"big0", "big1", "big2", "big3"} and "small" not in on_store
+    assert all(fraction == 0.1 for fraction in on_store.values())
+    assert (result.memory <= 4 * GIB).all()
+    in_memory = plan_tables(tables, Topology(2, memory_per_rank=64 * GIB, store_fraction=0.1), 4096)
+    assert not in_memory.plan.on_store()  # the store costs time: not chosen when memory suffices
+    assert result.step_seconds > in_memory.step_seconds
+    assert "store, 1,000,000 cached" in render(result)
+
+
+def test_the_store_estimate_counts_misses_from_the_sampled_id_counts():
+    skewed = TableSpec("t", 100_000, 64, id_counts=(1000,) * 100 + (1,) * 10_000)
+    uniform = TableSpec("t", 100_000, 64)
+    topology = Topology(1, store_fraction=0.01)
+    store = next(o for o in enumerate_options(skewed, topology) if o.cache_fraction is not None)
+    assert skewed.hit_rate(0.01) > 0.9 and uniform.hit_rate(0.01) == pytest.approx(0.01)
+    memory = estimate(skewed, next(o for o in enumerate_options(skewed, topology) if o.cache_fraction is None),
+                      topology, 1024)
+    assert estimate(skewed, store, topology, 1024).memory.sum() < memory.memory.sum() / 50
+    assert estimate(uniform, store, topology, 1024).compute.sum() > estimate(skewed, store, topology, 1024).compute.sum()
+
+
+def test_a_config_constraint_puts_a_table_on_the_store_with_its_cache():
+    tables = [TableSpec("a", 50_000, 16), TableSpec("b", 50_000, 16)]
+    result = plan_tables(tables, Topology(2), 512, {"a": Constraint("row_wise", cache_fraction=0.05)})
+    assert result.plan.on_store() == {"a": 0.05}
+    assert result.plan.of("a").sharding_type == ROW_WISE

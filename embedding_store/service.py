@@ -1,0 +1,266 @@
+"""The embedding store service (``neorec store serve``): the SSD tiers of store tables,
+served over gRPC to trainers that keep their caches in memory.
+
+It runs the code of the embedded store: each table piece (a key such as ``t_C1@0``) is a
+:class:`~embedding_store.segments.SegmentTier` under the service's directory. Requests
+carry rows as raw bytes (:mod:`protos.store_pb2`). A bad request ends with a gRPC status
+naming what is wrong and changes nothing: an unknown key (NOT_FOUND), ids out of range,
+sizes that do not match, a malformed key or path (INVALID_ARGUMENT), a piece reopened with
+another shape (FAILED_PRECONDITION), a corrupt segment (DATA_LOSS, naming the file).
+Requests above :data:`MAX_REQUEST_BYTES` are refused by gRPC itself (RESOURCE_EXHAUSTED).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import grpc
+import numpy as np
+
+from embedding_store.segments import SEGMENT_NAME, SegmentError, SegmentTier
+from ingest.transport import MAX_DETAILS_CHARS, RESERVED_THREADS, ServerSecurity, ServiceHost, abort
+from protos import store_pb2
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "neorec.store.Store"
+MAX_REQUEST_BYTES = 64 << 20
+"""Largest request, and largest reply's rows; clients split larger reads and writes."""
+MAX_REPLY_BYTES = MAX_REQUEST_BYTES + (1 << 20)
+"""A reply of the most rows (their bytes and found flags), with its framing."""
+DEFAULT_THREADS = 16
+KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,199}")
+"""A piece's key: a file name under the service's directory, no path."""
+
+
+class RequestError(ValueError):
+    """A request the service refuses, with its status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class StoreServicer:
+    """The ``Store`` service over the tiers under ``directory``."""
+
+    def __init__(self, directory: str | Path, direct_io: bool = False) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.direct_io = direct_io
+        self._tiers: dict[str, SegmentTier] = {}
+        self._lock = threading.Lock()
+        self._started = time.monotonic()
+        self._counts = threading.Lock()
+        self.requests = 0
+        self.errors = 0
+
+    # ---------------------------------------------------------------- the RPCs
+    def Open(self, request: store_pb2.OpenRequest, context: grpc.ServicerContext) -> store_pb2.OpenReply:
+        return self._serve(context, lambda: self._open(request))
+
+    def Read(self, request: store_pb2.ReadRequest, context: grpc.ServicerContext) -> store_pb2.ReadReply:
+        def read() -> store_pb2.ReadReply:
+            tier = self._tier(request.key)
+            rows = _ids(request.rows, tier)
+            if rows.size * (tier.row_bytes + 1) > MAX_REQUEST_BYTES:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"{rows.size} rows of {tier.row_bytes} bytes exceed the {MAX_REQUEST_BYTES}-byte "
+                                   f"reply limit: ask for fewer")
+            found, data = tier.read(rows)
+            return store_pb2.ReadReply(found=found.astype(np.uint8).tobytes(), data=data.tobytes())
+
+        return self._serve(context, read)
+
+    def Write(self, request: store_pb2.WriteRequest, context: grpc.ServicerContext) -> store_pb2.WriteReply:
+        def write() -> store_pb2.WriteReply:
+            tier = self._tier(request.key)
+            rows = _ids(request.rows, tier)
+            if len(request.data) != rows.size * tier.row_bytes:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"{len(request.data)} data bytes for {rows.size} rows of {tier.row_bytes} bytes")
+            if np.unique(rows).size != rows.size:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "rows to write must be distinct")
+            tier.write(rows, np.frombuffer(request.data, dtype=np.uint8).reshape(rows.size, tier.row_bytes))
+            return store_pb2.WriteReply()
+
+        return self._serve(context, write)
+
+    def Flush(self, request: store_pb2.FlushRequest, context: grpc.ServicerContext) -> store_pb2.FlushReply:
+        def flush() -> store_pb2.FlushReply:
+            self._tier(request.key).flush(sync=request.sync)
+            return store_pb2.FlushReply()
+
+        return self._serve(context, flush)
+
+    def Snapshot(self, request: store_pb2.SnapshotRequest,
+                 context: grpc.ServicerContext) -> store_pb2.SnapshotReply:
+        def snapshot() -> store_pb2.SnapshotReply:
+            files = self._tier(request.key).snapshot(_directory(request.directory))
+            return store_pb2.SnapshotReply(files=[store_pb2.SegmentFile(name=n, bytes=b) for n, b in files])
+
+        return self._serve(context, snapshot)
+
+    def Load(self, request: store_pb2.LoadRequest, context: grpc.ServicerContext) -> store_pb2.LoadReply:
+        def load() -> store_pb2.LoadReply:
+            directory = _directory(request.directory)
+            names = list(request.names)
+            bad = [n for n in names if not SEGMENT_NAME.fullmatch(n)]
+            if bad:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"not a segment file name: {bad[0]!r}")
+            missing = [n for n in names if not (directory / n).is_file()]
+            if missing:
+                raise RequestError(grpc.StatusCode.NOT_FOUND, f"{directory / missing[0]} does not exist")
+            self._tier(request.key).load(directory, names)
+            return store_pb2.LoadReply()
+
+        return self._serve(context, load)
+
+    def Close(self, request: store_pb2.CloseRequest, context: grpc.ServicerContext) -> store_pb2.CloseReply:
+        def close() -> store_pb2.CloseReply:
+            with self._lock:
+                tier = self._tiers.pop(_key(request.key), None)
+            if tier is not None:
+                tier.close()
+            return store_pb2.CloseReply()
+
+        return self._serve(context, close)
+
+    def Status(self, request: store_pb2.StatusRequest, context: grpc.ServicerContext) -> store_pb2.StatusReply:
+        with self._lock:
+            tiers = dict(self._tiers)
+        pieces = []
+        for key, tier in sorted(tiers.items()):
+            c = tier.counters()
+            pieces.append(store_pb2.PieceStatus(
+                key=key, rows=tier.rows, row_bytes=tier.row_bytes, live_rows=c.live_rows, stored_rows=c.stored_rows,
+                segments=c.segments, rows_read=c.rows_read, rows_found=c.rows_found, bytes_read=c.bytes_read,
+                bytes_written=c.bytes_written, dirty_bytes=c.dirty_bytes, compactions=c.compactions,
+                buffered_rows=c.buffered_rows))
+        return store_pb2.StatusReply(pieces=pieces, directory=str(self.directory), requests=self.requests,
+                                     errors=self.errors, uptime_seconds=time.monotonic() - self._started)
+
+    def close(self) -> None:
+        """Write every buffered row and close the tiers."""
+        with self._lock:
+            tiers, self._tiers = list(self._tiers.values()), {}
+        for tier in tiers:
+            tier.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _serve(self, context: grpc.ServicerContext, handle: Callable):
+        with self._counts:
+            self.requests += 1
+        try:
+            return handle()
+        except RequestError as err:
+            self._refuse(context, err.code, str(err))
+        except IndexError as err:
+            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except SegmentError as err:
+            self._refuse(context, grpc.StatusCode.DATA_LOSS, str(err))
+        except OSError as err:
+            self._refuse(context, grpc.StatusCode.INTERNAL, f"{err.filename or self.directory}: {err.strerror or err}")
+
+    def _refuse(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        with self._counts:
+            self.errors += 1
+        log.info("request refused with %s: %s", code.name, message[:MAX_DETAILS_CHARS])
+        abort(context, code, message)
+
+    def _open(self, request: store_pb2.OpenRequest) -> store_pb2.OpenReply:
+        key = _key(request.key)
+        if request.rows <= 0 or request.row_bytes <= 0:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"piece {key!r}: rows and row_bytes must be positive")
+        with self._lock:
+            tier = self._tiers.get(key)
+            if tier is not None and (tier.rows, tier.row_bytes) != (request.rows, request.row_bytes):
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"piece {key!r} is open with {tier.rows} rows of {tier.row_bytes} bytes, asked for "
+                                   f"{request.rows} of {request.row_bytes}")
+            if tier is None or request.reset:
+                if tier is not None:
+                    tier.close()
+                tier = SegmentTier(self.directory / key, request.rows, request.row_bytes, direct_io=self.direct_io,
+                                   reset=request.reset)
+                self._tiers[key] = tier
+        return store_pb2.OpenReply(stored_rows=tier.counters().live_rows)
+
+    def _tier(self, key: str) -> SegmentTier:
+        with self._lock:
+            tier = self._tiers.get(_key(key))
+        if tier is None:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"no piece {key!r} is open on this store service (Open it)")
+        return tier
+
+
+def _key(key: str) -> str:
+    if not KEY.fullmatch(key):
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"piece key {key[:200]!r} is not a name of letters, digits and _.@-")
+    return key
+
+
+def _ids(raw: bytes, tier: SegmentTier) -> np.ndarray:
+    if len(raw) % 8:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"rows must be int64: {len(raw)} bytes")
+    rows = np.frombuffer(raw, dtype="<i8").astype(np.int64)
+    if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= tier.rows):
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"row ids must lie in [0, {tier.rows})")
+    return rows
+
+
+def _directory(path: str) -> Path:
+    if not path or not Path(path).is_absolute():
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"directory {path[:200]!r} must be an absolute path")
+    return Path(path)
+
+
+def store_handler(servicer: StoreServicer) -> grpc.GenericRpcHandler:
+    methods = {
+        "Open": (store_pb2.OpenRequest, store_pb2.OpenReply),
+        "Read": (store_pb2.ReadRequest, store_pb2.ReadReply),
+        "Write": (store_pb2.WriteRequest, store_pb2.WriteReply),
+        "Flush": (store_pb2.FlushRequest, store_pb2.FlushReply),
+        "Snapshot": (store_pb2.SnapshotRequest, store_pb2.SnapshotReply),
+        "Load": (store_pb2.LoadRequest, store_pb2.LoadReply),
+        "Close": (store_pb2.CloseRequest, store_pb2.CloseReply),
+        "Status": (store_pb2.StatusRequest, store_pb2.StatusReply),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        name: grpc.unary_unary_rpc_method_handler(getattr(servicer, name), request_deserializer=request.FromString,
+                                                  response_serializer=reply.SerializeToString)
+        for name, (request, reply) in methods.items()})
+
+
+class StoreServer:
+    """A store service process's server: ``Store`` and ``Health`` on one port (0: a free one)."""
+
+    def __init__(self, directory: str | Path, host: str = "127.0.0.1", port: int = 0, direct_io: bool = False,
+                 threads: int = DEFAULT_THREADS, security: ServerSecurity = ServerSecurity()) -> None:
+        self.servicer = StoreServicer(directory, direct_io)
+        self.host = ServiceHost(host, port, security, threads + RESERVED_THREADS, [store_handler(self.servicer)],
+                                [SERVICE_NAME], MAX_REQUEST_BYTES, MAX_REPLY_BYTES)
+
+    @property
+    def address(self) -> str:
+        return self.host.address
+
+    @property
+    def port(self) -> int:
+        return self.host.port
+
+    def start(self) -> None:
+        self.host.start()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Health turns NOT_SERVING, calls in flight get ``grace_s``, then every buffered row
+        is written and the tiers closed."""
+        self.host.draining()
+        self.host.stop(grace_s)
+        self.servicer.close()

@@ -1,0 +1,79 @@
+"""The SSD tier against a dictionary: any sequence of writes, reads, flushes, compactions
+and reopenings reads back the newest value of every row; corrupt segments are named."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from embedding_store.segments import SegmentError, SegmentTier
+
+ROWS, WIDTH = 5000, 24
+
+
+def _check(tier: SegmentTier, model: dict[int, np.ndarray], rng: np.random.Generator) -> None:
+    rows = rng.choice(ROWS, 400, replace=False).astype(np.int64)
+    found, data = tier.read(rows)
+    for row, f, d in zip(rows.tolist(), found, data):
+        assert f == (row in model), row
+        if f:
+            assert np.array_equal(d, model[row]), row
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_random_operations_always_read_the_newest_value(tmp_path, direct_io):
+    rng = np.random.default_rng(0)
+    tier = SegmentTier(tmp_path, ROWS, WIDTH, segment_bytes=20_000, direct_io=direct_io)
+    model: dict[int, np.ndarray] = {}
+    hot = rng.choice(ROWS, 300, replace=False)
+    for step in range(300):
+        action = rng.random()
+        if action < 0.6:  # write a batch of distinct rows, mostly hot ones: old copies become garbage
+            rows = np.unique(np.where(rng.random(60) < 0.8, rng.choice(hot, 60), rng.integers(0, ROWS, 60)))
+            data = rng.integers(0, 256, (rows.size, WIDTH), dtype=np.uint8)
+            tier.write(rows, data)
+            model.update({int(r): d for r, d in zip(rows, data)})
+        elif action < 0.75:
+            tier.flush()
+        elif action < 0.8:  # reopen: the index is rebuilt from the segments alone
+            tier.close()
+            tier = SegmentTier(tmp_path, ROWS, WIDTH, segment_bytes=20_000, direct_io=direct_io)
+        _check(tier, model, rng)
+    counters = tier.counters()
+    assert counters.compactions > 0 and counters.live_rows <= len(model)
+    assert counters.bytes_written <= 2.5 * counters.dirty_bytes  # appends plus compaction
+    tier.close()
+
+
+def test_a_corrupt_or_truncated_segment_is_named(tmp_path):
+    tier = SegmentTier(tmp_path, ROWS, WIDTH, segment_bytes=1 << 20)
+    tier.write(np.arange(100, dtype=np.int64), np.ones((100, WIDTH), dtype=np.uint8))
+    tier.close()
+    segment = next(tmp_path.glob("*.seg"))
+    data = bytearray(segment.read_bytes())
+    data[-10] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    with pytest.raises(SegmentError, match=f"{segment}: corrupt or truncated"):
+        SegmentTier(tmp_path, ROWS, WIDTH)
+    segment.write_bytes(bytes(data[:500]))
+    with pytest.raises(SegmentError, match=str(segment)):
+        SegmentTier(tmp_path, ROWS, WIDTH)
+
+
+def test_a_half_written_segment_is_never_taken_for_one(tmp_path):
+    tier = SegmentTier(tmp_path, ROWS, WIDTH)
+    tier.write(np.arange(10, dtype=np.int64), np.full((10, WIDTH), 7, dtype=np.uint8))
+    tier.close()
+    (tmp_path / "00000099.seg.tmp").write_bytes(b"NSG1 half a segment")  # a crash during a flush
+    reopened = SegmentTier(tmp_path, ROWS, WIDTH)
+    found, data = reopened.read(np.arange(12, dtype=np.int64))
+    assert found.tolist() == [True] * 10 + [False] * 2 and (data[:10] == 7).all()
+    assert not (tmp_path / "00000099.seg.tmp").exists()
+
+
+def test_rows_outside_the_table_are_refused(tmp_path):
+    tier = SegmentTier(tmp_path, ROWS, WIDTH)
+    with pytest.raises(IndexError, match=r"\[0, 5000\)"):
+        tier.read(np.array([ROWS]))
+    with pytest.raises(ValueError, match="24 bytes"):
+        tier.write(np.array([1]), np.zeros((1, 3), dtype=np.uint8))

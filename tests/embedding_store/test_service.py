@@ -1,0 +1,152 @@
+"""The store service on a real loopback port: what a client reads back is what it wrote;
+malformed, oversized and out-of-range requests are refused by status code and change
+nothing; a corrupt segment is named; a trainer whose store service dies stops within
+seconds with an error naming it."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from embedding_store.client import StoreClient, StoreServiceError
+from embedding_store.service import MAX_REQUEST_BYTES, SERVICE_NAME, StoreServer
+from protos import store_pb2
+
+ROWS, WIDTH = 1000, 12
+
+
+@pytest.fixture
+def service(tmp_path):
+    server = StoreServer(tmp_path / "tiers")
+    server.start()
+    client = StoreClient(server.address)
+    yield server, client
+    client.close()
+    server.stop()
+
+
+def _raw(client: StoreClient, method: str, request, reply):
+    call = client.channel.unary_unary(f"/{SERVICE_NAME}/{method}", request_serializer=lambda r: r,
+                                      response_deserializer=reply.FromString)
+    return call(request, timeout=10)
+
+
+def test_rows_read_back_as_written_and_survive_a_restart(tmp_path, service):
+    server, client = service
+    tier = client.open_tier("t@0", ROWS, WIDTH, reset=True)
+    rng = np.random.default_rng(0)
+    rows = rng.choice(ROWS, 300, replace=False).astype(np.int64)
+    data = rng.integers(0, 256, (300, WIDTH), dtype=np.uint8)
+    tier.write(rows, data)
+    found, back = tier.read(np.concatenate([rows, [rows.max() + 1 if rows.max() + 1 not in rows else 0]]))
+    assert found[:300].all() and np.array_equal(back[:300], data)
+    tier.flush(sync=True)
+    status = client.status()
+    assert [p.key for p in status.pieces] == ["t@0"] and status.pieces[0].live_rows == 300
+    server.stop()
+    again = StoreServer(tmp_path / "tiers")  # a new service over the same directory
+    again.start()
+    try:
+        other = StoreClient(again.address)
+        found, back = other.open_tier("t@0", ROWS, WIDTH).read(rows)
+        assert found.all() and np.array_equal(back, data)
+        other.close()
+    finally:
+        again.stop()
+
+
+@pytest.mark.parametrize("method,request_,code,text", [
+    ("Read", store_pb2.ReadRequest(key="nope@0", rows=b"\0" * 8), grpc.StatusCode.NOT_FOUND, "no piece"),
+    ("Read", store_pb2.ReadRequest(key="../etc", rows=b""), grpc.StatusCode.INVALID_ARGUMENT, "piece key"),
+    ("Read", store_pb2.ReadRequest(key="t@0", rows=b"\0" * 7), grpc.StatusCode.INVALID_ARGUMENT, "int64"),
+    ("Read", store_pb2.ReadRequest(key="t@0", rows=np.array([ROWS], "<i8").tobytes()),
+     grpc.StatusCode.INVALID_ARGUMENT, "must lie in"),
+    ("Read", store_pb2.ReadRequest(key="t@0", rows=np.array([-1], "<i8").tobytes()),
+     grpc.StatusCode.INVALID_ARGUMENT, "must lie in"),
+    ("Write", store_pb2.WriteRequest(key="t@0", rows=np.array([1, 2], "<i8").tobytes(), data=b"\0" * WIDTH),
+     grpc.StatusCode.INVALID_ARGUMENT, "data bytes"),
+    ("Write", store_pb2.WriteRequest(key="t@0", rows=np.array([1, 1], "<i8").tobytes(), data=b"\0" * 2 * WIDTH),
+     grpc.StatusCode.INVALID_ARGUMENT, "distinct"),
+    ("Open", store_pb2.OpenRequest(key="t@0", rows=ROWS + 1, row_bytes=WIDTH), grpc.StatusCode.FAILED_PRECONDITION,
+     "is open with"),
+    ("Open", store_pb2.OpenRequest(key="u@0", rows=0, row_bytes=WIDTH), grpc.StatusCode.INVALID_ARGUMENT,
+     "positive"),
+    ("Load", store_pb2.LoadRequest(key="t@0", directory="relative", names=[]), grpc.StatusCode.INVALID_ARGUMENT,
+     "absolute"),
+    ("Load", store_pb2.LoadRequest(key="t@0", directory="/tmp", names=["../../x.seg"]),
+     grpc.StatusCode.INVALID_ARGUMENT, "segment file name"),
+    ("Snapshot", store_pb2.SnapshotRequest(key="t@0", directory=""), grpc.StatusCode.INVALID_ARGUMENT, "absolute"),
+])
+def test_bad_requests_are_refused_by_status_and_change_nothing(service, method, request_, code, text):
+    _, client = service
+    tier = client.open_tier("t@0", ROWS, WIDTH, reset=True)
+    tier.write(np.array([5], dtype=np.int64), np.full((1, WIDTH), 7, dtype=np.uint8))
+    reply = {"Read": store_pb2.ReadReply, "Write": store_pb2.WriteReply, "Open": store_pb2.OpenReply,
+             "Load": store_pb2.LoadReply, "Snapshot": store_pb2.SnapshotReply}[method]
+    with pytest.raises(grpc.RpcError) as caught:
+        _raw(client, method, request_.SerializeToString(), reply)
+    assert caught.value.code() == code and text in caught.value.details()
+    found, data = tier.read(np.array([5, 6], dtype=np.int64))  # it still serves, and nothing changed
+    assert found.tolist() == [True, False] and (data[0] == 7).all()
+    assert client.status().errors == 1
+
+
+def test_garbage_and_oversized_requests_are_refused(service):
+    _, client = service
+    client.open_tier("t@0", ROWS, WIDTH, reset=True)
+    with pytest.raises(grpc.RpcError) as caught:
+        _raw(client, "Read", b"\xff\xff\xff garbage", store_pb2.ReadReply)
+    assert caught.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+    huge = store_pb2.WriteRequest(key="t@0", rows=b"\0" * 8, data=b"\0" * (MAX_REQUEST_BYTES + 1))
+    with pytest.raises(grpc.RpcError) as caught:
+        _raw(client, "Write", huge.SerializeToString(), store_pb2.WriteReply)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert client.status().pieces[0].key == "t@0"  # still serving
+
+
+def test_a_corrupt_segment_is_named(tmp_path, service):
+    _, client = service
+    tier = client.open_tier("t@0", ROWS, WIDTH, reset=True)
+    tier.write(np.arange(10, dtype=np.int64), np.ones((10, WIDTH), dtype=np.uint8))
+    tier.close()
+    segment = next((tmp_path / "tiers" / "t@0").glob("*.seg"))
+    data = bytearray(segment.read_bytes())
+    data[-3] ^= 0x40
+    segment.write_bytes(bytes(data))
+    with pytest.raises(StoreServiceError, match=f"DATA_LOSS.*{re.escape(str(segment))}"):
+        client.open_tier("t@0", ROWS, WIDTH)
+
+
+def test_a_trainer_whose_store_service_is_killed_stops_with_its_name(criteo_dataset, tmp_path):
+    service = subprocess.Popen([sys.executable, "-m", "orchestration.cli", "store", "serve", "--dir",
+                                str(tmp_path / "tiers")], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        address = service.stdout.readline().split()[-1]
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "orchestration.cli", "train", "configs/demo.toml",
+             "--set", f"data.path='{criteo_dataset.root}'", "--set", f"run.dir='{tmp_path / 'run'}'",
+             "--set", "train.batch_size=64", "--set", "train.epochs=1000", "--set", "model.max_table_rows=5000",
+             "--set", "train.log_every=5",
+             "--set", 'embedding_store.tables={t_C3 = 0.01}', "--set", f"embedding_store.service='{address}'"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.is_file() and metrics.read_text()) and time.monotonic() < deadline:
+            assert trainer.poll() is None, trainer.stderr.read()
+            time.sleep(0.2)
+        assert metrics.is_file(), "training did not start"  # steps went through the service
+        service.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = trainer.communicate(timeout=60)
+        assert time.monotonic() - killed < 15
+        assert trainer.returncode == 2, stderr
+        assert f"store service {address}" in stderr and "Traceback" not in stderr, stderr
+    finally:
+        service.kill()

@@ -1,0 +1,157 @@
+"""Whole training runs with tables on the embedding store: embedded and through a store
+service, one process and two, interrupted and resumed — every table (weights and optimizer
+state) and the MLPs end bit-identical to the same run with the tables in memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from embedding_store.service import StoreServer
+from ingest.schema import Dataset
+from tests.trainer.spawn import run_ranks
+from trainer import checkpoint
+from trainer.build import build_model, store_settings
+from trainer.checkpoint.layout import CheckpointError
+from trainer.config import TrainConfig
+from trainer.distributed import SINGLE_PROCESS, DistributedContext
+from trainer.planner.from_config import job_plan
+from trainer.store_backed import store_of
+from trainer.train import train
+
+STORE = {"t_C1": 0.005, "t_C3": 0.02}
+"""Caches of 32 and 100 rows (sets of 32), of tables of 5,000 rows: most lookups miss."""
+
+
+def _config(dataset: Dataset, run_dir: Path, store: dict | None = None, checkpoints: dict | None = None,
+            **train) -> TrainConfig:
+    return TrainConfig.from_dict({
+        "checkpoint": checkpoints or {},
+        "data": {"path": str(dataset.root)},
+        "model": {"max_table_rows": 5000, "embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [32, 1],
+                  "weight_dtype": train.pop("weight_dtype", "fp32")},
+        "optimizer": {"sparse": train.pop("optimizer", "rowwise_adagrad")},
+        "train": {"batch_size": 256, "eval_batch_size": 1000, "log_every": 5, **train},
+        "run": {"dir": str(run_dir)},
+        "embedding_store": store if store is not None else {"cache_fraction": 0.0},
+    })
+
+
+def final_model(run_dir: Path, tmp: Path) -> tuple[dict[str, list[torch.Tensor]], dict[str, torch.Tensor]]:
+    """Every table of a run's newest checkpoint (weights, then optimizer states) and the
+    MLPs, restored into one process (store tables through a fresh tier under ``tmp``)."""
+    restorable = checkpoint.open_checkpoint(run_dir / "checkpoint")
+    saved = restorable.manifest.config
+    config = TrainConfig.from_dict({**saved, "embedding_store": {**saved["embedding_store"], "service": ""}})
+    dataset = Dataset.load(config.data.path)
+    model = build_model(dataset, config, job_plan(dataset, config, SINGLE_PROCESS),
+                        store=store_settings(config, tmp, reset=True))
+    checkpoint.restore_model(restorable, model)
+    embeddings = model.embeddings
+    tables = {}
+    for t in embeddings.tables:
+        weight, states = embeddings.read_rows(t.name, torch.arange(t.num_embeddings))
+        tables[t.name] = [weight, *states]
+    dense = {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings")}
+    store = store_of(embeddings)
+    if store is not None:
+        store.close(write_back=False)
+    return tables, dense
+
+
+def assert_same_model(a, b) -> None:
+    tables_a, dense_a = a
+    tables_b, dense_b = b
+    assert tables_a.keys() == tables_b.keys()
+    for name in tables_a:
+        for x, y in zip(tables_a[name], tables_b[name]):
+            assert torch.equal(x, y), name
+    assert dense_a.keys() == dense_b.keys()
+    for key in dense_a:
+        assert torch.equal(dense_a[key], dense_b[key]), key
+
+
+@pytest.mark.parametrize("optimizer,weight_dtype", [("rowwise_adagrad", "fp32"), ("adam", "bf16")])
+def test_a_run_with_tables_on_the_store_equals_the_run_in_memory(criteo_dataset, tmp_path, optimizer, weight_dtype):
+    opts = {"epochs": 2, "optimizer": optimizer, "weight_dtype": weight_dtype}
+    memory = train(_config(criteo_dataset, tmp_path / "memory", **opts))
+    stored = train(_config(criteo_dataset, tmp_path / "store", {"tables": STORE}, **opts))
+    assert stored["eval_auc"] == memory["eval_auc"] and stored["eval_logloss"] == memory["eval_logloss"]
+    assert_same_model(final_model(tmp_path / "memory", tmp_path / "t1"), final_model(tmp_path / "store", tmp_path / "t2"))
+    segments = list((tmp_path / "store" / "store").glob("t_C1@0/*.seg"))
+    assert segments  # rows went to the tier
+    manifest = checkpoint.open_checkpoint(tmp_path / "store" / "checkpoint").manifest
+    assert {e.table for e in manifest.store} == set(STORE)
+    assert not {r.table for r in manifest.records} & set(STORE)
+
+
+def test_a_run_through_a_store_service_equals_the_run_in_memory(criteo_dataset, tmp_path):
+    server = StoreServer(tmp_path / "service")
+    server.start()
+    try:
+        memory = train(_config(criteo_dataset, tmp_path / "memory"))
+        stored = train(_config(criteo_dataset, tmp_path / "store", {"tables": STORE, "service": server.address}))
+        status = server.servicer.Status(None, None)
+    finally:
+        server.stop()
+    assert stored["eval_auc"] == memory["eval_auc"]
+    assert_same_model(final_model(tmp_path / "memory", tmp_path / "t1"), final_model(tmp_path / "store", tmp_path / "t2"))
+    assert status.requests > 0 and status.errors == 0
+    assert not status.pieces  # the trainer closed its pieces when it ended
+    for key in ("t_C1@0", "t_C3@0"):  # the service held their rows
+        assert list((tmp_path / "service" / key).glob("*.seg"))
+
+
+def test_a_resumed_run_replaces_the_tier_by_its_checkpoint(criteo_dataset, tmp_path):
+    whole = tmp_path / "whole"
+    train(_config(criteo_dataset, whole, {"tables": STORE}, epochs=2))
+    cut = tmp_path / "cut"
+    # Checkpoints at steps 10 and 20; steps 21-25 reach the tier but no checkpoint.
+    train(_config(criteo_dataset, cut, {"tables": STORE}, {"every_steps": 10, "final": False}, epochs=2,
+                  max_steps=25))
+    assert checkpoint.open_checkpoint(cut / "checkpoint").manifest.step == 20
+    resumed = _config(criteo_dataset, cut, {"tables": STORE}, epochs=2)
+    train(resumed, resume=True)
+    assert_same_model(final_model(whole, tmp_path / "t1"), final_model(cut, tmp_path / "t2"))
+
+
+def test_a_checkpoint_with_store_tables_is_not_restored_into_memory_tables(criteo_dataset, tmp_path):
+    run = tmp_path / "run"
+    train(_config(criteo_dataset, run, {"tables": STORE}, max_steps=5))
+    with pytest.raises(CheckpointError, match="on the embedding store"):
+        train(_config(criteo_dataset, run, max_steps=10), resume=True)
+
+
+def _train_two_ranks(rank: int, world: int, config: dict) -> None:
+    train(TrainConfig.from_dict(config), context=DistributedContext(rank, world, world, rank))
+
+
+def test_two_ranks_with_row_wise_store_shards_equal_two_ranks_in_memory(criteo_dataset, tmp_path):
+    # The same plan for both (left to itself, the planner places the others around the
+    # store tables' smaller memory): the runs are then the same computation.
+    sharding = {"tables": {**{f"t_C{i}": f"table_wise:{i % 2}" for i in range(2, 27)}, "t_C1": "row_wise"}}
+    memory = _config(criteo_dataset, tmp_path / "memory", max_steps=12).to_dict()
+    stored = _config(criteo_dataset, tmp_path / "store", {"tables": STORE}, max_steps=12).to_dict()
+    for config in (memory, stored):
+        config["sharding"] = sharding
+        run_ranks(_train_two_ranks, 2, config)
+    manifest = checkpoint.open_checkpoint(tmp_path / "store" / "checkpoint").manifest
+    assert sorted(e.key for e in manifest.store) == ["t_C1@0", "t_C1@730", "t_C3@0"]  # t_C1: 1,460 rows
+    # Restored into one process: the row-wise pieces are merged into one tier.
+    assert_same_model(final_model(tmp_path / "memory", tmp_path / "t1"), final_model(tmp_path / "store", tmp_path / "t2"))
+
+
+def test_a_corrupt_segment_is_named_when_resuming(criteo_dataset, tmp_path):
+    run = tmp_path / "run"
+    train(_config(criteo_dataset, run, {"tables": STORE}, max_steps=5))
+    manifest = checkpoint.open_checkpoint(run / "checkpoint").manifest
+    entry = next(e for e in manifest.store if e.files)
+    segment = run / "checkpoint" / manifest.name / entry.directory / entry.files[0].name
+    data = bytearray(segment.read_bytes())
+    data[-1] ^= 0xFF
+    segment.unlink()  # a link: replace the file, not the tier's copy
+    segment.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=segment.name):
+        train(_config(criteo_dataset, run, {"tables": STORE}, max_steps=10), resume=True)
