@@ -23,6 +23,8 @@ def run_benchmark(name: str, quick: bool = False, nproc: int = 1) -> dict[str, A
         from benchmarks.ingest_bench import run
     elif name == "checkpoint":
         from benchmarks.checkpoint_bench import run
+    elif name == "import":
+        from benchmarks.import_bench import run
     elif name == "store":
         from benchmarks.store_bench import run
     else:

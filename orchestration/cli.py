@@ -16,6 +16,7 @@ from embedding_store.segments import SegmentError
 from ingest.arrow_memory import MEMORY_POOLS, SERVICE_MEMORY_POOL, use_memory_pool
 from ingest.client import IngestError
 from ingest.errors import DataError
+from ingest.presets import PRESETS
 from ingest.row_group_cache import DEFAULT_CAPACITY_BYTES
 from ingest.service import DEFAULT_MAX_STREAMS
 from ingest.transport import TOKEN_ENV
@@ -139,11 +140,35 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--eval-fraction", type=float, default=0.2)
     synth.set_defaults(run=_synth)
-    convert = data.add_parser("convert", help="convert public dataset files you downloaded")
-    convert.add_argument("format", choices=("criteo",))
-    convert.add_argument("files", nargs="+", help="Criteo Kaggle/Terabyte TSV files")
+    importer = data.add_parser("import", help="import CSV/TSV/Parquet click logs (an import spec, or flags)")
+    importer.add_argument("spec", nargs="?", help="import spec (TOML; see ingest/import_spec.py)")
+    importer.add_argument("--out", required=True)
+    importer.add_argument("--files", nargs="+", help="input files, globs or URIs (input.files)")
+    importer.add_argument("--format", choices=("csv", "tsv", "parquet"), help="input.format")
+    importer.add_argument("--label", help="the label column (label.column)")
+    importer.add_argument("--label-transform", help="e.g. '>= 4' (label.transform)")
+    importer.add_argument("--dense", help="comma-separated dense columns (dense.columns)")
+    importer.add_argument("--categorical", help="comma-separated categorical columns (categorical.columns)")
+    importer.add_argument("--multivalued", action="append", metavar="COLUMN=DELIMITER",
+                          help="a multi-valued column and its delimiter ('' for a list column)")
+    importer.add_argument("--split", choices=("chronological", "ordered", "random", "files"), help="split.kind")
+    importer.add_argument("--time-column", help="split.time_column")
+    importer.add_argument("--eval-fraction", type=float, help="split.eval_fraction")
+    importer.add_argument("--vocab-from", metavar="DATASET",
+                          help="encode with the vocabularies of this imported dataset (new data, same ids)")
+    importer.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec key")
+    importer.set_defaults(run=_import)
+    convert = data.add_parser("convert", help="convert public dataset files you downloaded (importer presets)")
+    convert.add_argument("format", choices=PRESETS)
+    convert.add_argument("files", nargs="+", help="criteo: TSV files; avazu: the train CSV; movielens: its directory")
     convert.add_argument("--out", required=True)
-    convert.add_argument("--eval-every", type=int, default=10, help="every N-th row goes to the eval split")
+    convert.add_argument("--eval-fraction", type=float, default=0.1,
+                         help="the newest rows that form the eval split")
+    convert.add_argument("--eval-files", nargs="+", default=[], help="instead: these files are the eval split")
+    convert.add_argument("--min-count", type=_at_least(1), default=1,
+                         help="categorical values seen fewer times in the train split map to id 0")
+    convert.add_argument("--hash-rows", type=_at_least(0), default=0,
+                         help="hash categoricals into this many rows instead of counting a vocabulary")
     convert.set_defaults(run=_convert)
 
     ingest = commands.add_parser("ingest", help="reader services").add_subparsers(dest="ingest", required=True)
@@ -239,8 +264,15 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("config", nargs="?", help="default: the config saved with the checkpoint")
     evaluate.add_argument("--checkpoint", required=True,
                           help="a run directory, its checkpoint directory, or one checkpoint (default: the newest)")
+    evaluate.add_argument("--best", action="store_true",
+                          help="the run's checkpoint of the best eval AUC (checkpoint.keep_best)")
     evaluate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     evaluate.set_defaults(run=_eval)
+
+    report = commands.add_parser("report", help="plot runs' loss, eval AUC/log loss and QPS (PNG) and summarise")
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    report.add_argument("--out", help="where the PNGs go (default: the first run directory's report/)")
+    report.set_defaults(run=_report)
 
     checkpoints = commands.add_parser("checkpoint", help="checkpoints of a run").add_subparsers(
         dest="checkpoint", required=True)
@@ -251,7 +283,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.set_defaults(run=_checkpoint_inspect)
 
     bench = commands.add_parser("bench", help="benchmarks: ours against a baseline, side by side")
-    bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives", "checkpoint", "store"))
+    bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives", "checkpoint", "store", "import"))
     bench.add_argument("--json", help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (for smoke tests)")
     bench.add_argument("--nproc", type=int, default=1,
@@ -271,12 +303,55 @@ def _synth(args: argparse.Namespace) -> int:
     return 0
 
 
-def _convert(args: argparse.Namespace) -> int:
-    from ingest.convert_criteo import ConvertOptions, convert
+def _import(args: argparse.Namespace) -> int:
+    import tomllib
 
-    with tqdm(unit="rows", desc="convert criteo") as bar:
-        dataset = convert(args.files, args.out, ConvertOptions(eval_every=args.eval_every), progress=bar.update)
-    print(json.dumps({"out": str(dataset.root), "rows": dataset.rows}, indent=2))
+    from ingest.import_spec import ImportSpec
+    from orchestration.config import apply_override
+
+    raw: dict = {}
+    if args.spec:
+        try:
+            raw = tomllib.loads(Path(args.spec).read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{args.spec}: not valid TOML: {err}") from None
+    flags = {"input.files": args.files, "input.format": args.format, "label.column": args.label,
+             "label.transform": args.label_transform, "split.kind": args.split,
+             "split.time_column": args.time_column, "split.eval_fraction": args.eval_fraction,
+             "dense.columns": args.dense.split(",") if args.dense else None,
+             "categorical.columns": args.categorical.split(",") if args.categorical else None,
+             "multivalued.columns": dict(m.partition("=")[::2] for m in args.multivalued)
+             if args.multivalued else None}
+    for key, value in flags.items():
+        if value is not None:
+            section, name = key.split(".")
+            raw.setdefault(section, {})[name] = value
+    for override in args.set:
+        apply_override(raw, override)
+    try:
+        spec = ImportSpec.from_dict(raw)
+    except ValueError as err:
+        raise ConfigError(f"{args.spec or 'import flags'}: {err}") from None
+    return _write_import(spec, None, args.out, args.vocab_from, "import")
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from ingest.presets import PresetOptions, preset
+
+    spec, source = preset(args.format, args.files, PresetOptions(
+        eval_fraction=args.eval_fraction, eval_files=tuple(args.eval_files), min_count=args.min_count,
+        hash_rows=args.hash_rows))
+    return _write_import(spec, source, args.out, None, args.format)
+
+
+def _write_import(spec, source, out: str, vocab_from: str | None, profile: str) -> int:
+    from ingest.importer import import_dataset
+
+    with tqdm(unit="rows", desc=f"{profile} → {out}", unit_scale=True) as bar:
+        dataset = import_dataset(spec, out, source=source, vocab_from=vocab_from, progress=bar.update,
+                                 profile=profile)
+    print(json.dumps({"out": str(dataset.root), "rows": dataset.rows,
+                      "tables": {f.table: f.cardinality for f in dataset.schema.sparse}}, indent=2))
     return 0
 
 
@@ -450,7 +525,17 @@ def _eval(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set) if args.config else None
     if config is None and args.set:
         raise ConfigError("--set changes a config file's values: give the config file too")
-    print(json.dumps(evaluate_checkpoint(args.checkpoint, config), indent=2, sort_keys=True))
+    print(json.dumps(evaluate_checkpoint(args.checkpoint, config, best=args.best), indent=2, sort_keys=True))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from orchestration.report import write_report
+
+    text, written = write_report(args.runs, args.out or Path(args.runs[0]) / "report")
+    print(text)
+    for path in written:
+        print(f"wrote {path}")
     return 0
 
 

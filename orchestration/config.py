@@ -21,14 +21,15 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
     for override in overrides:
-        _apply_override(raw, override)
+        apply_override(raw, override)
     try:
         return TrainConfig.from_dict(raw)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
 
 
-def _apply_override(raw: dict[str, Any], override: str) -> None:
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Set ``section.key`` of the TOML table ``raw`` as ``override`` (``section.key=value``) says."""
     key, sep, text = override.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {override!r}: expected section.key=value")

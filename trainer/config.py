@@ -3,10 +3,6 @@ name the bad key (``train.batch_size: expected an integer, got 'x'``)."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +10,7 @@ from typing import Any
 from ingest.client import COMPRESSIONS, check_address
 from ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
 from ingest.plan import REMAINDER_POLICIES, SHUFFLE_MODES
+from ingest.sections import build_section, to_dict
 from trainer.embedding_config import POOLINGS, SPARSE_OPTIMIZERS, WEIGHT_DTYPES
 from trainer.model import MLP_INITS
 from trainer.planner.enumerate import Constraint
@@ -275,6 +272,9 @@ class CheckpointConfig:
     fallback: bool = False
     """Resuming: when the newest checkpoint is corrupt, restore the newest whole one (else
     the corruption is an error naming the file)."""
+    keep_best: bool = False
+    """Checkpoint after every evaluation that beats the best eval AUC so far, and keep that
+    checkpoint (``checkpoint/BEST`` names it) whatever ``keep`` says."""
 
     def validate(self) -> None:
         for key in ("every_steps", "every_minutes"):
@@ -370,85 +370,13 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The config as TOML would write it (``from_dict`` reads it back)."""
-        return _to_dict(self)
+        return to_dict(self)
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> "TrainConfig":
-        config = _build(cls, obj, "")
+        config = build_section(cls, obj, "", ConfigError)
         config.validate()
         return config
-
-
-def _key(f: dataclasses.Field) -> str:
-    """A field's key in the config file (its name, or its ``key`` alias: ``async``)."""
-    return f.metadata.get("key", f.name)
-
-
-def _to_dict(config: Any) -> dict[str, Any]:
-    out = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        out[_key(f)] = _to_dict(value) if dataclasses.is_dataclass(value) else _plain(value)
-    return out
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _build(kind: type, obj: Any, where: str) -> Any:
-    if not isinstance(obj, dict):
-        raise ConfigError(f"{where or 'config'}: expected a table of keys, got {obj!r}")
-    hints = typing.get_type_hints(kind)
-    fields = {_key(f): f.name for f in dataclasses.fields(kind)}
-    for key in obj:
-        if key not in fields:
-            raise ConfigError(f"unknown key '{where}{key}'; known keys: {', '.join(sorted(fields))}")
-    values = {}
-    for key, raw in obj.items():
-        values[fields[key]] = _convert(hints[fields[key]], raw, f"{where}{key}")
-    return kind(**values)
-
-
-def _convert(hint: Any, raw: Any, key: str) -> Any:
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, raw, key + ".")
-    origin = typing.get_origin(hint)
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        if not isinstance(raw, list):
-            raise ConfigError(f"{key}: expected a list, got {raw!r}")
-        return [_convert(item, x, f"{key}[{i}]") for i, x in enumerate(raw)]
-    if origin is dict:
-        _, item = typing.get_args(hint)
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{key}: expected a table of keys, got {raw!r}")
-        return {str(k): _convert(item, v, f"{key}.{k}") for k, v in raw.items()}
-    if origin in (typing.Union, types.UnionType):
-        raise ConfigError(f"{key}: unsupported config type {hint}")
-    if hint is bool:
-        if not isinstance(raw, bool):
-            raise ConfigError(f"{key}: expected true or false, got {raw!r}")
-        return raw
-    if hint is int:
-        if isinstance(raw, bool) or not isinstance(raw, int):
-            raise ConfigError(f"{key}: expected an integer, got {raw!r}")
-        return raw
-    if hint is float:
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {raw!r}")
-        if not math.isfinite(raw):
-            raise ConfigError(f"{key}: expected a finite number, got {raw}")
-        return float(raw)
-    if hint is str:
-        if not isinstance(raw, str):
-            raise ConfigError(f"{key}: expected a string, got {raw!r}")
-        return raw
-    raise ConfigError(f"{key}: unsupported config type {hint}")
 
 
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:

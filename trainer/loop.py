@@ -41,7 +41,7 @@ from trainer.planner.from_config import job_plan
 from trainer.prefetch import Prefetcher
 from trainer.sharding.input_pipeline import InputPipeline
 from trainer.sharding.sharded_embedding import PreparedSparse
-from trainer.train import (ProgressFn, StepReport, batches, check_splits, eval_reader_config, make_reader,
+from trainer.train import (ProgressFn, StepReport, batches, check_dense_transform, check_splits, eval_reader_config, make_reader,
                            set_threads, train_reader_config, train_step)
 from trainer.store_backed import StoreBackedEmbeddings, StorePiece, store_of
 from trainer.warmup import compile_kernels
@@ -63,6 +63,8 @@ class LoopState:
     interval_steps: int = 0
     interval_samples: int = 0
     eval_metrics: dict[str, float] = field(default_factory=dict)
+    best_auc: float = -1.0
+    """The best eval AUC so far (``checkpoint.keep_best``)."""
 
 
 class TrainingRun:
@@ -78,6 +80,7 @@ class TrainingRun:
         set_threads(loop.threads, context.local_world_size)
         torch.manual_seed(loop.seed)
         self.dataset = Dataset.load(config.data.path)
+        check_dense_transform(self.dataset, config)
         options = decode_options(self.dataset.schema, config)
         self.train_reader = make_reader(self.dataset, config.data.train_split, options,
                                         train_reader_config(config, context), config)
@@ -131,6 +134,8 @@ class TrainingRun:
             while state.epoch < loop.epochs and state.global_step < self.total_steps:
                 self._epoch(progress)
                 state.eval_metrics = self._evaluate()
+                if self._improved(state.eval_metrics):
+                    self._checkpoint(best=True)
                 state.epoch += 1
                 state.step_in_epoch = 0
             if not state.eval_metrics:
@@ -193,11 +198,13 @@ class TrainingRun:
                     report, time_due = interval.close(self.checkpointer.due_by_time())
                     self.log.write({"split": "train", "step": state.global_step, "epoch": state.epoch, **report})
                     interval = _Interval(context, state)
+                best = False
                 if self.config.train.eval_every and state.global_step % self.config.train.eval_every == 0:
-                    self._evaluate()
+                    best = self._improved(self._evaluate())
                 last = state.global_step >= self.total_steps
-                if (self.checkpointer.due(state.global_step) or time_due) and not (last and self.config.checkpoint.final):
-                    self._checkpoint(interval)
+                if best or ((self.checkpointer.due(state.global_step) or time_due)
+                            and not (last and self.config.checkpoint.final)):
+                    self._checkpoint(interval, best=best)
                 if last:
                     break
             interval.close(False)
@@ -214,6 +221,14 @@ class TrainingRun:
         self.log.write({"split": "eval", "step": self.state.global_step, "epoch": self.state.epoch,
                         "loss": metrics["logloss"], "qps": metrics["rows"] / seconds if seconds else 0.0, **metrics})
         return metrics
+
+    def _improved(self, metrics: dict[str, float]) -> bool:
+        """Whether ``metrics`` beat the best eval AUC so far, when ``checkpoint.keep_best``
+        asks for its checkpoint (every rank has the same global metrics)."""
+        if not self.config.checkpoint.keep_best or metrics["auc"] <= self.state.best_auc:
+            return False
+        self.state.best_auc = metrics["auc"]
+        return True
 
     def _summary(self) -> dict[str, Any]:
         state = self.state
@@ -263,7 +278,7 @@ class TrainingRun:
         self.store.write_back()
         return self.store.store_pieces()
 
-    def _checkpoint(self, interval: "_Interval | None" = None, wait: bool = False) -> None:
+    def _checkpoint(self, interval: "_Interval | None" = None, wait: bool = False, best: bool = False) -> None:
         state = self.state
         if interval is not None:
             interval.store()
@@ -274,7 +289,7 @@ class TrainingRun:
                      "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state(),
                      "state": asdict(state), "metrics_bytes": self.log.size()}
         self.checkpointer.save(global_step=state.global_step, epoch=state.epoch, step_in_epoch=state.step_in_epoch,
-                               dense=dense, wait=wait)
+                               dense=dense, wait=wait, best=best)
 
     def _restore(self) -> None:
         """Continue from the newest complete checkpoint of the run directory."""

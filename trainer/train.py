@@ -24,6 +24,7 @@ from ingest.schema import Dataset
 from trainer import checkpoint
 from trainer.batch import Batch
 from trainer.build import build_model, decode_options, store_settings
+from trainer.checkpoint.layout import best_checkpoint
 from trainer.config import DEFAULT_CACHE_FRACTION, TrainConfig
 from trainer.distributed import (SINGLE_PROCESS, DistributedContext, explain_collective_failure,
                                  global_sum)
@@ -121,6 +122,14 @@ def client_security(config: TrainConfig) -> ClientSecurity:
     return ClientSecurity(tls_ca=security.tls_ca or None, token=read_token(security.token_file or None))
 
 
+def check_dense_transform(dataset: Dataset, config: TrainConfig) -> None:
+    """Refuse to take the log of dense values the importer already transformed."""
+    applied = (dataset.generator or {}).get("dense_transform", "none")
+    if applied != "none" and dataset.schema.dense and config.data.dense_transform != "identity":
+        raise DataError(f"the dense values of {dataset.root} were transformed when imported ({applied}): train "
+                        f"with data.dense_transform = 'identity'")
+
+
 def check_splits(train_plan: RankPlan, eval_plan: RankPlan, config: TrainConfig) -> None:
     """Raise :class:`DataError` naming the split when training could not run or end: a train
     split too small for one step, or an eval split without rows."""
@@ -161,12 +170,18 @@ def train(config: TrainConfig, progress: ProgressFn | None = None, context: Dist
         raise
 
 
-def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None = None) -> dict[str, float]:
+def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None = None,
+                        best: bool = False) -> dict[str, float]:
     """Metrics of a saved model on the eval split: the config saved with the checkpoint
     unless ``config`` is given. ``checkpoint_dir``: a run directory, its checkpoints
-    directory, or one checkpoint."""
+    directory, or one checkpoint; ``best``: the run's best checkpoint (``keep_best``)."""
     root, named = checkpoint.checkpoints_root(checkpoint_dir)
-    restorable = checkpoint.open_checkpoint(root, None if named is None else named.name)
+    name = None if named is None else named.name
+    if best:
+        name = best_checkpoint(root)
+        if name is None:
+            raise checkpoint.CheckpointError(f"{root} has no best checkpoint (train with checkpoint.keep_best = true)")
+    restorable = checkpoint.open_checkpoint(root, name)
     if config is None:
         config = TrainConfig.from_dict(restorable.manifest.config)
     set_threads(config.train.threads)

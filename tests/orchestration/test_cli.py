@@ -36,13 +36,6 @@ def test_synth_train_eval_round_trip(tmp_path):
     assert json.loads(result.stdout)["auc"] == summary["eval_auc"]
 
 
-def test_convert_criteo_fixture(tmp_path):
-    result = _neorec("data", "convert", "criteo", str(FIXTURES / "criteo_sample.tsv"), "--out", str(tmp_path),
-                     "--eval-every", "2")
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["rows"] == {"train": 2, "eval": 2}
-
-
 def test_errors_are_reported_without_a_traceback(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[train]\nbach_size = 3\n")

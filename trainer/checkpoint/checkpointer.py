@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from trainer.checkpoint.layout import CheckpointError, step_name
+from trainer.checkpoint.layout import BEST, CheckpointError, best_checkpoint, read_manifest, step_name, write_durably
 from trainer.checkpoint.snapshot import take_snapshot
 from trainer.checkpoint.store import snapshot_store
 from trainer.checkpoint.writer import CheckpointJob, CheckpointWriter, manifest_fields
@@ -57,6 +57,8 @@ class Checkpointer:
         self.writer = CheckpointWriter(config.asynchronous)
         self.chain: list[str] = []
         """The chain the next incremental checkpoint extends (empty: the next is full)."""
+        self.best_chain: list[str] = []
+        """The chain of the best checkpoint (``keep_best``): never pruned."""
         self.chain_rows = 0.0
         """Rows written by the increments of ``chain`` (over all ranks)."""
         self.total_rows = float(sum(t["rows"] for t in tables.values()))
@@ -73,6 +75,9 @@ class Checkpointer:
         self.chain = list(chain)
         self.chain_rows = chain_rows
         self.last_step = global_step
+        best = best_checkpoint(self.root)
+        if best is not None and (self.root / best).is_dir():
+            self.best_chain = read_manifest(self.root / best).chain
 
     def due(self, global_step: int) -> bool:
         """Whether ``every_steps`` asks for a checkpoint after ``global_step``."""
@@ -86,10 +91,16 @@ class Checkpointer:
         return bool(minutes) and time.monotonic() - self.last_time >= 60 * minutes
 
     def save(self, *, global_step: int, epoch: int, step_in_epoch: int, dense: dict[str, Any] | None,
-             wait: bool = False) -> None:
+             wait: bool = False, best: bool = False) -> None:
         """Checkpoint the state after ``global_step`` (``dense``: rank 0's dense state);
-        returns once the snapshot is taken (and the checkpoint committed, with ``wait``)."""
-        if global_step == self.last_step:
+        returns once the snapshot is taken (and the checkpoint committed, with ``wait``).
+        ``best``: it is the best model so far (``BEST`` names it, and it is kept)."""
+        if global_step == self.last_step:  # already written: at most it becomes the best
+            if best:
+                self.writer.wait()
+                self.best_chain = list(self.chain)
+                if self.rank == 0:
+                    write_durably(self.root / BEST, (self.chain[-1] + "\n").encode())
             return
         self.writer.wait()  # one checkpoint in flight at a time
         started = time.perf_counter()
@@ -117,7 +128,10 @@ class Checkpointer:
             directory=self.root / name, rank=self.rank, world_size=self.world_size, attempt=self.attempt,
             shards=shards, store=store, bits=self.config.bits, sparse_steps=self.local_optimizer_steps(),
             dense=dense_bytes,
-            manifest=manifest, keep=self.config.keep, commit_timeout_s=self.commit_timeout_s, snapshot_s=snapshot_s))
+            manifest=manifest, keep=self.config.keep, protect=set(chain if best else self.best_chain),
+            commit_timeout_s=self.commit_timeout_s, snapshot_s=snapshot_s, best=best))
+        if best:
+            self.best_chain = chain
         self.stall_seconds.append(time.perf_counter() - started)  # a synchronous save's stall includes the write
         self.chain = chain
         self.chain_rows = 0.0 if full else self.chain_rows + touched

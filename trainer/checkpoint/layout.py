@@ -31,6 +31,8 @@ from embedding_store.segments import SegmentError, read_segments
 FORMAT = "neorec-checkpoint/2"
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
+BEST = "BEST"
+"""Names the checkpoint of the best eval AUC (``checkpoint.keep_best``)."""
 DENSE_FILE = "dense.pt"
 PREFIX = "step-"
 
@@ -195,6 +197,12 @@ def commit(directory: Path, manifest: Manifest) -> None:
     """Make ``directory`` a complete checkpoint, then point ``LATEST`` at it."""
     write_durably(directory / MANIFEST, (json.dumps(manifest.to_json(), indent=1) + "\n").encode())
     write_durably(directory.parent / LATEST, (directory.name + "\n").encode())
+
+
+def best_checkpoint(root: Path) -> str | None:
+    """The name ``BEST`` gives (None when the run keeps no best checkpoint)."""
+    path = root / BEST
+    return path.read_text().strip() if path.is_file() else None
 
 
 def read_manifest(directory: Path) -> Manifest:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import records
-from trainer.checkpoint.layout import (DENSE_FILE, CheckpointError, FileEntry, Manifest, RankRecord, RecordEntry,
+from trainer.checkpoint.layout import (BEST, DENSE_FILE, CheckpointError, FileEntry, Manifest, RankRecord, RecordEntry,
                                        StoreEntry, commit, fsync_directory, prune, rank_file, rank_record,
                                        write_durably)
 from trainer.checkpoint.snapshot import ShardSnapshot, split
@@ -52,6 +52,8 @@ class CheckpointJob:
     protect: set[str] = field(default_factory=set)
     commit_timeout_s: float = 300.0
     snapshot_s: float = 0.0
+    best: bool = False
+    """Rank 0 makes ``BEST`` name it once committed."""
 
 
 class CheckpointWriter:
@@ -172,6 +174,8 @@ def _commit(job: CheckpointJob, own: RankRecord, write_s: float) -> Manifest:
     manifest.stats = {"bytes": sum(f.bytes for f in manifest.files), "touched": touched,
                       "snapshot_s": job.snapshot_s, "write_s": write_s}
     commit(job.directory, manifest)
+    if job.best:
+        write_durably(job.directory.parent / BEST, (manifest.name + "\n").encode())
     deleted = prune(job.directory.parent, job.keep, job.protect | set(manifest.chain)) if job.keep else []
     log.info("checkpoint %s committed (%s, %d bytes)%s", manifest.name, manifest.kind, manifest.stats["bytes"],
              f"; deleted {', '.join(deleted)}" if deleted else "")

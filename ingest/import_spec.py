@@ -1,0 +1,195 @@
+"""What ``neorec data import`` reads and how it encodes it: an import spec (TOML).
+
+::
+
+    [input]
+    files = ["logs/*.csv"]           # paths, globs, or URIs of any pyarrow filesystem
+    format = "csv"                   # csv, tsv or parquet
+    header = true                    # false: give column_names
+    column_names = []
+
+    [label]
+    column = "rating"
+    transform = ">= 4"               # a comparison making 0/1, or "" (already 0/1)
+
+    [dense]
+    columns = ["age"]
+    transform = "none"               # none, log1p, standardize (mean/std of the train split)
+    fill = 0.0                       # missing values
+
+    [categorical]
+    columns = ["user", "item"]
+    encoding = "vocab"               # vocab (train split only) or hash
+    min_count = 1                    # vocab: rarer values map to 0 with the unseen
+    max_rows = 0                     # vocab: a cap on the table (0: none)
+    hash_rows = 1048576              # hash: rows of each table
+
+    [multivalued]
+    columns = { genres = "|" }       # delimiter of a string column; "" for a list column
+
+    [split]
+    kind = "chronological"           # chronological (by time_column), ordered (the files' order is
+                                     # time order: the last rows are eval), random, or files
+    time_column = "timestamp"
+    eval_fraction = 0.2
+    seed = 0
+    eval_files = []                  # kind = "files": these files are the eval split
+
+    [output]
+    row_group_rows = 65536
+
+Every value is checked when the spec is read; an error names the key.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ingest.sections import build_section
+
+FORMATS = ("csv", "tsv", "parquet")
+DENSE_TRANSFORMS = ("none", "log1p", "standardize")
+ENCODINGS = ("vocab", "hash")
+SPLITS = ("chronological", "ordered", "random", "files")
+LABEL_TRANSFORM = re.compile(r"\s*(>=|<=|==|!=|>|<)\s*(-?\d+(\.\d*)?)\s*")
+"""A label transform: a comparison with a number (``>= 4``)."""
+
+
+class SpecError(ValueError):
+    """An import spec value is missing, unknown or invalid; the message names the key."""
+
+
+@dataclass
+class InputSpec:
+    files: list[str] = field(default_factory=list)
+    format: str = "csv"
+    header: bool = True
+    column_names: list[str] = field(default_factory=list)
+    delimiter: str = ""
+    """Default: ``,`` for csv, a tab for tsv."""
+
+    def validate(self) -> None:
+        if not self.files:
+            raise SpecError("input.files: name at least one file")
+        _one_of("input.format", self.format, FORMATS)
+        if not self.header and not self.column_names and self.format != "parquet":
+            raise SpecError("input.column_names: a file without a header needs its column names")
+
+    @property
+    def separator(self) -> str:
+        return self.delimiter or ("\t" if self.format == "tsv" else ",")
+
+
+@dataclass
+class LabelSpec:
+    column: str = "label"
+    transform: str = ""
+
+    def validate(self) -> None:
+        if self.transform and not LABEL_TRANSFORM.fullmatch(self.transform):
+            raise SpecError(f"label.transform: a comparison with a number such as '>= 4', got {self.transform!r}")
+
+
+@dataclass
+class DenseSpec:
+    columns: list[str] = field(default_factory=list)
+    transform: str = "none"
+    fill: float = 0.0
+
+    def validate(self) -> None:
+        _one_of("dense.transform", self.transform, DENSE_TRANSFORMS)
+
+
+@dataclass
+class CategoricalSpec:
+    columns: list[str] = field(default_factory=list)
+    encoding: str = "vocab"
+    min_count: int = 1
+    max_rows: int = 0
+    hash_rows: int = 1 << 20
+
+    def validate(self) -> None:
+        _one_of("categorical.encoding", self.encoding, ENCODINGS)
+        if self.min_count < 1:
+            raise SpecError(f"categorical.min_count: must be >= 1, got {self.min_count}")
+        if self.max_rows < 0 or self.max_rows == 1:
+            raise SpecError(f"categorical.max_rows: 0 (no cap) or at least 2, got {self.max_rows}")
+        if self.hash_rows < 2:
+            raise SpecError(f"categorical.hash_rows: must be >= 2, got {self.hash_rows}")
+
+
+@dataclass
+class MultiValuedSpec:
+    columns: dict[str, str] = field(default_factory=dict)
+    """Column → the delimiter of its values in a string ("" for a list column)."""
+
+
+@dataclass
+class SplitSpec:
+    kind: str = "random"
+    time_column: str = ""
+    eval_fraction: float = 0.1
+    seed: int = 0
+    eval_files: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        _one_of("split.kind", self.kind, SPLITS)
+        if self.kind != "files" and not 0 < self.eval_fraction < 1:
+            raise SpecError(f"split.eval_fraction: must lie in (0, 1), got {self.eval_fraction}")
+        if self.kind == "chronological" and not self.time_column:
+            raise SpecError("split.time_column: a chronological split needs the column that orders the rows")
+        if self.kind == "files" and not self.eval_files:
+            raise SpecError("split.eval_files: a split by files needs the eval split's files")
+
+
+@dataclass
+class OutputSpec:
+    row_group_rows: int = 65_536
+    file_rows: int = 1 << 22
+
+    def validate(self) -> None:
+        if self.row_group_rows < 1 or self.file_rows < self.row_group_rows:
+            raise SpecError("output: row_group_rows must be >= 1 and file_rows >= row_group_rows")
+
+
+@dataclass
+class ImportSpec:
+    input: InputSpec = field(default_factory=InputSpec)
+    label: LabelSpec = field(default_factory=LabelSpec)
+    dense: DenseSpec = field(default_factory=DenseSpec)
+    categorical: CategoricalSpec = field(default_factory=CategoricalSpec)
+    multivalued: MultiValuedSpec = field(default_factory=MultiValuedSpec)
+    split: SplitSpec = field(default_factory=SplitSpec)
+    output: OutputSpec = field(default_factory=OutputSpec)
+
+    def validate(self) -> None:
+        for section in (self.input, self.label, self.dense, self.categorical, self.split, self.output):
+            section.validate()
+        if not self.categorical.columns and not self.multivalued.columns:
+            raise SpecError("categorical.columns / multivalued.columns: name at least one categorical column")
+        roles: dict[str, str] = {}
+        named = [(self.label.column, "label"), *((c, "dense") for c in self.dense.columns),
+                 *((c, "categorical") for c in self.categorical.columns),
+                 *((c, "multivalued") for c in self.multivalued.columns)]
+        for column, role in named:
+            if column in roles:
+                raise SpecError(f"column {column!r} is both {roles[column]} and {role}")
+            roles[column] = role
+
+    @property
+    def feature_columns(self) -> list[str]:
+        """The sparse features, in the dataset's order: categorical, then multi-valued."""
+        return [*self.categorical.columns, *self.multivalued.columns]
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> "ImportSpec":
+        spec = build_section(cls, obj, "", SpecError)
+        spec.validate()
+        return spec
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise SpecError(f"{key}: must be one of {', '.join(allowed)}; got {value!r}")

@@ -1,0 +1,432 @@
+"""``neorec data import``: any tabular click log → a neorec dataset, in bounded memory.
+
+Passes over the input, each streaming it in blocks (:mod:`ingest.sources`):
+
+1. (chronological split only) the time column alone, to find the row where the train
+   split ends: the first ``1 - eval_fraction`` of the rows by time, ties in file order;
+2. (vocabulary encoding or standardized dense values) counting, over the train split only:
+   each categorical column's values, each dense column's mean and variance;
+3. encoding and writing: the label made 0/1, dense values filled (and transformed),
+   categorical values → ids (0 for missing and unseen), multi-valued columns → lists of ids,
+   each row to its split's Parquet files (zstd, row groups of 64k rows).
+
+Memory holds one block, the vocabularies, and for a chronological split the time column
+(8 bytes a row). Every step is vectorized (Arrow compute, numpy, a Numba hash); no Python
+code runs per row. Bad input is a :class:`~ingest.errors.DataError` naming the file, column
+and row. The dataset keeps its vocabularies (``vocab/COLUMN.parquet``) and the dense
+statistics, so that later data is encoded the same way (``vocab_from``).
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Protocol
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ingest.errors import DataError
+from ingest.hashing import combine, splitmix64, unit_floats
+from ingest.import_spec import LABEL_TRANSFORM, ImportSpec
+from ingest.schema import Dataset, DatasetSchema, SparseFeature
+from ingest.sources import Block, expand, read_blocks
+from ingest.vocab import ValueCounter, Vocabulary, as_strings, hash_encode
+
+VOCAB_DIRECTORY = "vocab"
+HASH_KEY = 0x4E52
+"""Hashed ids are a function of the column's name and the value alone."""
+COMPARISONS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">": operator.gt,
+               "<": operator.lt}
+ProgressFn = Callable[[int], None]
+
+
+class BlockSource(Protocol):
+    """Where the rows come from: the spec's files, or a preset's (e.g. joined) rows."""
+
+    def blocks(self, columns: list[str]) -> Iterator[Block]:
+        """Every row, in a fixed order, with (at least) ``columns``."""
+        ...
+
+
+class FileSource:
+    """The files of an import spec's ``[input]``."""
+
+    def __init__(self, spec: ImportSpec) -> None:
+        self.spec = spec
+        self.files = expand(spec.input.files)
+
+    def blocks(self, columns: list[str]) -> Iterator[Block]:
+        given = self.spec.input
+        strings = [c for c in self.spec.feature_columns if c in columns]
+        for file in self.files:
+            yield from read_blocks(file, given.format, header=given.header, column_names=given.column_names,
+                                   delimiter=given.separator, columns=columns, string_columns=strings)
+
+
+@dataclass
+class DenseStats:
+    """Mean and standard deviation of each dense column over the train split."""
+
+    mean: dict[str, float]
+    std: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How a spec's columns become ids and values: a vocabulary per categorical column (or
+    hashing), the dense statistics."""
+
+    vocabularies: dict[str, Vocabulary]
+    dense: DenseStats | None
+
+    def rows(self, spec: ImportSpec, column: str) -> int:
+        vocabulary = self.vocabularies.get(column)
+        return vocabulary.rows if vocabulary is not None else spec.categorical.hash_rows
+
+
+def import_dataset(spec: ImportSpec, out_dir: str | Path, *, source: BlockSource | None = None,
+                   vocab_from: str | Path | None = None, progress: ProgressFn | None = None,
+                   profile: str = "import") -> Dataset:
+    """Write the dataset ``spec`` describes into ``out_dir`` (see the module docstring)."""
+    started = time.perf_counter()
+    source = source or FileSource(spec)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    splitter = Splitter.build(spec, source)
+    encoding = load_encoding(spec, Path(vocab_from)) if vocab_from else count(spec, source, splitter)
+    schema = DatasetSchema(label="label", dense=tuple(spec.dense.columns), sparse=tuple(
+        SparseFeature(c, encoding.rows(spec, c), multi_hot=c in spec.multivalued.columns)
+        for c in spec.feature_columns))
+    writers = {split: SplitWriter(out, split, _arrow_schema(schema), spec.output.row_group_rows,
+                                  spec.output.file_rows) for split in ("train", "eval")}
+    try:
+        for block in source.blocks(_needed(spec)):
+            table = encode_block(spec, encoding, block)
+            is_eval = splitter.is_eval(block)
+            for split, mask in (("eval", is_eval), ("train", ~is_eval)):
+                writers[split].write(table.filter(pa.array(mask)))
+            if progress is not None:
+                progress(block.batch.num_rows)
+    finally:
+        for writer in writers.values():
+            writer.close()
+    rows = {split: writer.rows for split, writer in writers.items()}
+    for split, count_ in rows.items():
+        if count_ == 0:
+            raise DataError(f"the {split} split is empty: change [split] (eval_fraction, eval_files)",
+                            file=str(out))
+    vocab_dir = out / VOCAB_DIRECTORY
+    vocab_dir.mkdir(exist_ok=True)
+    for column, vocabulary in encoding.vocabularies.items():
+        vocabulary.save(vocab_dir / f"{column}.parquet")
+    dataset = Dataset(root=out, schema=schema, splits={s: w.files for s, w in writers.items()}, rows=rows,
+                      profile=profile, generator={
+                          "kind": "import", "spec": asdict(spec), "dense_transform": spec.dense.transform,
+                          "dense_stats": asdict(encoding.dense) if encoding.dense else None,
+                          "vocab_from": str(vocab_from) if vocab_from else None,
+                          "seconds": time.perf_counter() - started})
+    dataset.save()
+    return dataset
+
+
+# --------------------------------------------------------------------------------- splits
+class Splitter:
+    """Which rows of a block are eval rows (the same answer in every pass)."""
+
+    def __init__(self, spec: ImportSpec, cutoff: tuple[float, int] | None, eval_files: set[str]) -> None:
+        self.spec = spec
+        self.cutoff = cutoff
+        """Chronological: (the time of the last train row, how many rows of that time train);
+        ordered: (unused, the train rows)."""
+        self.eval_files = eval_files
+        self._position = 0
+        self._ties = 0
+
+    @classmethod
+    def build(cls, spec: ImportSpec, source: BlockSource) -> "Splitter":
+        split = spec.split
+        eval_files = {f.name for f in expand(split.eval_files)} if split.kind == "files" else set()
+        cutoff = None
+        if split.kind == "chronological":
+            cutoff = _cutoff(spec, source)
+        elif split.kind == "ordered":  # the rows before this position train
+            total = sum(b.batch.num_rows for b in source.blocks([spec.label.column]))
+            cutoff = (float("nan"), _train_rows(total, split.eval_fraction))
+        return cls(spec, cutoff, eval_files)
+
+    def rewind(self) -> None:
+        """Start again at the first row (a new pass)."""
+        self._position = self._ties = 0
+
+    def is_eval(self, block: Block) -> np.ndarray:
+        """bool ``[rows]``; blocks must come in the source's order, once per pass."""
+        rows = block.batch.num_rows
+        split = self.spec.split
+        if split.kind == "files":
+            mask = np.full(rows, block.file in self.eval_files)
+        elif split.kind == "ordered":
+            mask = np.arange(self._position, self._position + rows) >= self.cutoff[1]
+        elif split.kind == "random":
+            index = np.arange(self._position, self._position + rows, dtype=np.uint64)
+            mask = unit_floats(splitmix64(index ^ np.uint64(combine(split.seed, 0x5911)))) < split.eval_fraction
+        else:
+            last, ties_to_train = self.cutoff
+            times = _times(block, split.time_column)
+            tied = times == last
+            tie_rank = self._ties + np.cumsum(tied) - 1
+            self._ties += int(tied.sum())
+            mask = ~((times < last) | (tied & (tie_rank < ties_to_train)))
+        self._position += rows
+        return mask
+
+
+def _cutoff(spec: ImportSpec, source: BlockSource) -> tuple[float, int]:
+    """The time of the last train row of a chronological split, and how many rows of that
+    time are train rows (the first ones in file order)."""
+    column = spec.split.time_column
+    times = np.concatenate([_times(b, column) for b in source.blocks([column])] or [np.zeros(0)])
+    train_rows = _train_rows(times.size, spec.split.eval_fraction)
+    last = float(np.partition(times, train_rows - 1)[train_rows - 1])
+    return last, train_rows - int((times < last).sum())
+
+
+def _train_rows(total: int, eval_fraction: float) -> int:
+    if total < 2:
+        raise DataError(f"{total} rows: too few to split into train and eval")
+    return min(max(int(round(total * (1 - eval_fraction))), 1), total - 1)
+
+
+def _times(block: Block, column: str) -> np.ndarray:
+    values = _column(block, column)
+    if pa.types.is_timestamp(values.type) or pa.types.is_date(values.type):
+        values = values.cast(pa.int64())
+    if values.null_count:
+        raise DataError("missing time", file=block.file, column=column, row=_row(block, values.is_null()))
+    try:
+        return pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False)
+    except pa.ArrowInvalid:
+        raise DataError(f"not a time (a number or timestamp): {values.type}", file=block.file, column=column) \
+            from None
+
+
+# ------------------------------------------------------------------------------- counting
+def count(spec: ImportSpec, source: BlockSource, splitter: Splitter) -> Encoding:
+    """The vocabularies and dense statistics of the train split (one pass, if any is needed)."""
+    vocab = spec.categorical.encoding == "vocab"
+    standardize = spec.dense.transform == "standardize"
+    counters = {c: ValueCounter() for c in spec.feature_columns} if vocab else {}
+    sums = {c: np.zeros(3) for c in spec.dense.columns} if standardize else {}
+    if counters or sums:
+        for block in source.blocks(_needed(spec)):
+            train = pa.array(~splitter.is_eval(block))
+            for column, counter in counters.items():
+                counter.add(_values(spec, block, column).filter(_repeat(train, spec, block, column)))
+            for column, acc in sums.items():
+                values = _dense(spec, block, column, fill=False)[np.asarray(train)]
+                values = values[~np.isnan(values)]
+                acc += (values.size, values.sum(), np.square(values).sum())
+        splitter.rewind()
+    vocabularies = {c: counter.vocabulary(spec.categorical.min_count, spec.categorical.max_rows)
+                    for c, counter in counters.items()}
+    stats = None
+    if standardize:
+        mean = {c: float(s[1] / s[0]) if s[0] else 0.0 for c, s in sums.items()}
+        std = {c: float(np.sqrt(max(s[2] / s[0] - mean[c] ** 2, 0.0))) if s[0] else 1.0 for c, s in sums.items()}
+        stats = DenseStats(mean, {c: v if v > 0 else 1.0 for c, v in std.items()})
+    return Encoding(vocabularies, stats)
+
+
+def load_encoding(spec: ImportSpec, dataset_dir: Path) -> Encoding:
+    """The vocabularies and dense statistics of an imported dataset, for new data."""
+    other = Dataset.load(dataset_dir)
+    vocabularies = {}
+    if spec.categorical.encoding == "vocab":
+        for column in spec.feature_columns:
+            path = dataset_dir / VOCAB_DIRECTORY / f"{column}.parquet"
+            if not path.is_file():
+                raise DataError(f"no vocabulary of column {column!r} in that dataset", file=str(path))
+            vocabularies[column] = Vocabulary.load(path)
+    stats = (other.generator or {}).get("dense_stats")
+    if spec.dense.transform == "standardize" and not stats:
+        raise DataError("that dataset has no dense statistics (it did not standardize)", file=str(dataset_dir))
+    return Encoding(vocabularies, DenseStats(**stats) if stats else None)
+
+
+# ------------------------------------------------------------------------------- encoding
+def encode_block(spec: ImportSpec, encoding: Encoding, block: Block) -> pa.Table:
+    """The dataset's columns for one block: ``label`` float32, dense float32, sparse int64
+    (list<int64> for multi-valued columns)."""
+    arrays = {"label": pa.array(_label(spec, block))}
+    for column in spec.dense.columns:
+        values = _dense(spec, block, column, fill=True)
+        if spec.dense.transform == "log1p":
+            values = np.log1p(np.maximum(values, 0.0))
+        elif spec.dense.transform == "standardize":
+            values = (values - encoding.dense.mean[column]) / encoding.dense.std[column]
+        arrays[column] = pa.array(values.astype(np.float32))
+    for column in spec.feature_columns:
+        multi = column in spec.multivalued.columns
+        lists = _lists(spec, block, column) if multi else None
+        values = pc.list_flatten(lists) if multi else as_strings(_column(block, column))
+        vocabulary = encoding.vocabularies.get(column)
+        ids = vocabulary.encode(values) if vocabulary is not None else hash_encode(
+            values, spec.categorical.hash_rows, combine(HASH_KEY, *column.encode()))
+        arrays[column] = pa.ListArray.from_arrays(pa.array(_list_offsets(lists).astype(np.int32)), pa.array(ids)) \
+            if multi else pa.array(ids)
+    return pa.table(arrays)
+
+
+def _label(spec: ImportSpec, block: Block) -> np.ndarray:
+    column = spec.label.column
+    raw = _column(block, column)
+    if raw.null_count:
+        raise DataError("missing label", file=block.file, column=column, row=_row(block, raw.is_null()))
+    try:
+        values = pc.cast(raw, pa.float64()).to_numpy(zero_copy_only=False)
+    except pa.ArrowInvalid:
+        raise DataError(f"the label must be a number, got {raw.type}", file=block.file, column=column) from None
+    if spec.label.transform:
+        op, number, _ = LABEL_TRANSFORM.fullmatch(spec.label.transform).groups()
+        return COMPARISONS[op](values, float(number)).astype(np.float32)
+    bad = (values != 0) & (values != 1)
+    if bad.any():
+        raise DataError(f"the label must be 0 or 1 (or give label.transform), got {values[bad][0]:g}",
+                        file=block.file, column=column, row=_row(block, bad))
+    return values.astype(np.float32)
+
+
+def _dense(spec: ImportSpec, block: Block, column: str, fill: bool) -> np.ndarray:
+    """float64 values of a dense column, missing ones ``dense.fill`` (``fill``) or NaN."""
+    raw = _column(block, column)
+    try:
+        values = pc.cast(raw, pa.float64())
+    except pa.ArrowInvalid:
+        raise DataError(f"a dense column must hold numbers, got {raw.type}", file=block.file, column=column) \
+            from None
+    out = pc.fill_null(values, spec.dense.fill).to_numpy(zero_copy_only=False).copy()
+    bad = ~np.isfinite(out)
+    if bad.any():
+        raise DataError("not a finite number", file=block.file, column=column, row=_row(block, bad))
+    if not fill and values.null_count:
+        out[values.is_null().to_numpy(zero_copy_only=False)] = np.nan
+    return out
+
+
+def _values(spec: ImportSpec, block: Block, column: str) -> pa.Array:
+    """A categorical column's values as strings; a multi-valued column's values flattened."""
+    raw = _column(block, column)
+    if column not in spec.multivalued.columns:
+        return as_strings(raw)
+    return pc.list_flatten(_lists(spec, block, column))
+
+
+def _lists(spec: ImportSpec, block: Block, column: str) -> pa.Array:
+    """A multi-valued column as list<string>, missing → empty, empty values dropped."""
+    raw = _column(block, column)
+    delimiter = spec.multivalued.columns[column]
+    if delimiter:
+        lists = pc.split_pattern(as_strings(raw), delimiter)
+    elif pa.types.is_list(raw.type) or pa.types.is_large_list(raw.type):
+        lists = raw.cast(pa.list_(pa.string()))
+    else:
+        raise DataError(f"a multi-valued column without a delimiter must be a list column, got {raw.type}",
+                        file=block.file, column=column)
+    offsets = _list_offsets(lists)
+    flat = lists.values.slice(lists.offsets[0].as_py(), int(offsets[-1]))
+    keep = pc.fill_null(pc.not_equal(flat, ""), False).to_numpy(zero_copy_only=False)
+    if lists.null_count:  # a missing list becomes empty
+        keep &= np.repeat(lists.is_valid().to_numpy(zero_copy_only=False), np.diff(offsets))
+    kept = np.concatenate([[0], np.cumsum(keep)])[offsets]
+    return pa.ListArray.from_arrays(pa.array(kept.astype(np.int32)), flat.filter(pa.array(keep)))
+
+
+def _list_offsets(lists: pa.Array) -> np.ndarray:
+    return np.asarray(lists.offsets, dtype=np.int64) - lists.offsets[0].as_py()
+
+
+def _repeat(train: pa.Array, spec: ImportSpec, block: Block, column: str) -> pa.Array:
+    """The train mask of a block's rows, repeated for each value of a multi-valued column."""
+    if column not in spec.multivalued.columns:
+        return train
+    return pa.array(np.repeat(np.asarray(train), np.diff(_list_offsets(_lists(spec, block, column)))))
+
+
+def _column(block: Block, column: str) -> pa.Array:
+    index = block.batch.schema.get_field_index(column)
+    if index < 0:
+        raise DataError(f"no column {column!r} (it has {', '.join(block.batch.schema.names)})", file=block.file)
+    return block.batch.column(index)
+
+
+def _row(block: Block, bad) -> int:
+    """The 1-based data row (header excluded) of the first true value of ``bad``."""
+    return block.first_row + int(np.argmax(np.asarray(bad))) + 1
+
+
+def _needed(spec: ImportSpec) -> list[str]:
+    columns = [spec.label.column, *spec.dense.columns, *spec.feature_columns]
+    if spec.split.kind == "chronological" and spec.split.time_column not in columns:
+        columns.append(spec.split.time_column)
+    return columns
+
+
+def _arrow_schema(schema: DatasetSchema) -> pa.Schema:
+    return pa.schema([pa.field("label", pa.float32(), nullable=False)]
+                     + [pa.field(c, pa.float32(), nullable=False) for c in schema.dense]
+                     + [pa.field(f.name, pa.list_(pa.int64()) if f.multi_hot else pa.int64(), nullable=False)
+                        for f in schema.sparse])
+
+
+# -------------------------------------------------------------------------------- writing
+class SplitWriter:
+    """One split's rows into ``SPLIT-00000.parquet``, … of ``file_rows`` rows each, in row
+    groups of ``row_group_rows``."""
+
+    def __init__(self, out: Path, split: str, schema: pa.Schema, row_group_rows: int, file_rows: int) -> None:
+        self.out = out
+        self.split = split
+        self.schema = schema
+        self.row_group_rows = row_group_rows
+        self.file_rows = file_rows
+        self.files: list[str] = []
+        self.rows = 0
+        self._writer: pq.ParquetWriter | None = None
+        self._in_file = 0
+        self._pending: list[pa.Table] = []
+        self._pending_rows = 0
+
+    def write(self, table: pa.Table) -> None:
+        if table.num_rows:
+            self._pending.append(table.cast(self.schema))
+            self._pending_rows += table.num_rows
+            self.rows += table.num_rows
+        while self._pending_rows >= self.row_group_rows:
+            self._flush(self.row_group_rows)
+
+    def _flush(self, rows: int) -> None:
+        pending = pa.concat_tables(self._pending)
+        group, rest = pending.slice(0, rows), pending.slice(rows)
+        if self._writer is None or self._in_file >= self.file_rows:
+            self._open_next()
+        self._writer.write_table(group, row_group_size=rows)
+        self._in_file += group.num_rows
+        self._pending, self._pending_rows = ([rest] if rest.num_rows else []), rest.num_rows
+
+    def _open_next(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        name = f"{self.split}-{len(self.files):05d}.parquet"
+        self._writer = pq.ParquetWriter(self.out / name, self.schema, compression="zstd")
+        self.files.append(name)
+        self._in_file = 0
+
+    def close(self) -> None:
+        if self._pending_rows:
+            self._flush(self._pending_rows)
+        if self._writer is not None:
+            self._writer.close()

@@ -1,0 +1,210 @@
+"""``neorec data convert``: import specs for the public click and rating logs, over the
+importer (:mod:`ingest.importer`). The files are yours to download: their licenses do not
+allow redistributing them.
+
+- ``criteo``: Criteo Kaggle ``train.txt`` / Terabyte ``day_N`` TSV (label, 13 counts, 26
+  hashed categoricals); the last ``eval_fraction`` of the rows (file order is time order)
+  is the eval split, or ``--eval-files`` (e.g. Terabyte's ``day_23``).
+- ``avazu``: the Avazu CTR ``train`` CSV (``click``, ``hour``, 21 categoricals); split by
+  ``hour``.
+- ``movielens``: a MovieLens directory, 100k (``u.data``, ``u.user``, ``u.item``), 1M/10M
+  (``ratings.dat``, ``users.dat``, ``movies.dat``) or 20M/25M/32M (``ratings.csv``,
+  ``movies.csv``): a click is a rating of 4 or more; features user, item, the user's
+  gender/age/occupation/zip (where the set has them) and the item's genres (multi-valued);
+  split by timestamp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+
+from ingest.errors import DataError
+from ingest.import_spec import (CategoricalSpec, DenseSpec, ImportSpec, InputSpec, LabelSpec, MultiValuedSpec,
+                                OutputSpec, SplitSpec)
+from ingest.sources import BLOCK_BYTES, Block
+
+PRESETS = ("criteo", "avazu", "movielens")
+CRITEO_DENSE = [f"I{i}" for i in range(1, 14)]
+CRITEO_SPARSE = [f"C{i}" for i in range(1, 27)]
+AVAZU_CATEGORICAL = ["C1", "banner_pos", "site_id", "site_domain", "site_category", "app_id", "app_domain",
+                     "app_category", "device_id", "device_ip", "device_model", "device_type", "device_conn_type",
+                     *(f"C{i}" for i in range(14, 22))]
+MOVIELENS_GENRES_100K = ["unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime",
+                         "Documentary", "Drama", "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery", "Romance",
+                         "Sci-Fi", "Thriller", "War", "Western"]
+
+
+@dataclass(frozen=True)
+class PresetOptions:
+    eval_fraction: float = 0.1
+    eval_files: tuple[str, ...] = ()
+    min_count: int = 1
+    hash_rows: int = 0
+    """Hash categoricals into this many rows instead of counting a vocabulary (0: vocabulary)."""
+
+
+def preset(name: str, files: Sequence[str], options: PresetOptions = PresetOptions()) -> tuple[ImportSpec, object]:
+    """The import spec of preset ``name`` for ``files``, and its block source (None: the
+    spec's files)."""
+    categorical = dict(encoding="hash", hash_rows=options.hash_rows) if options.hash_rows else \
+        dict(min_count=options.min_count)
+    if options.eval_files:
+        split = SplitSpec(kind="files", eval_files=list(options.eval_files))
+    else:
+        split = SplitSpec(kind="ordered", eval_fraction=options.eval_fraction)
+    if name == "criteo":
+        spec = ImportSpec(
+            input=InputSpec(files=list(files), format="tsv", header=False,
+                            column_names=["label", *CRITEO_DENSE, *CRITEO_SPARSE]),
+            label=LabelSpec("label"), dense=DenseSpec(CRITEO_DENSE),
+            categorical=CategoricalSpec(CRITEO_SPARSE, **categorical), split=split)
+        return _checked(spec), None
+    if name == "avazu":
+        if not options.eval_files:
+            split = SplitSpec(kind="chronological", time_column="hour", eval_fraction=options.eval_fraction)
+        spec = ImportSpec(input=InputSpec(files=list(files), format="csv"), label=LabelSpec("click"),
+                          categorical=CategoricalSpec(AVAZU_CATEGORICAL, **categorical), split=split)
+        return _checked(spec), None
+    if name == "movielens":
+        if len(files) != 1 or not Path(files[0]).is_dir():
+            raise DataError("give the MovieLens directory (holding u.data, ratings.dat or ratings.csv)",
+                            file=" ".join(files))
+        source = MovieLensSource(Path(files[0]))
+        spec = ImportSpec(
+            input=InputSpec(files=[str(source.ratings)]), label=LabelSpec("rating", ">= 4"),
+            categorical=CategoricalSpec(["user", "item", *source.user_columns], **categorical),
+            multivalued=MultiValuedSpec({"genres": ""}),
+            split=SplitSpec(kind="chronological", time_column="timestamp", eval_fraction=options.eval_fraction),
+            output=OutputSpec())
+        return _checked(spec), source
+    raise DataError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+
+
+def _checked(spec: ImportSpec) -> ImportSpec:
+    spec.validate()
+    return spec
+
+
+class MovieLensSource:
+    """The ratings of a MovieLens directory, each row joined with its user's and its item's
+    columns (in the ratings' order: a lookup by index, not a hash join)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        if (directory / "u.data").is_file():
+            self.kind = "100k"
+            self.ratings = directory / "u.data"
+        elif (directory / "ratings.dat").is_file():
+            self.kind = "1m"
+            self.ratings = directory / "ratings.dat"
+        elif (directory / "ratings.csv").is_file():
+            self.kind = "csv"
+            self.ratings = directory / "ratings.csv"
+        else:
+            raise DataError("not a MovieLens directory: no u.data, ratings.dat or ratings.csv", file=str(directory))
+        self.users = self._users()
+        self.items = self._items()
+        self.user_columns = [c for c in self.users.column_names if c != "user"] if self.users is not None else []
+
+    def blocks(self, columns: list[str]) -> Iterator[Block]:
+        first = 0
+        for batch in self._rating_batches():
+            table = pa.Table.from_batches([batch])
+            joined = {name: table[name] for name in table.column_names}
+            if self.users is not None:
+                at = pc.index_in(table["user"], value_set=self.users["user"])
+                joined.update({c: self.users[c].take(at) for c in self.user_columns})
+            at = pc.index_in(table["item"], value_set=self.items["item"])
+            joined["genres"] = self.items["genres"].take(at)
+            out = pa.table({c: joined[c] for c in columns}).combine_chunks()
+            yield Block(out.to_batches()[0] if out.num_rows else pa.RecordBatch.from_pylist([], out.schema),
+                        str(self.ratings), first)
+            first += table.num_rows
+
+    # ---------------------------------------------------------------------- the files
+    def _rating_batches(self) -> Iterator[pa.RecordBatch]:
+        names = ["user", "item", "rating", "timestamp"]
+        if self.kind == "100k":
+            yield from _delimited(self.ratings, "\t", names)
+        elif self.kind == "1m":
+            yield from _double_colon(self.ratings, names)
+        else:
+            reader = pacsv.open_csv(self.ratings, read_options=pacsv.ReadOptions(block_size=BLOCK_BYTES),
+                                    convert_options=pacsv.ConvertOptions(column_types={
+                                        "userId": pa.string(), "movieId": pa.string()}))
+            for batch in reader:
+                yield pa.RecordBatch.from_arrays([batch.column(i) for i in range(4)], names=names)
+
+    def _users(self) -> pa.Table | None:
+        if self.kind == "100k":
+            table = _read_all(_delimited(self.directory / "u.user", "|",
+                                         ["user", "age", "gender", "occupation", "zip"], latin1=True))
+        elif self.kind == "1m" and (self.directory / "users.dat").is_file():
+            table = _read_all(_double_colon(self.directory / "users.dat",
+                                            ["user", "gender", "age", "occupation", "zip"]))
+        else:
+            return None
+        return table.select(["user", "gender", "age", "occupation", "zip"])
+
+    def _items(self) -> pa.Table:
+        if self.kind == "100k":
+            flags = [f"g{i}" for i in range(len(MOVIELENS_GENRES_100K))]
+            table = _read_all(_delimited(self.directory / "u.item", "|",
+                                         ["item", "title", "released", "video", "url", *flags], latin1=True))
+            matrix = np.stack([pc.cast(table[f], pa.int64()).to_numpy(zero_copy_only=False) for f in flags], axis=1)
+            rows, which = np.nonzero(matrix == 1)
+            offsets = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=table.num_rows))])
+            genres = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)),
+                                              pa.array(np.array(MOVIELENS_GENRES_100K, dtype=object)[which],
+                                                       pa.string()))
+            return pa.table({"item": table["item"], "genres": genres})
+        if self.kind == "1m":
+            table = _read_all(_double_colon(self.directory / "movies.dat", ["item", "title", "genres"]))
+        else:
+            table = pacsv.read_csv(self.directory / "movies.csv", convert_options=pacsv.ConvertOptions(
+                column_types={"movieId": pa.string(), "genres": pa.string()}))
+            table = table.rename_columns(["item", "title", "genres"])
+        genres = pc.split_pattern(pc.replace_substring(table["genres"], "(no genres listed)", ""), "|")
+        return pa.table({"item": table["item"], "genres": genres})
+
+
+def _delimited(path: Path, delimiter: str, names: list[str], latin1: bool = False) -> Iterator[pa.RecordBatch]:
+    """A headerless file of one-character delimiters, every column a string."""
+    if not path.is_file():
+        raise DataError("missing from the MovieLens directory", file=str(path))
+    reader = pacsv.open_csv(path, read_options=pacsv.ReadOptions(
+        column_names=names, block_size=BLOCK_BYTES, encoding="latin-1" if latin1 else "utf8"),
+        parse_options=pacsv.ParseOptions(delimiter=delimiter, quote_char=False),
+        convert_options=pacsv.ConvertOptions(column_types={n: pa.string() for n in names}))
+    yield from reader
+
+
+def _double_colon(path: Path, names: list[str]) -> Iterator[pa.RecordBatch]:
+    """A MovieLens ``.dat`` file (``a::b::c``, Latin-1), split without a Python loop: each
+    line read whole, then split on ``::``."""
+    if not path.is_file():
+        raise DataError("missing from the MovieLens directory", file=str(path))
+    reader = pacsv.open_csv(path, read_options=pacsv.ReadOptions(
+        column_names=["line"], block_size=BLOCK_BYTES, encoding="latin-1"),
+        parse_options=pacsv.ParseOptions(delimiter="\x1f", quote_char=False),
+        convert_options=pacsv.ConvertOptions(column_types={"line": pa.string()}))
+    first = 0
+    for batch in reader:
+        parts = pc.split_pattern(batch.column(0), "::", max_splits=len(names) - 1)
+        lengths = pc.list_value_length(parts).to_numpy(zero_copy_only=False)
+        if (lengths != len(names)).any():
+            row = first + int(np.argmax(lengths != len(names))) + 1
+            raise DataError(f"expected {len(names)} fields separated by '::'", file=str(path), row=row)
+        first += batch.num_rows
+        yield pa.RecordBatch.from_arrays([pc.list_element(parts, i) for i in range(len(names))], names=names)
+
+
+def _read_all(batches: Iterator[pa.RecordBatch]) -> pa.Table:
+    return pa.Table.from_batches(list(batches))

@@ -1,0 +1,177 @@
+"""``neorec data import`` against a plain-Python reference (the csv module, Counter): the same
+splits, ids, dense values and lists; unseen and missing values are 0; vocabularies carry
+over to new data; bad input is named."""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ingest.errors import DataError
+from ingest.import_spec import ImportSpec, SpecError
+from ingest.importer import import_dataset
+
+ROWS = 3000
+
+
+def write_log(path: Path, rows: int = ROWS, seed: int = 0, users: int = 300) -> None:
+    """A click log: user (string ids, Zipf), item (integers), a dense count with gaps, genres
+    (``|``-delimited, some empty), a timestamp (not sorted), a rating."""
+    rng = np.random.default_rng(seed)
+    genres = ["action", "drama", "comedy", "noir", "sci-fi"]
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["user", "item", "count", "genres", "ts", "rating"])
+        for i in range(rows):
+            user = f"u{min(int(rng.zipf(1.3)), users):04d}"
+            item = int(rng.integers(0, 50))
+            count = "" if rng.random() < 0.1 else int(rng.integers(0, 100))
+            tags = "|".join(rng.choice(genres, int(rng.integers(0, 3)), replace=False)) if rng.random() < 0.9 else ""
+            out.writerow([user, item, count, tags, int(rng.integers(0, 10_000)), int(rng.integers(1, 6))])
+
+
+def spec(path: Path, **sections) -> ImportSpec:
+    raw = {"input": {"files": [str(path)]}, "label": {"column": "rating", "transform": ">= 4"},
+           "dense": {"columns": ["count"], "transform": "standardize", "fill": 0.0},
+           "categorical": {"columns": ["user", "item"]}, "multivalued": {"columns": {"genres": "|"}},
+           "split": {"kind": "chronological", "time_column": "ts", "eval_fraction": 0.25},
+           "output": {"row_group_rows": 1000, "file_rows": 2000}}
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    return ImportSpec.from_dict(raw)
+
+
+def reference(path: Path, eval_fraction: float = 0.25) -> dict:
+    """The import done by hand: chronological split (ties in file order), vocabularies of
+    the train rows by count then value, standardized dense values, lists of ids."""
+    rows = list(csv.DictReader(open(path)))
+    train_rows = round(len(rows) * (1 - eval_fraction))
+    order = sorted(range(len(rows)), key=lambda i: (int(rows[i]["ts"]), i))
+    is_train = [False] * len(rows)
+    for i in order[:train_rows]:
+        is_train[i] = True
+    train = [r for r, t in zip(rows, is_train) if t]
+
+    def vocab(values) -> dict[str, int]:
+        counts = Counter(values)
+        ranked = sorted(counts, key=lambda v: (-counts[v], v))
+        return {v: i + 1 for i, v in enumerate(ranked)}
+
+    vocabs = {"user": vocab(r["user"] for r in train), "item": vocab(r["item"] for r in train),
+              "genres": vocab(g for r in train for g in r["genres"].split("|") if g)}
+    present = [float(r["count"]) for r in train if r["count"] != ""]
+    mean = sum(present) / len(present)
+    std = math.sqrt(sum((x - mean) ** 2 for x in present) / len(present))
+    out = {"train": [], "eval": []}
+    for row, train_row in zip(rows, is_train):
+        count = float(row["count"]) if row["count"] != "" else 0.0
+        out["train" if train_row else "eval"].append({
+            "label": float(int(row["rating"]) >= 4), "count": (count - mean) / std,
+            "user": vocabs["user"].get(row["user"], 0), "item": vocabs["item"].get(row["item"], 0),
+            "genres": [vocabs["genres"].get(g, 0) for g in row["genres"].split("|") if g]})
+    return {"splits": out, "vocabs": vocabs}
+
+
+def rows_of(dataset, split: str) -> list[dict]:
+    return [r for f in dataset.files(split) for r in pq.read_table(f).to_pylist()]
+
+
+def test_import_equals_the_plain_python_reference(tmp_path):
+    write_log(tmp_path / "log.csv")
+    dataset = import_dataset(spec(tmp_path / "log.csv"), tmp_path / "out")
+    expected = reference(tmp_path / "log.csv")
+    for split in ("train", "eval"):
+        got, want = rows_of(dataset, split), expected["splits"][split]
+        assert len(got) == len(want) == dataset.rows[split]
+        for g, w in zip(got, want):
+            assert {k: g[k] for k in ("label", "user", "item", "genres")} == \
+                {k: w[k] for k in ("label", "user", "item", "genres")}
+            assert g["count"] == pytest.approx(w["count"], abs=1e-5)
+    assert len(dataset.files("train")) == 2  # file_rows = 2000 of 2250 train rows
+    cardinality = {f.name: f.cardinality for f in dataset.schema.sparse}
+    assert cardinality == {name: len(v) + 1 for name, v in expected["vocabs"].items()}
+    assert [f.multi_hot for f in dataset.schema.sparse] == [False, False, True]
+    evals = expected["splits"]["eval"]
+    assert any(r["user"] == 0 for r in evals)  # users first seen in the eval split are unseen: 0
+
+
+def test_vocabularies_carry_over_to_new_data(tmp_path):
+    write_log(tmp_path / "old.csv", seed=0)
+    write_log(tmp_path / "new.csv", rows=500, seed=1)
+    old = import_dataset(spec(tmp_path / "old.csv"), tmp_path / "old")
+    new = import_dataset(spec(tmp_path / "new.csv"), tmp_path / "new", vocab_from=tmp_path / "old")
+    assert {f.name: f.cardinality for f in new.schema.sparse} == {f.name: f.cardinality for f in old.schema.sparse}
+    vocab = pq.read_table(tmp_path / "old" / "vocab" / "user.parquet")["value"].to_pylist()
+    raw = list(csv.DictReader(open(tmp_path / "new.csv")))
+    encoded = rows_of(new, "train") + rows_of(new, "eval")
+    by_user = {}
+    for row in encoded:
+        by_user.setdefault(row["user"], set())
+    expected_ids = {vocab.index(r["user"]) + 1 if r["user"] in vocab else 0 for r in raw}
+    assert set(by_user) == expected_ids
+    assert new.generator["dense_stats"] == old.generator["dense_stats"]
+
+
+def test_min_count_max_rows_and_hashing(tmp_path):
+    write_log(tmp_path / "log.csv")
+    capped = import_dataset(spec(tmp_path / "log.csv", categorical={"min_count": 3, "max_rows": 20}), tmp_path / "c")
+    vocab = reference(tmp_path / "log.csv")["vocabs"]["user"]
+    assert {f.name: f.cardinality for f in capped.schema.sparse}["user"] == 20
+    rows = rows_of(capped, "train")
+    assert max(r["user"] for r in rows) == 19 and any(r["user"] == 0 for r in rows)
+    hashed = import_dataset(spec(tmp_path / "log.csv", categorical={"encoding": "hash", "hash_rows": 64},
+                                 split={"kind": "random", "seed": 3}), tmp_path / "h")
+    again = import_dataset(spec(tmp_path / "log.csv", categorical={"encoding": "hash", "hash_rows": 64},
+                                split={"kind": "random", "seed": 3}), tmp_path / "h2")
+    assert rows_of(hashed, "train") == rows_of(again, "train")  # deterministic
+    ids = np.array([r["user"] for r in rows_of(hashed, "train") + rows_of(hashed, "eval")])
+    assert ids.min() >= 1 and ids.max() < 64 and len(set(ids.tolist())) > 40
+    assert 0.2 < hashed.rows["eval"] / ROWS < 0.3
+    assert len(vocab) > 20
+
+
+def test_a_parquet_list_column_round_trips(tmp_path):
+    table = pa.table({"click": [1, 0, 1, 0], "tags": [["a", "b"], None, [], ["b", "c", "zz"]],
+                      "t": [1, 2, 3, 4]})
+    pq.write_table(table, tmp_path / "in.parquet")
+    dataset = import_dataset(ImportSpec.from_dict({
+        "input": {"files": [str(tmp_path / "in.parquet")], "format": "parquet"}, "label": {"column": "click"},
+        "multivalued": {"columns": {"tags": ""}},
+        "split": {"kind": "chronological", "time_column": "t", "eval_fraction": 0.25}}), tmp_path / "out")
+    vocab = pq.read_table(tmp_path / "out" / "vocab" / "tags.parquet")["value"].to_pylist()
+    decoded = [[vocab[i - 1] if i else None for i in r["tags"]] for r in rows_of(dataset, "train")]
+    assert decoded == [["a", "b"], [], []]
+    assert [r["tags"] for r in rows_of(dataset, "eval")] == [[vocab.index("b") + 1, 0, 0]]  # c, zz unseen
+
+
+@pytest.mark.parametrize("line,where", [
+    ("u1,3,7,a,10,", "column 'rating', row 2: missing label"),
+    ("u1,3,x7,a,10,4", "column 'count'"),
+])
+def test_bad_rows_are_named(tmp_path, line, where):
+    path = tmp_path / "bad.csv"
+    path.write_text("user,item,count,genres,ts,rating\nu0,1,2,a,5,4\n" + line + "\nu2,1,2,a,6,4\n")
+    with pytest.raises(DataError, match=where.replace("(", r"\(")):
+        import_dataset(spec(path), tmp_path / "out")
+
+
+def test_bad_labels_missing_files_and_bad_specs_are_named(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text("user,item,count,genres,ts,rating\nu0,1,2,a,5,1\nu1,1,2,a,6,3\n")
+    with pytest.raises(DataError, match="column 'rating', row 2: the label must be 0 or 1"):
+        import_dataset(spec(path, label={"transform": ""}), tmp_path / "out")
+    with pytest.raises(DataError, match="nothere.csv"):
+        import_dataset(spec(tmp_path / "nothere.csv"), tmp_path / "out")
+    with pytest.raises(SpecError, match="label.transform"):
+        spec(path, label={"transform": "is good"})
+    with pytest.raises(SpecError, match="unknown key 'split.kinds'"):
+        spec(path, split={"kinds": "random"})
+    with pytest.raises(SpecError, match="'user' is both categorical and multivalued"):
+        spec(path, multivalued={"columns": {"user": "|"}})

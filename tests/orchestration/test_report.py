@@ -1,0 +1,64 @@
+"""``neorec report`` plots what ``metrics.jsonl`` holds; ``checkpoint.keep_best`` keeps the
+checkpoint of the best eval AUC, which ``neorec eval --best`` evaluates."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from orchestration.report import PLOTS, figures, read_run
+from trainer.checkpoint.layout import BEST, complete, read_manifest
+from trainer.config import TrainConfig
+from trainer.train import evaluate_checkpoint, train
+
+
+@pytest.fixture(scope="module")
+def runs(criteo_dataset, tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    for name, lr in (("slow", 0.01), ("fast", 0.1)):
+        train(TrainConfig.from_dict({
+            "data": {"path": str(criteo_dataset.root)},
+            "model": {"max_table_rows": 2000, "embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16, 1]},
+            "optimizer": {"sparse_lr": lr, "dense_lr": lr},
+            "train": {"batch_size": 128, "epochs": 3, "log_every": 5, "eval_every": 10},
+            "checkpoint": {"keep": 1, "keep_best": True},
+            "run": {"dir": str(root / name)}}))
+    return [root / "slow", root / "fast"]
+
+
+def test_the_plotted_lines_are_the_logged_metrics(runs):
+    logged = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in runs]
+    drawn = figures([read_run(run) for run in runs])
+    assert set(drawn) == set(PLOTS)
+    for name, panels in PLOTS.items():
+        for ax, (split, metric, _) in zip(drawn[name].axes, panels):
+            assert [line.get_label() for line in ax.lines] == ["slow", "fast"]
+            for line, records in zip(ax.lines, logged):
+                expected = [(r["step"], r[metric]) for r in records if r["split"] == split]
+                assert expected and [tuple(p) for p in line.get_xydata().tolist()] == expected
+
+
+def test_report_writes_pngs_and_a_summary(runs, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "orchestration.cli", "report", *map(str, runs), "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for name in PLOTS:
+        png = (tmp_path / f"{name}.png").read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 5000
+    summary = json.loads((runs[1] / "summary.json").read_text())
+    line = next(x for x in done.stdout.splitlines() if x.startswith("fast"))
+    assert f"{summary['eval_auc']:.4f}" in line
+
+
+def test_the_best_checkpoint_is_kept_and_evaluated(runs):
+    run = runs[1]
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in evals if r["split"] == "eval"]
+    best = max(evals, key=lambda r: r["auc"])  # the first of equals
+    name = (run / "checkpoint" / BEST).read_text().strip()
+    assert read_manifest(run / "checkpoint" / name).step == best["step"]
+    assert name in {p.name for p in complete(run / "checkpoint")}  # kept though keep = 1
+    assert evaluate_checkpoint(run, best=True)["auc"] == best["auc"]
