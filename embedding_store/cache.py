@@ -22,14 +22,27 @@ import numba
 import numpy as np
 
 from ingest.hashing import mix64_jit
+from ingest.prefetch import prefetch
 
 POLICIES = ("lru", "lfu")
 EMPTY = -1
+AHEAD = 8
+"""Rows ahead whose sets the kernels prefetch: a set is a few cache lines of a tag array
+much larger than the CPU's caches, so each would otherwise wait for memory."""
 
 
 @numba.njit(inline="always")
 def _set_of(row: int, sets: int) -> int:
     return int(mix64_jit(np.uint64(row)) % np.uint64(sets))
+
+
+@numba.njit(inline="always")
+def _prefetch_set(array: np.ndarray, rows: np.ndarray, i: int, sets: int, ways: int) -> None:
+    """Start loading the set of ``rows[i]`` (if any) in ``array``: a later row's, ahead."""
+    if i < rows.shape[0]:
+        base = _set_of(rows[i], sets) * ways
+        for w in range(0, ways, 8):  # 8 int64 a cache line
+            prefetch(array, base + w)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -38,6 +51,7 @@ def lookup(tags: np.ndarray, ways: int, rows: np.ndarray, slots: np.ndarray) -> 
     sets = tags.shape[0] // ways
     hits = 0
     for i in range(rows.shape[0]):
+        _prefetch_set(tags, rows, i + AHEAD, sets, ways)
         row = rows[i]
         base = _set_of(row, sets) * ways
         slots[i] = -1
@@ -61,6 +75,9 @@ def admit(tags: np.ndarray, scores: np.ndarray, pins: np.ndarray, dirty: np.ndar
     sets = tags.shape[0] // ways
     misses = 0
     for i in range(rows.shape[0]):  # hits: pinned first
+        _prefetch_set(tags, rows, i + AHEAD, sets, ways)
+        _prefetch_set(scores, rows, i + AHEAD, sets, ways)
+        _prefetch_set(pins, rows, i + AHEAD, sets, ways)
         row = rows[i]
         base = _set_of(row, sets) * ways
         slots[i] = -1
@@ -76,6 +93,9 @@ def admit(tags: np.ndarray, scores: np.ndarray, pins: np.ndarray, dirty: np.ndar
     for i in range(rows.shape[0]):  # misses: an empty way, or the lowest score not pinned by the batch
         if slots[i] >= 0:
             continue
+        _prefetch_set(tags, rows, i + AHEAD, sets, ways)
+        _prefetch_set(scores, rows, i + AHEAD, sets, ways)
+        _prefetch_set(pins, rows, i + AHEAD, sets, ways)
         misses += 1
         row = rows[i]
         base = _set_of(row, sets) * ways

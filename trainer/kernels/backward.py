@@ -18,7 +18,8 @@ import numba
 import numpy as np
 
 from trainer.kernels.precision import FP32, decode, encode, uniform_noise
-from trainer.kernels.prefetch import prefetch, prefetch_row
+from ingest.prefetch import prefetch
+from trainer.kernels.prefetch import prefetch_row
 
 SGD = 0
 ADAGRAD = 1

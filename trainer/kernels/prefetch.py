@@ -1,43 +1,11 @@
-"""A software prefetch for Numba kernels: ask the CPU to start loading the cache line of
-``array[index]`` now, so that a later access does not wait for memory.
-
-Embedding lookups and updates touch random rows of tables far larger than the caches; the
-kernels prefetch the rows a few ids or rows ahead of the one they work on. A prefetch
-never faults, and an index past the end is harmless (the line is just not used).
-"""
+"""Prefetching an embedding row for the fused kernels (see :mod:`ingest.prefetch`)."""
 
 from __future__ import annotations
 
 import numba
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
+from ingest.prefetch import prefetch
 from trainer.kernels.precision import FP32
-
-_READ, _HIGH_LOCALITY, _DATA_CACHE = 0, 3, 1
-
-
-@intrinsic
-def prefetch(typingctx, array, index):
-    """``prefetch(array, index)``: start loading the line holding ``array[index]`` (1-D)."""
-    signature = types.void(array, index)
-
-    def codegen(context, builder, sig, args):
-        array_type = sig.args[0]
-        view = context.make_array(array_type)(context, builder, args[0])
-        pointer = cgutils.get_item_pointer(context, builder, array_type, view, [args[1]], wraparound=False,
-                                           boundscheck=False)
-        byte_pointer = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        function = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]), "llvm.prefetch.p0i8")
-        builder.call(function, [builder.bitcast(pointer, byte_pointer), ir.Constant(i32, _READ),
-                                ir.Constant(i32, _HIGH_LOCALITY), ir.Constant(i32, _DATA_CACHE)])
-        return context.get_dummy_value()
-
-    return signature, codegen
 
 
 @numba.njit(inline="always")
