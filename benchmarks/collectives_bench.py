@@ -1,7 +1,12 @@
 """Sums over ranks on gloo: gloo's all-reduce against one all-to-all of the whole tensor
 (each rank adding the copies itself), at several sizes, on ``nproc`` ranks launched by
 torchrun and pinned like the trainer's. This measures the size limit
-:data:`trainer.sharding.collectives.WHOLE_TENSOR_ALL_TO_ALL_BYTES`."""
+:data:`trainer.sharding.collectives.WHOLE_TENSOR_ALL_TO_ALL_BYTES`.
+
+Reduced-precision communication (``sharding.comm_precision``), at the same sizes: the
+pooled embeddings' all-to-all in fp16/bf16 (encode and decode included) against float32,
+and the gradient sum in fp16/bf16 against float32's all-reduce; bytes on the wire and the
+round-trip error."""
 
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ import torch.distributed as dist
 from benchmarks.timing import interleaved_rates
 from orchestration.processes import torchrun_command
 from trainer.affinity import pin_rank
-from trainer.sharding.collectives import start_all_to_all_sum
+from trainer.sharding.collectives import all_to_all, start_all_to_all_sum
+from trainer.sharding.comm_precision import all_to_all_in, decode, encode, sum_in
 
 SIZES_BYTES = (1 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 """Bytes of the tensor each rank sums."""
@@ -62,9 +68,43 @@ def _rank_main(out: Path, quick: bool) -> None:
             "all_to_all_bytes_per_rank": world * size,
             "speedup": rates["all_to_all_sum"] / rates["all_reduce"],
         }
+        results["sizes"][str(size)]["reduced_precision"] = _reduced(tensor, summed_in_place, steps, quick)
     if rank == 0:
         out.write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def _reduced(tensor: torch.Tensor, summed_in_place: torch.Tensor, steps: int, quick: bool) -> dict[str, Any]:
+    world = dist.get_world_size()
+    sizes = [tensor.numel() // world] * world
+    sizes[-1] += tensor.numel() - sum(sizes)
+    piece = tensor[: sum(sizes)]
+
+    def exchange(precision: str):
+        def run(_: int) -> int:
+            all_to_all_in(piece, sizes, sizes, precision) if precision != "fp32" else all_to_all(piece, sizes, sizes)
+            return 1
+        return run
+
+    def reduce(precision: str):
+        def run(_: int) -> int:
+            sum_in(tensor, precision) if precision != "fp32" else dist.all_reduce(summed_in_place)
+            return 1
+        return run
+
+    candidates = {f"all_to_all_{p}": exchange(p) for p in ("fp32", "fp16", "bf16")}
+    candidates.update({f"sum_{p}": reduce(p) for p in ("fp32", "fp16", "bf16")})
+    rates = interleaved_rates(candidates, steps=steps, rounds=3 if quick else 7)
+    out: dict[str, Any] = {}
+    for precision in ("fp16", "bf16"):
+        back = decode(encode(tensor, precision))
+        out[precision] = {
+            "wire_bytes_over_fp32": encode(tensor, precision).element_size() / tensor.element_size(),
+            "max_relative_round_trip_error": float(((back - tensor).abs() / tensor.abs().clamp(min=1e-30)).max()),
+            "all_to_all_speedup": rates[f"all_to_all_{precision}"] / rates["all_to_all_fp32"],
+            "sum_speedup_over_fp32_all_reduce": rates[f"sum_{precision}"] / rates["sum_fp32"],
+        }
+    return out
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ batch_size = {batch}
 eval_batch_size = 4096
 max_steps = {steps}
 log_every = 1000
+[sharding]
+comm_precision = {precision}
 [checkpoint]
 final = false
 [run]
@@ -57,15 +59,33 @@ def run(quick: bool = False, nproc: int = 2) -> dict[str, Any]:
                 "steps": steps, "single_process_qps": single, "sharded_qps": sharded, "runs": qps,
                 "ratio": sharded / single, "overhead": 1 - sharded / single,
             }
+        results["comm_precision"] = _precision_runs(Path(tmp), nproc, 4096 // nproc, max(300 // scale, 2))
     return results
 
 
+def _precision_runs(tmp: Path, nproc: int, batch: int, steps: int) -> dict[str, Any]:
+    """The same sharded run with float32 and with fp16/bf16 communication: QPS and eval AUC."""
+    out: dict[str, Any] = {}
+    for name, precision in (("fp32", "{}"), ("fp16", '{ forward = "fp16", backward = "fp16" }'),
+                            ("bf16", '{ forward = "bf16", backward = "bf16" }')):
+        summary = _train(tmp, nproc, batch, steps, precision)
+        out[name] = {"qps": summary["train_qps"], "eval_auc": summary["eval_auc"]}
+    for name in ("fp16", "bf16"):
+        out[name]["auc_minus_fp32"] = out[name]["eval_auc"] - out["fp32"]["eval_auc"]
+        out[name]["qps_over_fp32"] = out[name]["qps"] / out["fp32"]["qps"]
+    return out
+
+
 def _train_qps(tmp: Path, nproc: int, batch: int, steps: int) -> float:
+    return float(_train(tmp, nproc, batch, steps)["train_qps"])
+
+
+def _train(tmp: Path, nproc: int, batch: int, steps: int, precision: str = "{}") -> dict[str, Any]:
     run_dir = tmp / f"run-{nproc}"
     config = tmp / f"bench-{nproc}.toml"
-    config.write_text(CONFIG.format(data=tmp / "data", batch=batch, steps=steps, run=run_dir))
+    config.write_text(CONFIG.format(data=tmp / "data", batch=batch, steps=steps, run=run_dir, precision=precision))
     command = [sys.executable, "-m", "orchestration.cli", "train", str(config), "--nproc", str(nproc), "--overwrite"]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
-    return float(json.loads((run_dir / "summary.json").read_text())["train_qps"])
+    return json.loads((run_dir / "summary.json").read_text())

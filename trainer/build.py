@@ -92,7 +92,8 @@ def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None
     if plan is not None and plan.world_size > 1:
         embeddings = ShardedEmbeddingBagCollection(
             tables, sparse_optimizer(config), plan, seed=seed,
-            timeout=timedelta(seconds=config.train.collective_timeout_s), store=store, **storage)
+            timeout=timedelta(seconds=config.train.collective_timeout_s), store=store,
+            comm_precision=config.sharding.precision(), **storage)
     elif on_store:
         if store is None:
             raise ValueError("the plan puts tables on the embedding store: give the store's settings")

@@ -15,6 +15,7 @@ from trainer.embedding_config import POOLINGS, SPARSE_OPTIMIZERS, WEIGHT_DTYPES
 from trainer.model import MLP_INITS
 from trainer.planner.enumerate import Constraint
 from trainer.planner.inputs import parse_bytes
+from trainer.sharding.comm_precision import CommPrecision
 from trainer.sharding.plan import PlanError
 
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
@@ -177,8 +178,18 @@ class ShardingConfig:
     lookup_gbps: float = 2.0
     """Embedding row bytes a rank reads or writes per second."""
     tables: dict[str, str] = field(default_factory=dict)
+    comm_precision: dict[str, str] = field(default_factory=dict)
+    """Wire type of the pooled embeddings' all-to-all (``forward``) and of the gradients
+    (``backward``: theirs and the MLPs' sums): ``fp32`` (default), ``fp16`` or ``bf16``."""
+
+    def precision(self) -> CommPrecision:
+        return CommPrecision(**self.comm_precision)
 
     def validate(self) -> None:
+        try:
+            self.precision()
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"sharding.comm_precision: {err} (keys: forward, backward)") from None
         for key in ("ranks_per_node", "group_size"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"sharding.{key}: must be >= 0, got {getattr(self, key)}")

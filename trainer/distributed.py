@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.sharding.collectives import start_sum
+from trainer.sharding.comm_precision import FULL, CommPrecision, sum_in
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -151,26 +152,33 @@ def explain_collective_failure(context: DistributedContext, error: RuntimeError)
     return explained
 
 
-def wrap_data_parallel(model: nn.Module, rank_local: str = "embeddings") -> DistributedDataParallel:
+def wrap_data_parallel(model: nn.Module, rank_local: str = "embeddings",
+                       precision: CommPrecision = FULL) -> DistributedDataParallel:
     """``model`` in DDP, except its submodule ``rank_local`` (the sharded embeddings: each
     rank holds different shards, which DDP must neither broadcast nor all-reduce).
 
     The gradient all-reduce *sums* over ranks: each rank's loss is its share of the global
     mean (its samples' sum over the global sample count), so the sum is the gradient of the
-    global mean, as the embedding gradients (summed by the output all-to-all) are.
+    global mean, as the embedding gradients (summed by the output all-to-all) are. The
+    gradients travel in ``precision.backward``.
     """
     local = [f"{rank_local}.{name}" for name, _ in getattr(model, rank_local).named_parameters()]
     local += [f"{rank_local}.{name}" for name, _ in getattr(model, rank_local).named_buffers()]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, local)
     wrapped = DistributedDataParallel(model, forward_sync_buffers=False)
-    wrapped.register_comm_hook(None, _sum_gradients)
+    wrapped.register_comm_hook(precision.backward, _sum_gradients)
     return wrapped
 
 
-def _sum_gradients(state, bucket):  # DDP checks real annotations; these would be strings here
+def _sum_gradients(precision, bucket):  # DDP checks real annotations; these would be strings here
     """DDP communication hook: the future of ``bucket``'s (a ``dist.GradBucket``) buffer
-    summed over the ranks (:func:`~trainer.sharding.collectives.start_sum`)."""
-    return start_sum(bucket.buffer())
+    summed over the ranks (:func:`~trainer.sharding.collectives.start_sum`; in reduced
+    precision, :func:`~trainer.sharding.comm_precision.sum_in`, at once)."""
+    if precision == "fp32":
+        return start_sum(bucket.buffer())
+    future = torch.futures.Future()
+    future.set_result(sum_in(bucket.buffer(), precision))
+    return future
 
 
 def global_sum(context: DistributedContext, values: list[float]) -> list[float]:

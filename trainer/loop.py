@@ -116,7 +116,8 @@ class TrainingRun:
             self.early = Prefetcher(_prepared(self.dlrm, batches(self.train_reader, 0, 0, context.device), steps),
                                     loop.prefetch)
         compile_kernels()  # load the Numba kernels now, not in the first steps
-        self.model = wrap_data_parallel(self.dlrm) if context.distributed else self.dlrm
+        self.model = wrap_data_parallel(self.dlrm, precision=config.sharding.precision()) \
+            if context.distributed else self.dlrm
         if context.is_main:
             run_directory.write_json(self.run_dir / run_directory.CONFIG, config.to_dict())
             if self.plan is not None:

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-from tests.conftest import FIXTURES
 from tests.trainer.test_train import untimed
 from tests.ingest.workers import start_worker, stop_all
 

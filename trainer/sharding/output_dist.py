@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trainer.sharding.collectives import AllToAll, RankSlice
+from trainer.sharding.collectives import RankSlice
+from trainer.sharding.comm_precision import FULL, AllToAllIn, CommPrecision
 from trainer.sharding.layout import ShardedLayout
 
 
@@ -18,12 +19,15 @@ class PooledAllToAll:
     Row-split tables' partial sums are added in shard order after the all-to-all (a
     reduce-scatter carried by the same collective, in a fixed order); their mean pooling
     divides the sum by the bag's length afterwards. Replicated tables keep this rank's rows
-    of their output (:class:`RankSlice`). Backward runs every step in reverse.
+    of their output (:class:`RankSlice`). Backward runs every step in reverse. The
+    all-to-all and its gradient travel in ``precision``.
     """
 
-    def __init__(self, layout: ShardedLayout, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, layout: ShardedLayout, group: dist.ProcessGroup | None = None,
+                 precision: CommPrecision = FULL) -> None:
         self.layout = layout
         self.group = group
+        self.precision = precision
 
     def __call__(self, pooled: torch.Tensor, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
         """``lengths`` int ``[F, B]``: the rank's bag lengths, features in collection order
@@ -33,8 +37,8 @@ class PooledAllToAll:
         sent_cols = int(layout.sharded_cols[me])
         received_cols = layout.sharded_cols.tolist()
         sharded = pooled[:, :sent_cols].contiguous().view(-1)
-        received = AllToAll.apply(sharded, [batch_size * sent_cols] * world,
-                                  [batch_size * c for c in received_cols], self.group)
+        received = AllToAllIn.apply(sharded, [batch_size * sent_cols] * world,
+                                    [batch_size * c for c in received_cols], self.group, self.precision)
         blocks = [piece.view(batch_size, c) for piece, c in
                   zip(torch.split(received, [batch_size * c for c in received_cols]), received_cols)]
         if pooled.shape[1] > sent_cols:

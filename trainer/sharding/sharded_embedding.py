@@ -16,6 +16,7 @@ from trainer.fused_embedding import FusedEmbeddingBagCollection, ShardView, init
 from trainer.store_backed import StoreBackedEmbeddings, StoreSettings
 from trainer.sharding.input_dist import RoutedSparse, SparseAllToAll
 from trainer.sharding.layout import ShardedLayout
+from trainer.sharding.comm_precision import FULL, CommPrecision
 from trainer.sharding.output_dist import PooledAllToAll
 from trainer.sharding.plan import DATA_PARALLEL, ShardingPlan
 
@@ -58,7 +59,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                  seed: int = 0, group: dist.ProcessGroup | None = None,
                  full_weights: dict[str, torch.Tensor] | None = None, weight_dtype: str = "fp32",
                  stochastic_rounding: bool = True, kernels: str = "auto",
-                 timeout: timedelta | None = None, store: StoreSettings | None = None) -> None:
+                 timeout: timedelta | None = None, store: StoreSettings | None = None,
+                 comm_precision: CommPrecision = FULL) -> None:
         """``full_weights``: float32 ``[rows, dim]`` of any table (each rank slices its
         shards); other tables start from :func:`initial_table_weight` with ``seed``.
         ``weight_dtype`` and ``stochastic_rounding`` as for the fused module (rounding noise
@@ -67,7 +69,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         ``timeout``: how long the input all-to-alls' process group waits for a silent rank
         (``torch.distributed``'s default for a new group otherwise, half an hour).
         ``store``: where the shards of the plan's store tables keep their rows (the local
-        module is then a :class:`~trainer.store_backed.StoreBackedEmbeddings`)."""
+        module is then a :class:`~trainer.store_backed.StoreBackedEmbeddings`).
+        ``comm_precision``: the wire type of the pooled embeddings' all-to-all and its gradient."""
         super().__init__()
         if dist.get_world_size(group) != plan.world_size:
             raise ValueError(f"the plan is for {plan.world_size} ranks, the process group has "
@@ -113,7 +116,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         elif configs:
             self.local = FusedEmbeddingBagCollection(configs, optimizer, initial_weights=shard_weights, **storage)
         self.input_dist = SparseAllToAll(self.layout, torch_routing=kernels == "torch")
-        self.output_dist = PooledAllToAll(self.layout, group)
+        self.output_dist = PooledAllToAll(self.layout, group, comm_precision)
         self.input_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD), timeout=timeout)
 
     def prepare(self, sparse: KeyedJaggedTensor) -> PreparedSparse:

@@ -65,13 +65,13 @@ def single_process_model(model: DLRM, dataset: Dataset, config: TrainConfig) -> 
     return single
 
 
-def train_sharded(rank: int, world: int, path: str) -> dict:
-    dataset = Dataset.load(path)
-    config = config_for(path, world)
+def run_sharded_steps(rank: int, world: int, dataset: Dataset, config: TrainConfig):
+    """This rank's sharded DLRM after one step per batch of ``config``'s plan, the plan, and
+    its predictions before each step (float ``[steps, batch]``)."""
     plan = plan_for_config(dataset, config, world).plan
     dlrm = build_model(dataset, config, plan)
     optimizer = dense_optimizer(dlrm, config)
-    model = wrap_data_parallel(dlrm)
+    model = wrap_data_parallel(dlrm, precision=config.sharding.precision())
     context = DistributedContext(rank, world, world, rank)
     predictions = []
     for batch in rank_batches(dataset, config, rank, world):
@@ -79,8 +79,15 @@ def train_sharded(rank: int, world: int, path: str) -> dict:
             predictions.append(model.eval()(batch).clone())
         model.train()
         train_step(model, optimizer, batch, context, full_batches=True)
+    return dlrm, plan, torch.stack(predictions)
+
+
+def train_sharded(rank: int, world: int, path: str) -> dict:
+    dataset = Dataset.load(path)
+    config = config_for(path, world)
+    dlrm, plan, predictions = run_sharded_steps(rank, world, dataset, config)
     single = single_process_model(dlrm, dataset, config)
-    return {"predictions": torch.stack(predictions), "plan": plan,
+    return {"predictions": predictions, "plan": plan,
             "state": None if single is None else single.state_dict()}
 
 
