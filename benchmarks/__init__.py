@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 
-def run_benchmark(name: str, quick: bool = False, nproc: int = 1) -> dict[str, Any]:
+def run_benchmark(name: str, quick: bool = False, nproc: int = 1, threads: int = 0) -> dict[str, Any]:
+    """Benchmark ``name``; ``threads`` (tbe): threads for both sides (0: all cores)."""
     if name == "train" and nproc > 1:
         from benchmarks.sharded_train_bench import run
 
@@ -19,6 +20,8 @@ def run_benchmark(name: str, quick: bool = False, nproc: int = 1) -> dict[str, A
         from benchmarks.train_bench import run
     elif name == "tbe":
         from benchmarks.tbe_bench import run
+
+        return run(quick=quick, threads=threads)
     elif name == "ingest":
         from benchmarks.ingest_bench import run
     elif name == "checkpoint":

@@ -43,3 +43,50 @@ class EmbeddingBagCollectionReference(nn.Module):
                 weights = None if sparse.weights is None else sparse.weights[lo:hi]
                 outputs.append(self.bags[t.name](sparse.values[lo:hi], bag_offsets, per_sample_weights=weights))
         return torch.cat(outputs, dim=1)
+
+
+FBGEMM_OPTIMIZERS = {"rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD", "sgd": "EXACT_SGD", "adagrad": "EXACT_ADAGRAD"}
+"""Our sparse optimizers and FBGEMM's equivalents on the CPU (it has no CPU Adam)."""
+
+
+def fbgemm_missing() -> str | None:
+    """Why FBGEMM's CPU embedding kernels cannot run here, or None when they can."""
+    try:
+        import fbgemm_gpu  # noqa: F401  (registers the torch ops)
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen  # noqa
+    except (ImportError, OSError, RuntimeError) as err:
+        return f"fbgemm-gpu-cpu is not installed ({err}): pip install -e '.[bench]'"
+    return None
+
+
+class FbgemmTableBatched(nn.Module):
+    """FBGEMM's table-batched embedding (``SplitTableBatchedEmbeddingBagsCodegen``) on the
+    CPU, one feature per table, sum pooling, started from ``weights`` (float32 ``[rows,
+    dim]`` per table); the optimizer update runs in its backward, as ours does. Same
+    output layout as :class:`~trainer.fused_embedding.FusedEmbeddingBagCollection`."""
+
+    def __init__(self, tables: Sequence[TableConfig], weights: Sequence[torch.Tensor], optimizer: str,
+                 learning_rate: float, eps: float, weight_dtype: str = "fp32") -> None:
+        super().__init__()
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
+                                                                             SplitTableBatchedEmbeddingBagsCodegen)
+
+        if any(len(t.feature_names) != 1 for t in tables):
+            raise ValueError("one feature per table")
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(t.num_embeddings, t.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
+                             for t in tables],
+            optimizer=getattr(EmbOptimType, FBGEMM_OPTIMIZERS[optimizer]), learning_rate=learning_rate, eps=eps,
+            weights_precision=SparseType.FP16 if weight_dtype == "fp16" else SparseType.FP32,
+            pooling_mode=PoolingMode.SUM, device="cpu")
+        with torch.no_grad():
+            for target, source in zip(self.tbe.split_embedding_weights(), weights):
+                target.copy_(source)
+
+    def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        return self.tbe(sparse.values, sparse.offsets())
+
+    def table_weights(self) -> list[torch.Tensor]:
+        return [w.float() for w in self.tbe.split_embedding_weights()]

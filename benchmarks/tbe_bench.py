@@ -1,23 +1,40 @@
-"""Embedding train step (forward, backward through a fixed upstream gradient, optimizer
-update): the fused module with row-wise Adagrad against one
-``nn.EmbeddingBag(mode="sum", sparse=True)`` per table with ``torch.optim.Adagrad``, on the
-same ids, plus a random-gather bound (``torch.index_select`` of as many random rows from a
-matrix of the same size)."""
+"""Embedding train step (forward, backward through a fixed upstream gradient, the optimizer
+update): our fused module against FBGEMM's table-batched embedding on the CPU
+(``SplitTableBatchedEmbeddingBagsCodegen``, what TorchRec runs), like with like, in one
+process on the same ids, from the same weights, interleaved:
+
+- row-wise Adagrad, fp32 and fp16 weights: ours against FBGEMM's ``EXACT_ROWWISE_ADAGRAD``
+  (both fp32 runs must end with the same weights, to fp32 rounding, or no ratio is given);
+- element-wise Adagrad: ours against FBGEMM's ``EXACT_ADAGRAD`` and against
+  ``nn.EmbeddingBag`` with ``torch.optim.Adagrad``;
+- SGD: ours against FBGEMM's ``EXACT_SGD``; Adam: ours alone (FBGEMM has no CPU Adam).
+
+Beside them, the machine's memory-bound limit for the step: a random gather of as many rows
+from huge-page memory of the tables' size (the rows a step must read), and our fraction of
+it; and where our step's time goes (forward, backward with the update). ``threads``: 0 for
+all cores, 1 for the per-core comparison.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from benchmarks.baselines import EmbeddingBagCollectionReference, FbgemmTableBatched, fbgemm_missing
 from benchmarks.timing import interleaved_rates
 from trainer.batch import KeyedJaggedTensor
 from trainer.embedding_config import SparseOptimizer, TableConfig
-from benchmarks.baselines import EmbeddingBagCollectionReference
 from trainer.fused_embedding import FusedEmbeddingBagCollection
+from trainer.memory import huge_page_empty
 from trainer.train import set_threads
+
+LEARNING_RATE = 0.01
+EPS = 1e-8
+WEIGHT_TOLERANCE = 1e-4
+"""Largest weight difference allowed between ours and FBGEMM after the timed steps (fp32)."""
 
 
 @dataclass(frozen=True)
@@ -40,12 +57,15 @@ QUICK_CONFIGS = (
 )
 NUM_BATCHES = 8
 
+Step = Callable[[int], int]
 
-def run(quick: bool = False) -> dict[str, Any]:
-    threads = set_threads(0)
+
+def run(quick: bool = False, threads: int = 0) -> dict[str, Any]:
+    threads = set_threads(threads)
     steps, rounds = (3, 2) if quick else (10, 3)
-    results = [_run_config(c, steps, rounds) for c in (QUICK_CONFIGS if quick else CONFIGS)]
-    return {"benchmark": "tbe", "threads": threads, "optimizer": "rowwise_adagrad (ours) vs torch Adagrad",
+    missing = fbgemm_missing()
+    results = [_run_config(c, steps, rounds, missing is None) for c in (QUICK_CONFIGS if quick else CONFIGS)]
+    return {"benchmark": "tbe", "threads": threads, "fbgemm": missing or "fbgemm-gpu-cpu (CPU kernels)",
             "configs": results}
 
 
@@ -58,66 +78,105 @@ def _zipf_batches(config: TBEConfig, seed: int = 0) -> list[KeyedJaggedTensor]:
             for _ in range(NUM_BATCHES)]
 
 
-def _run_config(config: TBEConfig, steps: int, rounds: int) -> dict[str, Any]:
-    tables = [TableConfig(f"t{i}", config.rows, config.dim, (f"f{i}",)) for i in range(config.num_tables)]
-    batches = _zipf_batches(config)
-    ids_per_step = int(batches[0].values.numel())
-    upstream = torch.randn(config.batch_size, config.num_tables * config.dim,
-                           generator=torch.Generator().manual_seed(1))
+class _Setup:
+    """One config's tables, ids, upstream gradient and starting weights."""
 
-    fused = FusedEmbeddingBagCollection(tables, SparseOptimizer("rowwise_adagrad", 0.01), seed=0)
-    naive = EmbeddingBagCollectionReference(tables, [fused.table_weight(t.name) for t in tables])
-    naive_opt = torch.optim.Adagrad(naive.parameters(), lr=0.01)
+    def __init__(self, config: TBEConfig) -> None:
+        self.config = config
+        self.tables = [TableConfig(f"t{i}", config.rows, config.dim, (f"f{i}",)) for i in range(config.num_tables)]
+        self.batches = _zipf_batches(config)
+        self.ids_per_step = int(self.batches[0].values.numel())
+        self.upstream = torch.randn(config.batch_size, config.num_tables * config.dim,
+                                    generator=torch.Generator().manual_seed(1))
 
-    def fused_step(i: int) -> int:
-        fused(batches[i % NUM_BATCHES]).backward(upstream)
-        return config.batch_size
+    def ours(self, optimizer: str, weight_dtype: str = "fp32") -> FusedEmbeddingBagCollection:
+        return FusedEmbeddingBagCollection(self.tables, SparseOptimizer(optimizer, LEARNING_RATE, eps=EPS), seed=0,
+                                           weight_dtype=weight_dtype)
 
-    def naive_step(i: int) -> int:
-        naive_opt.zero_grad(set_to_none=True)
-        naive(batches[i % NUM_BATCHES]).backward(upstream)
-        naive_opt.step()
-        return config.batch_size
+    def weights(self, module: FusedEmbeddingBagCollection) -> list[torch.Tensor]:
+        return [module.table_weight(t.name).float() for t in self.tables]
 
-    matrix = torch.empty(config.num_tables * config.rows, config.dim).uniform_()  # real pages, not the zero page
-    random_rows = [torch.randint(0, matrix.shape[0], (ids_per_step,), generator=torch.Generator().manual_seed(i))
+    def step(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Step:
+        def run(i: int) -> int:
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+            module(self.batches[i % NUM_BATCHES]).backward(self.upstream)
+            if optimizer is not None:
+                optimizer.step()
+            return self.config.batch_size
+        return run
+
+    def forward(self, module: torch.nn.Module) -> Step:
+        def run(i: int) -> int:
+            with torch.no_grad():
+                module(self.batches[i % NUM_BATCHES])
+            return self.config.batch_size
+        return run
+
+
+def _run_config(config: TBEConfig, steps: int, rounds: int, with_fbgemm: bool) -> dict[str, Any]:
+    setup = _Setup(config)
+    out: dict[str, Any] = {"config": config.__dict__}
+    out["rowwise_adagrad"] = _rowwise(setup, steps, rounds, with_fbgemm)
+    out["adagrad"] = _against_fbgemm(setup, "adagrad", steps, rounds, with_fbgemm, with_torch=True)
+    out["sgd"] = _against_fbgemm(setup, "sgd", steps, rounds, with_fbgemm)
+    out["adam"] = _against_fbgemm(setup, "adam", steps, rounds, False)
+    return out
+
+
+def _rowwise(setup: _Setup, steps: int, rounds: int, with_fbgemm: bool) -> dict[str, Any]:
+    """Row-wise Adagrad, fp32 and fp16, ours and FBGEMM's; the memory limit; our phases."""
+    config = setup.config
+    ours = {dtype: setup.ours("rowwise_adagrad", dtype) for dtype in ("fp32", "fp16")}
+    start = setup.weights(ours["fp32"])
+    candidates = {f"ours_{d}": setup.step(m) for d, m in ours.items()}
+    theirs = {}
+    if with_fbgemm:
+        theirs = {dtype: FbgemmTableBatched(setup.tables, start, "rowwise_adagrad", LEARNING_RATE, EPS, dtype)
+                  for dtype in ("fp32", "fp16")}
+        candidates.update({f"fbgemm_{d}": setup.step(m) for d, m in theirs.items()})
+    matrix = huge_page_empty(config.num_tables * config.rows * config.dim, torch.float32).view(-1, config.dim)
+    matrix.uniform_()  # real pages, not the zero page
+    random_rows = [torch.randint(0, matrix.shape[0], (setup.ids_per_step,), generator=torch.Generator().manual_seed(i))
                    for i in range(NUM_BATCHES)]
 
     def gather(i: int) -> int:
         torch.index_select(matrix, 0, random_rows[i % NUM_BATCHES])
         return config.batch_size
 
-    # Phases of our step: the forward alone, and a bare gather of the very rows it reads.
-    all_rows = fused.weights.view(-1, config.dim)
-    table_of_id = torch.arange(config.num_tables).repeat_interleave(config.batch_size * config.ids_per_bag)
-    global_rows = [b.values + table_of_id * config.rows for b in batches]
-
-    def fused_forward(i: int) -> int:
-        with torch.no_grad():
-            fused(batches[i % NUM_BATCHES])
-        return config.batch_size
-
-    def same_rows_gather(i: int) -> int:
-        torch.index_select(all_rows, 0, global_rows[i % NUM_BATCHES])
-        return config.batch_size
-
-    rates = interleaved_rates({"fused": fused_step, "naive": naive_step, "gather": gather,
-                               "fused_forward": fused_forward, "same_rows_gather": same_rows_gather},
-                              steps, rounds)
-    del naive, naive_opt, matrix
-    step_ms = 1e3 / rates["fused"] * config.batch_size
-    forward_ms = 1e3 / rates["fused_forward"] * config.batch_size
-    return {
-        "config": config.__dict__,
-        "fused_samples_per_s": rates["fused"],
-        "naive_samples_per_s": rates["naive"],
-        "fused_ids_per_s": rates["fused"] * ids_per_step / config.batch_size,
-        "naive_ids_per_s": rates["naive"] * ids_per_step / config.batch_size,
-        "gather_rows_per_s": rates["gather"] * ids_per_step / config.batch_size,
-        "ratio_fused_over_naive": rates["fused"] / rates["naive"],
-        "fused_fraction_of_gather_bound": rates["fused"] / rates["gather"],
-        "fused_step_ms": step_ms,
-        "fused_forward_ms": forward_ms,
-        "fused_backward_update_ms": step_ms - forward_ms,
-        "same_rows_gather_ms": 1e3 / rates["same_rows_gather"] * config.batch_size,
+    candidates["gather_bound"] = gather
+    candidates["ours_fp32_forward"] = setup.forward(ours["fp32"])
+    rates = interleaved_rates(candidates, steps, rounds)
+    step_ms = 1e3 * config.batch_size / rates["ours_fp32"]
+    forward_ms = 1e3 * config.batch_size / rates["ours_fp32_forward"]
+    result: dict[str, Any] = {
+        "samples_per_s": {k: v for k, v in rates.items() if k != "ours_fp32_forward"},
+        "memory_limit_samples_per_s": rates["gather_bound"],
+        "ours_fraction_of_memory_limit": rates["ours_fp32"] / rates["gather_bound"],
+        "ours_phases_ms": {"step": step_ms, "forward": forward_ms, "backward_and_update": step_ms - forward_ms},
     }
+    if theirs:
+        difference = max(float((a - b).abs().max()) for a, b in zip(setup.weights(ours["fp32"]),
+                                                                    theirs["fp32"].table_weights()))
+        result["max_weight_difference_fp32"] = difference
+        if difference > WEIGHT_TOLERANCE:
+            raise RuntimeError(f"{config.name}: ours and FBGEMM end {difference:g} apart after the same steps: the "
+                               f"comparison is not like with like")
+        result["ours_over_fbgemm"] = {d: rates[f"ours_{d}"] / rates[f"fbgemm_{d}"] for d in ("fp32", "fp16")}
+    return result
+
+
+def _against_fbgemm(setup: _Setup, optimizer: str, steps: int, rounds: int, with_fbgemm: bool,
+                    with_torch: bool = False) -> dict[str, Any]:
+    """Ours with ``optimizer`` against FBGEMM's (and, ``with_torch``, nn.EmbeddingBag with
+    the torch.optim equivalent), fp32."""
+    ours = setup.ours(optimizer)
+    candidates = {"ours": setup.step(ours)}
+    if with_fbgemm:
+        theirs = FbgemmTableBatched(setup.tables, setup.weights(ours), optimizer, LEARNING_RATE, EPS)
+        candidates["fbgemm"] = setup.step(theirs)
+    if with_torch:
+        naive = EmbeddingBagCollectionReference(setup.tables, setup.weights(ours))
+        candidates["torch"] = setup.step(naive, torch.optim.Adagrad(naive.parameters(), lr=LEARNING_RATE, eps=EPS))
+    rates = interleaved_rates(candidates, steps, rounds)
+    return {"samples_per_s": rates, **{f"ours_over_{k}": rates["ours"] / v for k, v in rates.items() if k != "ours"}}

@@ -286,6 +286,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives", "checkpoint", "store", "import"))
     bench.add_argument("--json", help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (for smoke tests)")
+    bench.add_argument("--threads", type=_at_least(0), default=0,
+                       help="tbe: threads for ours and the baseline alike (1: the per-core comparison; 0: all cores)")
     bench.add_argument("--nproc", type=int, default=1,
                        help="train: compare N sharded trainer processes with one process; "
                             "collectives: ranks (at least 2)")
@@ -598,7 +600,7 @@ def _status(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from benchmarks import run_benchmark
 
-    results = run_benchmark(args.name, quick=args.quick, nproc=args.nproc)
+    results = run_benchmark(args.name, quick=args.quick, nproc=args.nproc, threads=args.threads)
     text = json.dumps(results, indent=2, sort_keys=True)
     print(text)
     if args.json:
