@@ -1,13 +1,17 @@
-"""One ``nn.EmbeddingBag(sparse=True)`` per table: the plain-PyTorch reference.
+"""Baselines with the fused module's interface (same tables, same output layout):
 
-It has the fused module's interface (same tables, same output layout) but trains with a
-separate ``torch.optim`` optimizer over sparse gradients. Tests compare the fused kernels
-against it and benchmarks use it as the baseline.
+- one ``nn.EmbeddingBag(sparse=True)`` per table, the plain-PyTorch reference, trained with a
+  separate ``torch.optim`` optimizer over sparse gradients (tests compare the fused kernels
+  against it, benchmarks use it as a baseline);
+- FBGEMM's table-batched embedding on the CPU (an optional extra), the baseline TorchRec
+  users run.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+import logging
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -49,11 +53,26 @@ FBGEMM_OPTIMIZERS = {"rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD", "sgd": "EXACT_S
 """Our sparse optimizers and FBGEMM's equivalents on the CPU (it has no CPU Adam)."""
 
 
+@contextlib.contextmanager
+def _quiet_root_logger() -> Iterator[None]:
+    """FBGEMM logs every library it loads and every module's arguments at INFO on the root
+    logger (which the CLI sets to INFO): raised to WARNING meanwhile."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
 def fbgemm_missing() -> str | None:
     """Why FBGEMM's CPU embedding kernels cannot run here, or None when they can."""
     try:
-        import fbgemm_gpu  # noqa: F401  (registers the torch ops)
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen  # noqa
+        with _quiet_root_logger():
+            import fbgemm_gpu  # noqa: F401  (registers the torch ops)
+            from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
+                SplitTableBatchedEmbeddingBagsCodegen)
     except (ImportError, OSError, RuntimeError) as err:
         return f"fbgemm-gpu-cpu is not installed ({err}): pip install -e '.[bench]'"
     return None
@@ -75,12 +94,13 @@ class FbgemmTableBatched(nn.Module):
 
         if any(len(t.feature_names) != 1 for t in tables):
             raise ValueError("one feature per table")
-        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=[(t.num_embeddings, t.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
-                             for t in tables],
-            optimizer=getattr(EmbOptimType, FBGEMM_OPTIMIZERS[optimizer]), learning_rate=learning_rate, eps=eps,
-            weights_precision=SparseType.FP16 if weight_dtype == "fp16" else SparseType.FP32,
-            pooling_mode=PoolingMode.SUM, device="cpu")
+        with _quiet_root_logger():
+            self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+                embedding_specs=[(t.num_embeddings, t.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
+                                 for t in tables],
+                optimizer=getattr(EmbOptimType, FBGEMM_OPTIMIZERS[optimizer]), learning_rate=learning_rate,
+                eps=eps, weights_precision=SparseType.FP16 if weight_dtype == "fp16" else SparseType.FP32,
+                pooling_mode=PoolingMode.SUM, device="cpu")
         with torch.no_grad():
             for target, source in zip(self.tbe.split_embedding_weights(), weights):
                 target.copy_(source)

@@ -73,7 +73,7 @@ class FixedPooled(nn.Module):
 def _dense_ceiling(quick: bool) -> dict[str, Any]:
     """The anchor model's step against the same step with fixed embeddings."""
     batch_size = 256 if quick else 2048
-    steps, rounds = (3, 2) if quick else (15, 3)
+    steps, rounds = (3, 2) if quick else (20, 5)
     with tempfile.TemporaryDirectory() as tmp:
         dataset = generate(SynthSpec(rows=8 * batch_size), tmp)
         config = TrainConfig.from_dict({

@@ -200,15 +200,17 @@ def test_half_weights_take_half_the_memory_and_round_stochastically(weight_dtype
 
 
 @pytest.mark.parametrize("weight_dtype", ["fp16", "bf16"])
-def test_torch_ops_round_stochastically_like_the_numba_kernels(weight_dtype):
-    """Same noise, same rounding: SGD updates with stochastic rounding are bit-identical."""
+@pytest.mark.parametrize("batch_size", [16, 512])
+def test_torch_ops_round_stochastically_like_the_numba_kernels(weight_dtype, batch_size):
+    """Same noise, same rounding: SGD updates with stochastic rounding are bit-identical
+    (at 512, the tables' ids are grouped by the radix sort)."""
     rng = np.random.default_rng(4)
     tables = _tables(rng, "sum")
     modules = [FusedEmbeddingBagCollection(tables, SparseOptimizer("sgd", 0.05), seed=3, weight_dtype=weight_dtype,
                                            kernels=k) for k in ("numba", "torch")]
     for _ in range(4):
-        kjt = random_kjt(tables, 16, rng, weighted=True)
-        upstream = torch.from_numpy(rng.standard_normal((16, modules[0].output_dim)).astype(np.float32))
+        kjt = random_kjt(tables, batch_size, rng, weighted=True)
+        upstream = torch.from_numpy(rng.standard_normal((batch_size, modules[0].output_dim)).astype(np.float32))
         outputs = [m(kjt) for m in modules]
         torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-6, atol=1e-7)
         for out in outputs:

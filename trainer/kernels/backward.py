@@ -17,7 +17,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from trainer.kernels.precision import FP32, decode, encode, uniform_noise
+from trainer.kernels.precision import FP32, decode, encode_row
 from ingest.prefetch import prefetch
 from trainer.kernels.prefetch import prefetch_row
 
@@ -28,6 +28,13 @@ ADAM = 3
 
 PREFETCH_ROWS = 4
 """How many rows ahead the update prefetches."""
+
+
+RADIX_BITS = 11
+"""Digit width of the radix sort that groups a table's ids by row (2048 buckets: two
+passes for tables of up to 4M rows)."""
+RADIX_MIN_IDS = 256
+"""Tables with fewer ids in the batch are grouped by a comparison sort instead."""
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -46,15 +53,45 @@ def group_by_row(
         # one sort of (row, index in this table's positions) packed in an int64: rows are
         # < 2**31 and a batch has < 2**32 ids, so the order is by row, then position order
         keys = np.empty(hi - lo, dtype=np.int64)
+        largest_row = 0
         for i in range(hi - lo):
-            keys[i] = (values[positions[lo + i]] << 32) | i
-        keys.sort()
+            row = values[positions[lo + i]]
+            keys[i] = (row << 32) | i
+            largest_row = max(largest_row, row)
+        if hi - lo < RADIX_MIN_IDS:
+            keys.sort()
+        else:
+            keys = _radix_sort_rows(keys, largest_row)
         previous = -1
         for i in range(hi - lo):
             row = keys[i] >> 32
             sorted_positions[lo + i] = positions[lo + (keys[i] & 0xFFFFFFFF)]
             run_start[lo + i] = i == 0 or row != previous
             previous = row
+
+
+@numba.njit(inline="always")
+def _radix_sort_rows(keys: np.ndarray, largest_row: int) -> np.ndarray:
+    """``keys`` (int64 ``row << 32 | index``, indices in increasing order) sorted by row,
+    stably (least significant digit first): the same order as sorting the packed keys.
+    Returns the sorted array (``keys`` or a new one)."""
+    spare = np.empty_like(keys)
+    count = np.empty(1 << RADIX_BITS, dtype=np.int64)
+    shift = 32
+    while shift == 32 or (largest_row >> (shift - 32)) > 0:
+        count[:] = 0
+        for i in range(keys.shape[0]):
+            count[(keys[i] >> shift) & ((1 << RADIX_BITS) - 1)] += 1
+        total = 0
+        for digit in range(1 << RADIX_BITS):
+            total, count[digit] = total + count[digit], total
+        for i in range(keys.shape[0]):
+            digit = (keys[i] >> shift) & ((1 << RADIX_BITS) - 1)
+            spare[count[digit]] = keys[i]
+            count[digit] += 1
+        keys, spare = spare, keys
+        shift += RADIX_BITS
+    return keys
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -109,6 +146,7 @@ def apply_updates(
     for c in numba.prange(chunks):
         grad = np.empty(max_dim, dtype=np.float32)
         row_copy = np.empty(max_dim, dtype=np.float32)  # a half-precision row, in float32
+        noise_bits = np.empty(max_dim, dtype=np.uint64)  # its stochastic rounding's noise
         last = (c + 1) * num_runs // chunks
         for r in range(c * num_runs // chunks, last):
             if r + PREFETCH_ROWS < last:
@@ -150,9 +188,7 @@ def apply_updates(
             held = row if slot_base[t] < 0 else slot_rows[slot_base[t] + row]
             element = ((noise_origin[t, 0] << 40) + (noise_origin[t, 1] + held) * noise_origin[t, 3]
                        + noise_origin[t, 2])
-            for d in range(dim):
-                noise = -1.0 if stochastic_seed < 0 else uniform_noise(stochastic_seed, step, element + d)
-                bits[d] = encode(row_copy[d], precision, noise)
+            encode_row(row_copy, bits, dim, precision, stochastic_seed, step, element, noise_bits)
 
 
 @numba.njit(inline="always")

@@ -7,7 +7,7 @@ sorted by row (stable, so a row's contributions stay in feature, sample, positio
 and summed per row with ``segment_reduce``; the optimizer then updates the distinct rows.
 No atomics anywhere, so the result does not depend on scheduling. Half-precision weights
 are read as float32 and each update is rounded back to nearest even or stochastically,
-with the Numba kernels' noise (``precision.uniform_noise``, here in int64 ops).
+with the Numba kernels' noise (``precision.noise_bits_of``, here in int64 ops).
 """
 
 from __future__ import annotations
@@ -163,6 +163,6 @@ def _from_bits(magnitude: torch.Tensor, sign_of: torch.Tensor, dtype: torch.dtyp
 
 def _uniform_noise(seed: int, step: int, element: torch.Tensor) -> torch.Tensor:
     """float64 uniform [0, 1): splitmix64 of ``(seed, step, element)`` as
-    :func:`trainer.kernels.precision.uniform_noise`, in int64 (wrapping) arithmetic."""
+    :func:`trainer.kernels.precision.noise_bits_of` over 2**53, in int64 (wrapping) arithmetic."""
     z = mix64_int64(signed(seed * GOLDEN + step * MIX1 + SALT) + element * signed(MIX2))
     return ((z >> 11) & ((1 << 53) - 1)).double() * (1.0 / 9007199254740992.0)

@@ -1,0 +1,119 @@
+"""The Numba kernels' building blocks against torch: half-precision conversions (every
+fp16/bf16 bit pattern, nearest and stochastic rounding, the vectorized row encoder) and the
+radix sort that groups a batch's ids by row."""
+
+import numba
+import numpy as np
+import pytest
+import torch
+
+from trainer.kernels.backward import RADIX_MIN_IDS, group_by_row
+from trainer.kernels.precision import BF16, FP16, decode, encode, encode_row, noise_bits_of
+from trainer.kernels.torch_ops import Rounding, _round
+
+DTYPES = {FP16: torch.float16, BF16: torch.bfloat16}
+
+
+@numba.njit
+def _decode_all(bits, precision, out):
+    for i in range(bits.shape[0]):
+        out[i] = decode(bits[i], precision)
+
+
+@numba.njit
+def _encode_all(values, precision, seed, out):
+    for i in range(values.shape[0]):
+        noise = -1.0 if seed < 0 else np.float64(noise_bits_of(seed, 3, i)) * (1.0 / 9007199254740992.0)
+        out[i] = encode(values[i], precision, noise)
+
+
+@numba.njit
+def _encode_rows(rows, precision, seed, out):
+    noise = np.empty(rows.shape[1], dtype=np.uint64)
+    for r in range(rows.shape[0]):
+        encode_row(rows[r], out[r], rows.shape[1], precision, seed, 3, r * rows.shape[1], noise)
+
+
+def _awkward_floats() -> np.ndarray:
+    """float32 values of every magnitude, random bit patterns (NaNs, infinities and
+    subnormals among them) and the edges of both half formats."""
+    rng = np.random.default_rng(0)
+    scales = np.float32([1e-30, 1e-9, 3e-7, 1e-5, 1e-2, 1, 1e3, 6e4, 1e30, 3e38])
+    with np.errstate(over="ignore"):  # 3e38 times a normal deviate: infinities, wanted
+        spread = (rng.standard_normal((20_000, len(scales))).astype(np.float32) * scales).ravel()
+    edges = np.float32([0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.99, 65520, 65536, 6.1035156e-05,
+                        5.9604645e-08, 2.9802322e-08, 1e-45, 3.3895314e38, 3.3961776e38])
+    patterns = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    return np.concatenate([spread, edges, patterns])
+
+
+@pytest.mark.parametrize("precision", [FP16, BF16])
+def test_decode_matches_torch_on_every_bit_pattern(precision):
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    ours = np.empty(bits.shape[0], dtype=np.float32)
+    _decode_all(bits, precision, ours)
+    theirs = torch.from_numpy(bits.view(np.int16)).view(DTYPES[precision]).float().numpy()
+    nan = np.isnan(theirs)
+    assert (np.isnan(ours) == nan).all()
+    assert (ours.view(np.uint32)[~nan] == theirs.view(np.uint32)[~nan]).all()
+
+
+@pytest.mark.parametrize("precision", [FP16, BF16])
+def test_encode_rounds_to_nearest_even_like_torch(precision):
+    values = _awkward_floats()
+    ours = np.empty(values.shape[0], dtype=np.uint16)
+    _encode_all(values, precision, -1, ours)
+    theirs = torch.from_numpy(values).to(DTYPES[precision]).view(torch.int16).numpy().view(np.uint16)
+    nan = np.isnan(values)
+    assert (ours[~nan] == theirs[~nan]).all()
+    assert np.isnan(torch.from_numpy(ours.view(np.int16)[nan]).view(DTYPES[precision]).float().numpy()).all()
+
+
+@pytest.mark.parametrize("precision", [FP16, BF16])
+def test_stochastic_encode_is_bit_identical_to_the_torch_ops_rounding(precision):
+    values = _awkward_floats()
+    values = values[np.isfinite(values)]
+    ours = np.empty(values.shape[0], dtype=np.uint16)
+    _encode_all(values, precision, 7, ours)
+    theirs = _round(torch.from_numpy(values)[:, None], Rounding(DTYPES[precision], 7), 3,
+                    torch.arange(values.shape[0]), (0, 0, 0, 1))
+    assert (ours == theirs.view(torch.int16).numpy().view(np.uint16)[:, 0]).all()
+    # never rounded up to infinity
+    assert not np.isinf(torch.from_numpy(ours.view(np.int16)).view(DTYPES[precision]).float().numpy()
+                        [np.abs(values) < torch.finfo(DTYPES[precision]).max]).any()
+
+
+@pytest.mark.parametrize("precision", [FP16, BF16])
+@pytest.mark.parametrize("seed", [-1, 5])
+def test_row_encoder_equals_encoding_each_element(precision, seed):
+    """Rows inside the fast range, and rows with one element outside it, alike."""
+    values = _awkward_floats()
+    rows = values[: values.shape[0] // 32 * 32].reshape(-1, 32).copy()
+    rng = np.random.default_rng(1)
+    tame = (rng.standard_normal((5_000, 32)) * rng.choice([1e-3, 1, 100], (5_000, 1))).astype(np.float32)
+    rows = np.concatenate([rows, tame])
+    ours = np.empty(rows.shape, dtype=np.uint16)
+    _encode_rows(rows, precision, seed, ours)
+    each = np.empty(rows.size, dtype=np.uint16)
+    _encode_all(rows.ravel(), precision, seed, each)
+    assert (ours.ravel() == each).all()
+
+
+def test_group_by_row_sorts_stably_by_row_with_either_sort():
+    """Tables below and above the radix sort's threshold, rows needing one to three digits."""
+    rng = np.random.default_rng(2)
+    sizes = [0, 1, 7, RADIX_MIN_IDS - 1, RADIX_MIN_IDS, 3_000, 5_000]
+    row_limits = [10, 10, 1_000, 50, 2_000, 3_000_000, 2**31 - 1]
+    values = np.concatenate([rng.integers(0, limit, size) for size, limit in zip(sizes, row_limits)])
+    values[-10:] = values[-20:-10]  # repeats in the three-digit table
+    positions = rng.permutation(values.shape[0]).astype(np.int64)
+    table_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    sorted_positions = np.empty_like(positions)
+    run_start = np.empty(positions.shape[0], dtype=np.bool_)
+    group_by_row(values, positions, table_starts, sorted_positions, run_start)
+    for lo, hi in zip(table_starts[:-1], table_starts[1:]):
+        table = positions[lo:hi]
+        expected = table[np.argsort(values[table], kind="stable")]
+        assert (sorted_positions[lo:hi] == expected).all()
+        rows = values[expected]
+        assert (run_start[lo:hi] == (np.arange(hi - lo) == 0) | np.r_[True, rows[1:] != rows[:-1]]).all()
