@@ -59,7 +59,7 @@ def _rank_main(out: Path, quick: bool) -> None:
             start_all_to_all_sum(tensor).wait()
             return 1
 
-        steps = max(2, (20 if quick else 200) * (64 << 10) // max(size, 64 << 10))
+        steps = max(2 if quick else 20, (20 if quick else 200) * (64 << 10) // max(size, 64 << 10))
         rates = interleaved_rates({"all_reduce": all_reduce, "all_to_all_sum": all_to_all_sum},
                                   steps=steps, rounds=3 if quick else 7)
         results["sizes"][str(size)] = {
