@@ -45,7 +45,7 @@ def pooled_forward(
     num_bags = feature_table.shape[0] * batch_size
     width = out.shape[0] // max(batch_size, 1)
     weighted = id_weights.shape[0] > 0
-    bad = np.zeros(num_bags, dtype=np.int64)
+    bad = 0  # a reduction over the threads: the count of out-of-range ids
     for bag in numba.prange(num_bags):
         f = bag // batch_size
         b = bag - f * batch_size
@@ -67,7 +67,7 @@ def pooled_forward(
             idx = values[p]
             bag_of_id[p] = bag
             if idx < 0 or idx >= rows[t]:
-                bad[bag] += 1
+                bad += 1
                 continue
             row = base + idx * dim
             w = id_weights[p] if weighted else np.float32(1.0)
@@ -83,4 +83,4 @@ def pooled_forward(
             count = np.float32(end - start)
             for d in range(dim):
                 pooled[d] /= count
-    return int(bad.sum())
+    return bad
