@@ -60,8 +60,14 @@ class LoopState:
     train_seconds: float = 0.0
     wait_seconds: float = 0.0
     interval_loss_shares: float = 0.0
+    """This rank's loss shares of the steps since the last log line."""
     interval_steps: int = 0
     interval_samples: int = 0
+    """This rank's valid samples of those steps."""
+    interval_by_rank: list[float] = field(default_factory=list)
+    """At a checkpoint: every rank's ``interval_loss_shares`` then ``interval_samples``
+    (the checkpoint holds rank 0's state only), so that each rank resumes its own and the
+    resumed interval's loss adds up in the same order."""
     eval_metrics: dict[str, float] = field(default_factory=dict)
     best_auc: float = -1.0
     """The best eval AUC so far (``checkpoint.keep_best``)."""
@@ -314,6 +320,7 @@ class TrainingRun:
         self.optimizer.load_state_dict(dense["optimizer"])
         torch.set_rng_state(dense["rng"])
         self.state = LoopState(**dense["state"])
+        _Interval.resume(self.state, context)
         self.metrics_bytes = dense["metrics_bytes"]
         touched = [sum(m.stats.get("touched", {}).values()) for m in restorable.chain[1:]]
         self.checkpointer.continue_chain(restorable.manifest.chain, float(sum(touched)), self.state.global_step)
@@ -344,10 +351,31 @@ class _Interval:
         return self.samples * self.context.world_size / elapsed if elapsed else 0.0
 
     def store(self) -> None:
-        """Put the accumulators in the loop state (for a checkpoint)."""
+        """Put the accumulators in the loop state, every rank's (for a checkpoint; one
+        all-reduce, exact: each rank adds zeros to the others' values)."""
+        world, rank = self.context.world_size, self.context.rank
+        mine = [0.0] * (2 * world)
+        mine[rank], mine[world + rank] = self.loss_shares, float(self.samples)
+        self.state.interval_by_rank = global_sum(self.context, mine)
         self.state.interval_loss_shares = self.loss_shares
         self.state.interval_steps = self.steps
         self.state.interval_samples = self.samples
+
+    @staticmethod
+    def resume(state: LoopState, context: DistributedContext) -> None:
+        """Give this rank its own accumulators from a restored ``state`` (rank 0's). Into
+        another world size, rank 0 takes the whole interval."""
+        by_rank = state.interval_by_rank
+        if not by_rank:  # no step since the last log line
+            return
+        saved_world = len(by_rank) // 2
+        if saved_world == context.world_size:
+            shares, samples = by_rank[context.rank], by_rank[saved_world + context.rank]
+        elif context.is_main:
+            shares, samples = sum(by_rank[:saved_world]), sum(by_rank[saved_world:])
+        else:
+            shares, samples = 0.0, 0.0
+        state.interval_loss_shares, state.interval_samples = shares, int(samples)
 
     def close(self, checkpoint_due: bool) -> tuple[dict[str, float], bool]:
         """``loss`` (mean over the steps of the global batch's mean loss), global ``samples``,
@@ -360,6 +388,7 @@ class _Interval:
         state.train_seconds += seconds
         state.samples += int(samples)
         state.interval_loss_shares, state.interval_steps, state.interval_samples = 0.0, 0, 0
+        state.interval_by_rank = []
         return ({"loss": loss_sum / max(self.steps, 1), "qps": samples / seconds if seconds else 0.0,
                  "samples": int(samples), "seconds": seconds}, due > 0)
 

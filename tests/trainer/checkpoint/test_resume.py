@@ -2,11 +2,16 @@
 was never stopped: weights, optimizer states and metrics, bit for bit."""
 
 import json
+from dataclasses import asdict
 
 import pytest
+import torch.distributed as dist
 
+from tests.trainer.spawn import run_ranks
 from tests.trainer.test_train import final_state, untimed
 from trainer.config import TrainConfig
+from trainer.distributed import SINGLE_PROCESS, DistributedContext
+from trainer.loop import LoopState, _Interval
 from trainer.train import StepReport, train
 
 
@@ -65,3 +70,37 @@ def test_resuming_refuses_another_model_and_a_directory_without_a_run(criteo_dat
         train(other, resume=True)
     with pytest.raises(RunDirError, match="holds no run to resume"):
         train(config_for(criteo_dataset, tmp_path / "empty"), resume=True)
+
+
+def _interval_across_a_checkpoint(rank: int, world: int) -> dict:
+    """Rank-distinct loss shares: steps 1-2, a checkpoint (rank 0's state is what it keeps),
+    a restore, steps 3-4, the log line; and the same four steps uninterrupted."""
+    context = DistributedContext(rank, world, world, rank)
+    shares = [0.1 * (rank + 1) + 0.01 * step for step in range(4)]
+    whole = _Interval(context, LoopState())
+    for share in shares:
+        whole.add(share, 64 + rank)
+    before = _Interval(context, LoopState())
+    for share in shares[:2]:
+        before.add(share, 64 + rank)
+    before.store()
+    kept = [asdict(before.state) if rank == 0 else None]
+    dist.broadcast_object_list(kept)
+    restored = LoopState(**kept[0])
+    _Interval.resume(restored, context)
+    after = _Interval(context, restored)
+    for share in shares[2:]:
+        after.add(share, 64 + rank)
+    return {"whole": whole.close(False)[0], "resumed": after.close(False)[0]}
+
+
+def test_a_log_interval_cut_by_a_checkpoint_resumes_each_rank_s_own_share():
+    for result in run_ranks(_interval_across_a_checkpoint, 2):
+        assert result["resumed"]["loss"] == result["whole"]["loss"]
+        assert result["resumed"]["samples"] == result["whole"]["samples"] == 4 * (64 + 65)
+
+
+def test_a_cut_interval_resumed_on_fewer_ranks_goes_to_rank_0():
+    state = LoopState(interval_loss_shares=0.5, interval_samples=64, interval_by_rank=[0.5, 0.25, 64.0, 60.0])
+    _Interval.resume(state, SINGLE_PROCESS)
+    assert (state.interval_loss_shares, state.interval_samples) == (0.75, 124)
