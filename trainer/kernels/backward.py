@@ -28,6 +28,8 @@ ADAM = 3
 
 PREFETCH_ROWS = 4
 """How many rows ahead the update prefetches."""
+PREFETCH_IDS = 8
+"""How many ids ahead (in row order) the update prefetches their upstream gradient rows."""
 
 
 RADIX_BITS = 11
@@ -150,15 +152,18 @@ def apply_updates(
         last = (c + 1) * num_runs // chunks
         for r in range(c * num_runs // chunks, last):
             if r + PREFETCH_ROWS < last:
-                _prefetch_run(r + PREFETCH_ROWS, weights, weights16, precision, state1, table_offsets, state_offsets,
-                              state_width, dims, feature_table, out_columns, values, bag_of_id, sorted_positions,
-                              runs, run_table, grad_out, batch_size, width)
+                _prefetch_run(r + PREFETCH_ROWS, weights, weights16, precision, state1, touched, table_offsets,
+                              state_offsets, state_width, row_offsets, dims, feature_table, out_columns, values,
+                              bag_of_id, sorted_positions, runs, run_table, grad_out, batch_size, width)
             t = run_table[r]
             dim = dims[t]
             for d in range(dim):
                 grad[d] = 0.0
             row = values[sorted_positions[runs[r]]]
             for k in range(runs[r], runs[r + 1]):
+                if k + PREFETCH_IDS < runs[last]:  # later ids' upstream rows, whatever run they are in
+                    _prefetch_upstream(sorted_positions[k + PREFETCH_IDS], dims, feature_table, out_columns,
+                                       bag_of_id, grad_out, batch_size, width)
                 p = sorted_positions[k]
                 bag = bag_of_id[p]
                 f = bag // batch_size
@@ -192,11 +197,11 @@ def apply_updates(
 
 
 @numba.njit(inline="always")
-def _prefetch_run(r, weights, weights16, precision, state1, table_offsets, state_offsets, state_width, dims,
-                  feature_table, out_columns, values, bag_of_id, sorted_positions, runs, run_table, grad_out,
-                  batch_size, width):
-    """Prefetch what run ``r`` will touch: its row's weights and state, and the upstream
-    gradient of its first id."""
+def _prefetch_run(r, weights, weights16, precision, state1, touched, table_offsets, state_offsets, state_width,
+                  row_offsets, dims, feature_table, out_columns, values, bag_of_id, sorted_positions, runs, run_table,
+                  grad_out, batch_size, width):
+    """Prefetch what run ``r`` will touch: its row's weights, state and touched flag, and
+    the upstream gradient of its first id."""
     t = run_table[r]
     dim = dims[t]
     p = sorted_positions[runs[r]]
@@ -204,10 +209,21 @@ def _prefetch_run(r, weights, weights16, precision, state1, table_offsets, state
     prefetch_row(weights, weights16, precision, table_offsets[t] + row * dim, dim)
     if state1.shape[0] > 0:
         prefetch(state1, state_offsets[t] + row * state_width[t])
+    prefetch(touched, row_offsets[t] + row)
     bag = bag_of_id[p]
     f = bag // batch_size
     o = (bag - f * batch_size) * width + out_columns[f]
     for d in range(0, dim, 16):
+        prefetch(grad_out, o + d)
+
+
+@numba.njit(inline="always")
+def _prefetch_upstream(p, dims, feature_table, out_columns, bag_of_id, grad_out, batch_size, width):
+    """Prefetch the upstream gradient row of the id at position ``p``."""
+    bag = bag_of_id[p]
+    f = bag // batch_size
+    o = (bag - f * batch_size) * width + out_columns[f]
+    for d in range(0, dims[feature_table[f]], 16):
         prefetch(grad_out, o + d)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from trainer.kernels.precision import FP32, decode
 from trainer.kernels.prefetch import prefetch_row
 
-PREFETCH_IDS = 8
+PREFETCH_IDS = 16
 """How many ids ahead the forward prefetches rows."""
 
 
