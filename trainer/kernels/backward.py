@@ -30,6 +30,9 @@ PREFETCH_ROWS = 4
 """How many rows ahead the update prefetches."""
 PREFETCH_IDS = 8
 """How many ids ahead (in row order) the update prefetches their upstream gradient rows."""
+UPSTREAM_CACHED_BYTES = 8 << 20
+"""An upstream gradient up to this size is taken to stay in the CPU's caches: its rows are
+not prefetched (the prefetch's index arithmetic would cost more than it saves)."""
 
 
 RADIX_BITS = 11
@@ -145,6 +148,7 @@ def apply_updates(
     adam_step_size = np.float32(np.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step))
     num_runs = runs.shape[0] - 1
     chunks = min(num_runs, max_chunks)
+    far_upstream = grad_out.shape[0] * 4 > UPSTREAM_CACHED_BYTES
     for c in numba.prange(chunks):
         grad = np.empty(max_dim, dtype=np.float32)
         row_copy = np.empty(max_dim, dtype=np.float32)  # a half-precision row, in float32
@@ -161,7 +165,7 @@ def apply_updates(
                 grad[d] = 0.0
             row = values[sorted_positions[runs[r]]]
             for k in range(runs[r], runs[r + 1]):
-                if k + PREFETCH_IDS < runs[last]:  # later ids' upstream rows, whatever run they are in
+                if far_upstream and k + PREFETCH_IDS < runs[last]:  # later ids' rows, whatever their run
                     _prefetch_upstream(sorted_positions[k + PREFETCH_IDS], dims, feature_table, out_columns,
                                        bag_of_id, grad_out, batch_size, width)
                 p = sorted_positions[k]
