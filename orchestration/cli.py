@@ -1,4 +1,5 @@
-"""The ``neorec`` command: data generation and conversion, training, evaluation, benchmarks."""
+"""The ``neorec`` command: data generation and conversion, training, evaluation, benchmarks
+(the service commands are in :mod:`orchestration.cli_services`)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,11 @@ from tqdm import tqdm
 
 from embedding_store.client import StoreServiceError
 from embedding_store.segments import SegmentError
-from ingest.arrow_memory import MEMORY_POOLS, SERVICE_MEMORY_POOL, use_memory_pool
 from ingest.client import IngestError
 from ingest.errors import DataError
 from ingest.presets import PRESETS
-from ingest.row_group_cache import DEFAULT_CAPACITY_BYTES
-from ingest.service import DEFAULT_MAX_STREAMS
-from ingest.transport import TOKEN_ENV
+from orchestration.cli_args import add_client_security, at_least, client_security, port, seconds
+from orchestration.cli_services import add_service_commands
 from orchestration.supervisor import die_with_parent
 from trainer.checkpoint.layout import CheckpointError
 from trainer.config import ConfigError
@@ -28,7 +27,6 @@ from trainer.sharding.plan import PlanError
 from trainer.store_backed import StoreError
 
 if TYPE_CHECKING:
-    from ingest.transport import ClientSecurity, ServerSecurity
     from orchestration.trainer_status import TrainerStatusServer
     from trainer.config import TrainConfig
     from trainer.distributed import DistributedContext
@@ -67,67 +65,6 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split("\n")) or type(err).__name__
 
 
-def _port(text: str) -> int:
-    """An argparse type: a TCP port, 0 (any free one) to 65535."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port {port} is outside [0, 65535]")
-    return port
-
-
-def _at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-    return parse
-
-
-def _seconds(text: str) -> float:
-    """An argparse type: a finite, non-negative number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
-    return value
-
-
-def _add_server_security(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
-    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    parser.add_argument("--token-file", help=f"require this shared token on every call but health checks "
-                                             f"(default: ${TOKEN_ENV} if set)")
-    parser.add_argument("--insecure", action="store_true",
-                        help="allow a non-loopback --host with neither TLS nor a token")
-
-
-def _add_client_security(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tls-ca", help="PEM certificate to verify the service's TLS certificate with")
-    parser.add_argument("--token-file", help=f"send this shared token (default: ${TOKEN_ENV} if set)")
-
-
-def _server_security(args: argparse.Namespace) -> "ServerSecurity":
-    from ingest.transport import ServerSecurity, read_token
-
-    return ServerSecurity(tls_cert=args.tls_cert, tls_key=args.tls_key, token=read_token(args.token_file),
-                          insecure=args.insecure)
-
-
-def _client_security(args: argparse.Namespace) -> "ClientSecurity":
-    from ingest.transport import ClientSecurity, read_token
-
-    return ClientSecurity(tls_ca=args.tls_ca, token=read_token(args.token_file))
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neorec", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -135,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     data = commands.add_parser("data", help="generate or convert datasets").add_subparsers(dest="data", required=True)
     synth = data.add_parser("synth", help="write a synthetic dataset with a planted teacher")
     synth.add_argument("--profile", choices=("criteo", "multihot"), default="criteo")
-    synth.add_argument("--rows", type=_at_least(2), required=True, help="train + eval rows")
+    synth.add_argument("--rows", type=at_least(2), required=True, help="train + eval rows")
     synth.add_argument("--out", required=True)
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--eval-fraction", type=float, default=0.2)
@@ -165,68 +102,27 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--eval-fraction", type=float, default=0.1,
                          help="the newest rows that form the eval split")
     convert.add_argument("--eval-files", nargs="+", default=[], help="instead: these files are the eval split")
-    convert.add_argument("--min-count", type=_at_least(1), default=1,
+    convert.add_argument("--min-count", type=at_least(1), default=1,
                          help="categorical values seen fewer times in the train split map to id 0")
-    convert.add_argument("--hash-rows", type=_at_least(0), default=0,
+    convert.add_argument("--hash-rows", type=at_least(0), default=0,
                          help="hash categoricals into this many rows instead of counting a vocabulary")
     convert.set_defaults(run=_convert)
 
-    ingest = commands.add_parser("ingest", help="reader services").add_subparsers(dest="ingest", required=True)
-    serve = ingest.add_parser("serve", help="run a reader service until SIGTERM/Ctrl-C")
-    serve.add_argument("--port", type=_port, default=0, help="0: a free port, printed once serving")
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="interface to bind (loopback unless told otherwise, e.g. 0.0.0.0: then TLS and/or "
-                            "a token, or --insecure)")
-    serve.add_argument("--data-root", action="append", dest="data_roots", metavar="DIR",
-                       help="serve only datasets under this directory (repeatable; default: the working directory)")
-    serve.add_argument("--worker-threads", "--workers-threads", dest="threads", type=_at_least(1), default=2,
-                       help="decode threads")
-    serve.add_argument("--max-streams", type=_at_least(1), default=DEFAULT_MAX_STREAMS,
-                       help="open streams served at once (more are refused with RESOURCE_EXHAUSTED)")
-    serve.add_argument("--row-group-cache-mib", type=_at_least(0), default=DEFAULT_CAPACITY_BYTES >> 20,
-                       help="memory for row groups shared by concurrent reads of one epoch")
-    serve.add_argument("--memory-pool", choices=sorted(MEMORY_POOLS), default=SERVICE_MEMORY_POOL,
-                       help="Arrow's allocator in the service (see ingest/arrow_memory.py)")
-    serve.add_argument("--grace", type=_seconds, default=5.0, help="seconds open streams get to finish on shutdown")
-    _add_server_security(serve)
-    serve.set_defaults(run=_ingest_serve)
-    status = ingest.add_parser("status", help="print a reader service's live counters")
-    status.add_argument("address", help="host:port")
-    status.add_argument("--timeout", type=_seconds, default=5.0)
-    _add_client_security(status)
-    status.set_defaults(run=_ingest_status)
-
-    store = commands.add_parser("store", help="embedding store services").add_subparsers(dest="store", required=True)
-    serve = store.add_parser("serve", help="run an embedding store service until SIGTERM/Ctrl-C")
-    serve.add_argument("--dir", required=True, help="local disk directory for the tiers' segment files")
-    serve.add_argument("--port", type=_port, default=0, help="0: a free port, printed once serving")
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="interface to bind (loopback unless told otherwise: then TLS and/or a token, or "
-                            "--insecure)")
-    serve.add_argument("--direct-io", action="store_true", help="read segments with O_DIRECT (not the page cache)")
-    serve.add_argument("--threads", type=_at_least(1), default=16, help="requests served at once")
-    serve.add_argument("--grace", type=_seconds, default=5.0, help="seconds calls in flight get on shutdown")
-    _add_server_security(serve)
-    serve.set_defaults(run=_store_serve)
-    status = store.add_parser("status", help="print a store service's counters")
-    status.add_argument("address", help="host:port")
-    status.add_argument("--timeout", type=_seconds, default=5.0)
-    _add_client_security(status)
-    status.set_defaults(run=_store_status)
+    add_service_commands(commands)
 
     train = commands.add_parser("train", help="train a DLRM as a config says")
     train.add_argument("config")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     train.add_argument("--ingest", metavar="HOST:PORT,...",
                        help="read through these reader services instead of in process")
-    train.add_argument("--nproc", type=_at_least(1), default=1,
+    train.add_argument("--nproc", type=at_least(1), default=1,
                        help="trainer processes on this machine (torchrun; tables sharded by the planner)")
     train.add_argument("--overwrite", action="store_true",
                        help="replace the run already in run.dir (its files only)")
     train.add_argument("--resume", metavar="RUN_DIR",
                        help="continue the run in RUN_DIR from its newest complete checkpoint (same epoch, step, next "
                             "batch and RNG); RUN_DIR becomes run.dir")
-    train.add_argument("--status-port", type=_port,
+    train.add_argument("--status-port", type=port,
                        help="rank 0 serves grpc.health.v1 and its progress (neorec status) on this port (0: any)")
     train.add_argument("--status-host", default="127.0.0.1", help="where --status-port binds")
     train.set_defaults(run=_train)
@@ -246,8 +142,8 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("targets", nargs="+", metavar="HOST:PORT|RUN_DIR",
                         help="service addresses, or a `neorec launch` run directory")
     status.add_argument("--json", action="store_true", help="print every service's Status counters as JSON")
-    status.add_argument("--timeout", type=_seconds, default=1.0, help="seconds to connect and to answer")
-    _add_client_security(status)
+    status.add_argument("--timeout", type=seconds, default=1.0, help="seconds to connect and to answer")
+    add_client_security(status)
     status.set_defaults(run=_status)
     status.error = lambda message: status.exit(BAD_ARGUMENTS, f"{status.prog}: error: {message}\n")  # as grpc_health_probe
 
@@ -286,7 +182,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives", "checkpoint", "store", "import"))
     bench.add_argument("--json", help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (for smoke tests)")
-    bench.add_argument("--threads", type=_at_least(0), default=0,
+    bench.add_argument("--threads", type=at_least(0), default=0,
                        help="tbe: threads for ours and the baseline alike (1: the per-core comparison; 0: all cores)")
     bench.add_argument("--nproc", type=int, default=1,
                        help="train: compare N sharded trainer processes with one process; "
@@ -354,73 +250,6 @@ def _write_import(spec, source, out: str, vocab_from: str | None, profile: str) 
                                  profile=profile)
     print(json.dumps({"out": str(dataset.root), "rows": dataset.rows,
                       "tables": {f.table: f.cardinality for f in dataset.schema.sparse}}, indent=2))
-    return 0
-
-
-def _ingest_serve(args: argparse.Namespace) -> int:
-    from ingest.service import ReaderServer
-    from ingest.transport import serve_until_signal
-
-    use_memory_pool(args.memory_pool)
-    roots = args.data_roots or ["."]
-    missing = [r for r in roots if not Path(r).is_dir()]
-    if missing:
-        raise FileNotFoundError(f"--data-root {missing[0]} is not a directory")
-    server = ReaderServer(host=args.host, port=args.port, threads=args.threads,
-                          cache_bytes=args.row_group_cache_mib << 20, max_streams=args.max_streams,
-                          data_roots=roots, security=_server_security(args))
-
-    def ready(address: str) -> None:
-        print(f"neorec ingest: serving on {address}", flush=True)
-
-    serve_until_signal(server, args.grace, ready)
-    return 0
-
-
-def _ingest_status(args: argparse.Namespace) -> int:
-    import grpc
-    from google.protobuf.json_format import MessageToDict
-
-    from protos import ingest_pb2, ingest_pb2_grpc
-
-    with _client_security(args).channel(args.address) as channel:
-        try:
-            reply = ingest_pb2_grpc.ReaderStub(channel).Status(ingest_pb2.StatusRequest(), timeout=args.timeout)
-        except grpc.RpcError as err:
-            print(f"neorec: error: {args.address}: {err.code().name}: {err.details()}", file=sys.stderr)
-            return 1
-    print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True), indent=2))
-    return 0
-
-
-def _store_serve(args: argparse.Namespace) -> int:
-    from embedding_store.service import StoreServer
-    from ingest.transport import serve_until_signal
-
-    server = StoreServer(args.dir, host=args.host, port=args.port, direct_io=args.direct_io, threads=args.threads,
-                         security=_server_security(args))
-
-    def ready(address: str) -> None:
-        print(f"neorec store: serving {args.dir} on {address}", flush=True)
-
-    serve_until_signal(server, args.grace, ready)
-    return 0
-
-
-def _store_status(args: argparse.Namespace) -> int:
-    from google.protobuf.json_format import MessageToDict
-
-    from embedding_store.client import StoreClient, StoreServiceError
-
-    client = StoreClient(args.address, tls_ca=args.tls_ca or "", token_file=args.token_file or "")
-    try:
-        reply = client.status(args.timeout)
-    except StoreServiceError as err:
-        print(f"neorec: error: {err}", file=sys.stderr)
-        return 1
-    finally:
-        client.close()
-    print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True), indent=2))
     return 0
 
 
@@ -583,7 +412,7 @@ def _status(args: argparse.Namespace) -> int:
             else:
                 check_address(target)
                 addresses.append(target)
-        security = _client_security(args)
+        security = client_security(args)
     except (ValueError, OSError) as err:
         print(f"neorec: error: {_one_line(err)}", file=sys.stderr)
         return BAD_ARGUMENTS

@@ -1,0 +1,72 @@
+"""Argument types and the security flags shared by the ``neorec`` commands."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from ingest.transport import TOKEN_ENV
+
+if TYPE_CHECKING:
+    from ingest.transport import ClientSecurity, ServerSecurity
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside [0, 65535]")
+    return port
+
+
+def at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a finite, non-negative number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
+def add_server_security(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--token-file", help=f"require this shared token on every call but health checks "
+                                             f"(default: ${TOKEN_ENV} if set)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow a non-loopback --host with neither TLS nor a token")
+
+
+def add_client_security(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-ca", help="PEM certificate to verify the service's TLS certificate with")
+    parser.add_argument("--token-file", help=f"send this shared token (default: ${TOKEN_ENV} if set)")
+
+
+def server_security(args: argparse.Namespace) -> "ServerSecurity":
+    from ingest.transport import ServerSecurity, read_token
+
+    return ServerSecurity(tls_cert=args.tls_cert, tls_key=args.tls_key, token=read_token(args.token_file),
+                          insecure=args.insecure)
+
+
+def client_security(args: argparse.Namespace) -> "ClientSecurity":
+    from ingest.transport import ClientSecurity, read_token
+
+    return ClientSecurity(tls_ca=args.tls_ca, token=read_token(args.token_file))
