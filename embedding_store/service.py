@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from embedding_store.segments import SEGMENT_NAME, SegmentError, SegmentTier
-from ingest.transport import MAX_DETAILS_CHARS, RESERVED_THREADS, ServerSecurity, ServiceHost, abort
+from ingest.transport import MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, ServerSecurity, ServiceHost, abort
 from protos import store_pb2
 
 log = logging.getLogger(__name__)
@@ -238,7 +238,7 @@ def store_handler(servicer: StoreServicer) -> grpc.GenericRpcHandler:
         for name, (request, reply) in methods.items()})
 
 
-class StoreServer:
+class StoreServer(HostedServer):
     """A store service process's server: ``Store`` and ``Health`` on one port (0: a free one)."""
 
     def __init__(self, directory: str | Path, host: str = "127.0.0.1", port: int = 0, direct_io: bool = False,
@@ -246,17 +246,6 @@ class StoreServer:
         self.servicer = StoreServicer(directory, direct_io)
         self.host = ServiceHost(host, port, security, threads + RESERVED_THREADS, [store_handler(self.servicer)],
                                 [SERVICE_NAME], MAX_REQUEST_BYTES, MAX_REPLY_BYTES)
-
-    @property
-    def address(self) -> str:
-        return self.host.address
-
-    @property
-    def port(self) -> int:
-        return self.host.port
-
-    def start(self) -> None:
-        self.host.start()
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Health turns NOT_SERVING, calls in flight get ``grace_s``, then every buffered row

@@ -40,7 +40,7 @@ from ingest.reader import batches_from_chunks
 from ingest.row_group_cache import DEFAULT_CAPACITY_BYTES, RowGroupCache
 from ingest.rows import RowGroupInfo, Segment, Window
 from ingest.schema import Dataset
-from ingest.transport import MAX_DETAILS_CHARS, RESERVED_THREADS, ServerSecurity, ServiceHost, abort
+from ingest.transport import MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, ServerSecurity, ServiceHost, abort
 from ingest.wire import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, SERVICE_NAME, serialize_batch
 from protos import ingest_pb2, ingest_pb2_grpc
 
@@ -374,7 +374,7 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
         abort(context, code, message)
 
 
-class ReaderServer:
+class ReaderServer(HostedServer):
     """A reader service process's server: the ``Reader`` and ``Health`` services on one port.
 
     ``stop`` shuts down gracefully: health turns NOT_SERVING at once, open streams get
@@ -389,17 +389,6 @@ class ReaderServer:
         self.servicer = ReaderServicer(threads, cache_bytes, max_streams, data_roots)
         self.host = ServiceHost(host, port, security, max_streams + RESERVED_THREADS, [reader_handler(self.servicer)],
                                 [SERVICE_NAME], MAX_REQUEST_BYTES, MAX_MESSAGE_BYTES)
-
-    @property
-    def address(self) -> str:
-        return self.host.address
-
-    @property
-    def port(self) -> int:
-        return self.host.port
-
-    def start(self) -> None:
-        self.host.start()
 
     def stop(self, grace_s: float = 5.0) -> None:
         self.host.draining()

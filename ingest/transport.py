@@ -265,6 +265,24 @@ class ServiceHost:
         self.server.stop(grace=grace_s).wait()
 
 
+class HostedServer:
+    """Base of a service's server object: its :class:`ServiceHost` (``self.host``, set by
+    the subclass) gives the address and port and starts serving; the subclass stops it."""
+
+    host: ServiceHost
+
+    @property
+    def address(self) -> str:
+        return self.host.address
+
+    @property
+    def port(self) -> int:
+        return self.host.port
+
+    def start(self) -> None:
+        self.host.start()
+
+
 def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
     """End a call with ``code`` and ``message`` (shortened to :data:`MAX_DETAILS_CHARS`)."""
     if len(message) > MAX_DETAILS_CHARS:

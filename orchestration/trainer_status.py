@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from ingest.transport import RESERVED_THREADS, ServerSecurity, ServiceHost
+from ingest.transport import RESERVED_THREADS, HostedServer, ServerSecurity, ServiceHost
 from protos import trainer_pb2, trainer_pb2_grpc
 from trainer.train import StepReport
 
@@ -17,7 +17,7 @@ SERVICE_NAME = "neorec.trainer.Trainer"
 MAX_REQUEST_BYTES = 1 << 16
 
 
-class TrainerStatusServer(trainer_pb2_grpc.TrainerServicer):
+class TrainerStatusServer(HostedServer, trainer_pb2_grpc.TrainerServicer):
     """Serves the latest :class:`~trainer.train.StepReport` on ``host:port`` (0: a free one)."""
 
     def __init__(self, host: str, port: int, world_size: int, security: ServerSecurity = ServerSecurity()) -> None:
@@ -33,13 +33,6 @@ class TrainerStatusServer(trainer_pb2_grpc.TrainerServicer):
                 response_serializer=trainer_pb2.StatusReply.SerializeToString)})
         self.host = ServiceHost(host, port, security, RESERVED_THREADS, [handler], [SERVICE_NAME], MAX_REQUEST_BYTES,
                                 MAX_REQUEST_BYTES)
-
-    @property
-    def address(self) -> str:
-        return self.host.address
-
-    def start(self) -> None:
-        self.host.start()
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.host.draining()
