@@ -22,7 +22,7 @@ from trainer.batch import KeyedJaggedTensor
 from trainer.embedding_config import SparseOptimizer, TableConfig
 from trainer.kernels import backward as backward_kernels
 from trainer.kernels import torch_ops
-from trainer.kernels.forward import pooled_forward
+from trainer.kernels.forward import bags_per_job, pooled_forward
 from trainer.kernels.precision import FP32, PRECISIONS
 from trainer.memory import huge_page_empty
 from trainer.offsets import exclusive_cumsum
@@ -253,19 +253,23 @@ class FusedEmbeddingBagCollection(nn.Module):
                 sparse.lengths, sparse.values, sparse.weights, sparse.batch_size,
             )
         batch_size = sparse.batch_size
+        num_ids = sparse.values.numel()
+        scaled = sparse.weights is not None or bool(self._mean_pooling.any())
         ctx = _LookupContext(
             source=self._feature_source(sparse),
             bag_offsets=sparse.offsets().numpy(),
             values=sparse.values.numpy(),
-            id_weights=_EMPTY_F32 if sparse.weights is None else sparse.weights.numpy(),
             batch_size=batch_size,
-            bag_of_id=np.empty(sparse.values.numel(), dtype=np.int32),
+            upstream_of_id=np.empty(num_ids, dtype=np.int64),
+            scale_of_id=np.empty(num_ids, dtype=np.float32) if scaled else _EMPTY_F32,
         )
         out = torch.empty(batch_size, self.output_dim, dtype=torch.float32)
         bad = pooled_forward(
             *self._kernel_weights(), self._table_offsets, self._dims, self._rows, self._feature_table,
             ctx.source, self._out_columns, self._mean_pooling, ctx.bag_offsets, ctx.values,
-            ctx.id_weights, batch_size, out.view(-1).numpy(), ctx.bag_of_id,
+            _EMPTY_F32 if sparse.weights is None else sparse.weights.numpy(), batch_size,
+            bags_per_job(len(self.feature_names) * batch_size, numba.get_num_threads()),
+            out.view(-1).numpy(), ctx.upstream_of_id, ctx.scale_of_id,
         )
         if bad:
             raise IndexError(f"{bad} ids are outside their table's rows {self._describe_ranges()}")
@@ -297,21 +301,14 @@ class FusedEmbeddingBagCollection(nn.Module):
             )
             return
         positions, table_starts = self._positions_by_table(ctx)
-        sorted_positions = np.empty_like(positions)
-        run_start = np.empty(positions.shape[0], dtype=np.bool_)
-        backward_kernels.group_by_row(ctx.values, positions, table_starts, sorted_positions, run_start)
-        runs = np.flatnonzero(run_start)
-        run_table = np.searchsorted(table_starts, runs, side="right") - 1
-        runs = np.append(runs, positions.shape[0])
+        grouped = backward_kernels.group_by_row(ctx.values, ctx.upstream_of_id, ctx.scale_of_id, positions,
+                                                table_starts)
         opt = self.optimizer
         backward_kernels.apply_updates(
             *self._kernel_weights(), self._rounding_seed, self._noise_origin, self._slot_base, self._slot_rows,
             self.state1.numpy(), self.state2.numpy(),
-            self._table_offsets, self._state_offsets, self._state_width, self._row_offsets,
-            self._dims, self._feature_table, self._out_columns, self._mean_pooling,
-            ctx.bag_offsets, ctx.source, ctx.values, ctx.id_weights, ctx.bag_of_id,
-            sorted_positions, runs, run_table.astype(np.int64),
-            grad_out.view(-1).numpy(), ctx.batch_size, _OPTIMIZER_CODES[opt.kind], self._learning_rates,
+            self._table_offsets, self._state_offsets, self._state_width, self._row_offsets, self._dims, *grouped,
+            grad_out.view(-1).numpy(), _OPTIMIZER_CODES[opt.kind], self._learning_rates,
             opt.eps, opt.beta1, opt.beta2, opt.weight_decay, int(self.optimizer_step), self.touched.numpy(),
             _max_chunks(),
         )
@@ -352,15 +349,15 @@ class ShardView:
 class _LookupContext:
     """Arrays of one forward call that its backward reuses."""
 
-    __slots__ = ("source", "bag_offsets", "values", "id_weights", "batch_size", "bag_of_id")
+    __slots__ = ("source", "bag_offsets", "values", "batch_size", "upstream_of_id", "scale_of_id")
 
-    def __init__(self, source, bag_offsets, values, id_weights, batch_size, bag_of_id) -> None:
+    def __init__(self, source, bag_offsets, values, batch_size, upstream_of_id, scale_of_id) -> None:
         self.source = source
         self.bag_offsets = bag_offsets
         self.values = values
-        self.id_weights = id_weights
         self.batch_size = batch_size
-        self.bag_of_id = bag_of_id
+        self.upstream_of_id = upstream_of_id
+        self.scale_of_id = scale_of_id
 
 
 class _FusedLookup(torch.autograd.Function):

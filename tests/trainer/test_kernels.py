@@ -100,20 +100,39 @@ def test_row_encoder_equals_encoding_each_element(precision, seed):
 
 
 def test_group_by_row_sorts_stably_by_row_with_either_sort():
-    """Tables below and above the radix sort's threshold, rows needing one to three digits."""
+    """Tables below and above the radix sort's threshold, rows needing one to three digits:
+    each table's ids in stable row order, and one run per distinct row."""
     rng = np.random.default_rng(2)
     sizes = [0, 1, 7, RADIX_MIN_IDS - 1, RADIX_MIN_IDS, 3_000, 5_000]
     row_limits = [10, 10, 1_000, 50, 2_000, 3_000_000, 2**31 - 1]
     values = np.concatenate([rng.integers(0, limit, size) for size, limit in zip(sizes, row_limits)])
     values[-10:] = values[-20:-10]  # repeats in the three-digit table
     positions = rng.permutation(values.shape[0]).astype(np.int64)
+    upstream_of_id = rng.integers(0, 1 << 40, values.shape[0])
+    scale_of_id = rng.standard_normal(values.shape[0]).astype(np.float32)
     table_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    sorted_positions = np.empty_like(positions)
-    run_start = np.empty(positions.shape[0], dtype=np.bool_)
-    group_by_row(values, positions, table_starts, sorted_positions, run_start)
-    for lo, hi in zip(table_starts[:-1], table_starts[1:]):
+    id_upstream, id_scale, runs, run_table, run_rows = group_by_row(values, upstream_of_id, scale_of_id, positions,
+                                                                    table_starts)
+    expected_runs, expected_tables, expected_rows = [], [], []
+    for t, (lo, hi) in enumerate(zip(table_starts[:-1], table_starts[1:])):
         table = positions[lo:hi]
         expected = table[np.argsort(values[table], kind="stable")]
-        assert (sorted_positions[lo:hi] == expected).all()
+        assert (id_upstream[lo:hi] == upstream_of_id[expected]).all()
+        assert (id_scale[lo:hi] == scale_of_id[expected]).all()
         rows = values[expected]
-        assert (run_start[lo:hi] == (np.arange(hi - lo) == 0) | np.r_[True, rows[1:] != rows[:-1]]).all()
+        starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]]) if hi > lo else np.zeros(0, dtype=np.int64)
+        expected_runs += (lo + starts).tolist()
+        expected_tables += [t] * len(starts)
+        expected_rows += rows[starts].tolist()
+    assert runs.tolist() == expected_runs + [values.shape[0]]
+    assert run_table.tolist() == expected_tables
+    assert run_rows.tolist() == expected_rows
+
+
+def test_group_by_row_without_scales_gives_none():
+    values = np.array([3, 1, 3], dtype=np.int64)
+    id_upstream, id_scale, runs, _, run_rows = group_by_row(
+        values, np.array([0, 64, 128], dtype=np.int64), np.zeros(0, dtype=np.float32),
+        np.arange(3, dtype=np.int64), np.array([0, 3], dtype=np.int64))
+    assert id_scale.shape == (0,)
+    assert id_upstream.tolist() == [64, 0, 128] and runs.tolist() == [0, 1, 3] and run_rows.tolist() == [1, 3]

@@ -2,14 +2,15 @@
 
 Two phases:
 
-1. :func:`group_by_row` sorts, table by table, the positions of the batch's ids by row
-   (stable, so a row's contributions stay in (feature, sample, position) order) and marks
-   where each row's run starts.
-2. :func:`apply_updates` gives every distinct row to one thread, which sums the row's
-   gradient contributions in that fixed order and applies the optimizer to the row.
+1. :func:`group_by_row` sorts, table by table, the batch's ids by row (stable, so a row's
+   contributions stay in (feature, sample, position) order) and lays out, in that order,
+   where each id's upstream gradient row is and its scale, and the runs of ids of one row.
+2. :func:`apply_updates` gives every run to one thread, which sums the row's gradient
+   contributions in that fixed order and applies the optimizer to the row.
 
 So the result is bit-identical whatever the number of threads. Half-precision rows are
-updated in float32 and rounded back once per step.
+updated in float32 and rounded back once per step. Both phases read their inputs in order
+except the rows and the upstream gradient rows, which they prefetch ahead.
 """
 
 from __future__ import annotations
@@ -26,13 +27,10 @@ ADAGRAD = 1
 ROWWISE_ADAGRAD = 2
 ADAM = 3
 
-PREFETCH_ROWS = 4
-"""How many rows ahead the update prefetches."""
+PREFETCH_ROWS = 8
+"""How many runs ahead the update prefetches the row (weights, state, touched flag)."""
 PREFETCH_IDS = 8
-"""How many ids ahead (in row order) the update prefetches their upstream gradient rows."""
-UPSTREAM_CACHED_BYTES = 8 << 20
-"""An upstream gradient up to this size is taken to stay in the CPU's caches: its rows are
-not prefetched (the prefetch's index arithmetic would cost more than it saves)."""
+"""How many ids ahead the update prefetches their upstream gradient rows."""
 
 
 RADIX_BITS = 11
@@ -44,35 +42,77 @@ RADIX_MIN_IDS = 256
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def group_by_row(
-    values: np.ndarray,        # int64 [N]
-    positions: np.ndarray,     # int64 [M]: positions into values, grouped by table
-    table_starts: np.ndarray,  # int64 [T + 1]: table t owns positions[table_starts[t]:table_starts[t+1]]
-    sorted_positions: np.ndarray,  # int64 [M], written
-    run_start: np.ndarray,     # bool [M], written: True where a new row's run begins
-) -> None:
-    for t in numba.prange(table_starts.shape[0] - 1):
+    values: np.ndarray,          # int64 [N]
+    upstream_of_id: np.ndarray,  # int64 [N] (from the forward)
+    scale_of_id: np.ndarray,     # float32 [N] or [0] (from the forward)
+    positions: np.ndarray,       # int64 [M]: positions into values, grouped by table
+    table_starts: np.ndarray,    # int64 [T + 1]: table t owns positions[table_starts[t]:table_starts[t+1]]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The ids of ``positions`` in row order, table by table: returns
+
+    - ``id_upstream`` int64 [M] and ``id_scale`` float32 [M] (or [0] if ``scale_of_id`` is):
+      each id's upstream gradient offset and scale, in that order;
+    - ``runs`` int64 [R + 1]: run r (the ids of one row) is ``[runs[r], runs[r + 1])``;
+    - ``run_table`` int64 [R] and ``run_rows`` int64 [R]: each run's table and row.
+    """
+    num_ids = positions.shape[0]
+    num_tables = table_starts.shape[0] - 1
+    scaled = scale_of_id.shape[0] > 0
+    id_upstream = np.empty(num_ids, dtype=np.int64)
+    id_scale = np.empty(num_ids if scaled else 0, dtype=np.float32)
+    sorted_rows = np.empty(num_ids, dtype=np.int64)
+    table_runs = np.zeros(num_tables + 1, dtype=np.int64)
+    for t in numba.prange(num_tables):
         lo = table_starts[t]
         hi = table_starts[t + 1]
         if hi == lo:
             continue
         # one sort of (row, index in this table's positions) packed in an int64: rows are
         # < 2**31 and a batch has < 2**32 ids, so the order is by row, then position order
+        # (the table's upstream offsets and scales are gathered in position order first, so
+        # that laying them out in row order reads a table-sized array, not the batch's)
         keys = np.empty(hi - lo, dtype=np.int64)
+        table_upstream = np.empty(hi - lo, dtype=np.int64)
+        table_scale = np.empty(hi - lo if scaled else 0, dtype=np.float32)
         largest_row = 0
         for i in range(hi - lo):
-            row = values[positions[lo + i]]
+            p = positions[lo + i]
+            row = values[p]
             keys[i] = (row << 32) | i
             largest_row = max(largest_row, row)
+            table_upstream[i] = upstream_of_id[p]
+            if scaled:
+                table_scale[i] = scale_of_id[p]
         if hi - lo < RADIX_MIN_IDS:
             keys.sort()
         else:
             keys = _radix_sort_rows(keys, largest_row)
-        previous = -1
+        count = 0
         for i in range(hi - lo):
             row = keys[i] >> 32
-            sorted_positions[lo + i] = positions[lo + (keys[i] & 0xFFFFFFFF)]
-            run_start[lo + i] = i == 0 or row != previous
-            previous = row
+            j = keys[i] & 0xFFFFFFFF
+            id_upstream[lo + i] = table_upstream[j]
+            if scaled:
+                id_scale[lo + i] = table_scale[j]
+            sorted_rows[lo + i] = row
+            if i == 0 or row != sorted_rows[lo + i - 1]:
+                count += 1
+        table_runs[t + 1] = count
+    for t in range(num_tables):
+        table_runs[t + 1] += table_runs[t]
+    runs = np.empty(table_runs[num_tables] + 1, dtype=np.int64)
+    run_table = np.empty(table_runs[num_tables], dtype=np.int64)
+    run_rows = np.empty(table_runs[num_tables], dtype=np.int64)
+    runs[-1] = num_ids
+    for t in numba.prange(num_tables):
+        r = table_runs[t]
+        for i in range(table_starts[t], table_starts[t + 1]):
+            if i == table_starts[t] or sorted_rows[i] != sorted_rows[i - 1]:
+                runs[r] = i
+                run_table[r] = t
+                run_rows[r] = sorted_rows[i]
+                r += 1
+    return id_upstream, id_scale, runs, run_table, run_rows
 
 
 @numba.njit(inline="always")
@@ -117,19 +157,12 @@ def apply_updates(
     state_width: np.ndarray,    # int64 [T]: state floats per row (dim, 1 or 0)
     row_offsets: np.ndarray,    # int64 [T]: first global row of each table (for `touched`)
     dims: np.ndarray,           # int64 [T]
-    feature_table: np.ndarray,  # int64 [F]
-    out_columns: np.ndarray,    # int64 [F]
-    mean_pooling: np.ndarray,   # bool [T]
-    bag_offsets: np.ndarray,    # int64 [F_batch * B + 1]
-    feature_source: np.ndarray, # int64 [F]
-    values: np.ndarray,         # int64 [N]
-    id_weights: np.ndarray,     # float32 [N] or [0]
-    bag_of_id: np.ndarray,      # int32 [N] (from the forward)
-    sorted_positions: np.ndarray,  # int64 [M]
-    runs: np.ndarray,           # int64 [R + 1]: run r is sorted_positions[runs[r]:runs[r+1]]
+    id_upstream: np.ndarray,    # int64 [M]: upstream gradient offset of each id, in row order
+    id_scale: np.ndarray,       # float32 [M] or [0] (all ones): each id's scale, same order
+    runs: np.ndarray,           # int64 [R + 1]: run r (one row's ids) is [runs[r], runs[r + 1])
     run_table: np.ndarray,      # int64 [R]
+    run_rows: np.ndarray,       # int64 [R]
     grad_out: np.ndarray,       # float32 [B * sum(dims of features)] (row-major [B, C])
-    batch_size: int,
     optimizer: int,
     learning_rates: np.ndarray,  # float32 [T]
     eps: float,
@@ -140,43 +173,38 @@ def apply_updates(
     touched: np.ndarray,        # uint8 [total rows], set to 1 for every updated row
     max_chunks: int,            # work is split into at most this many chunks (a few per thread)
 ) -> None:
-    weighted = id_weights.shape[0] > 0
-    width = grad_out.shape[0] // max(batch_size, 1)
+    """One optimizer step on every row of ``runs`` (the layout of :func:`group_by_row`)."""
+    scaled = id_scale.shape[0] > 0
     max_dim = 0
     for t in range(dims.shape[0]):
         max_dim = max(max_dim, dims[t])
     adam_step_size = np.float32(np.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step))
     num_runs = runs.shape[0] - 1
     chunks = min(num_runs, max_chunks)
-    far_upstream = grad_out.shape[0] * 4 > UPSTREAM_CACHED_BYTES
     for c in numba.prange(chunks):
         grad = np.empty(max_dim, dtype=np.float32)
         row_copy = np.empty(max_dim, dtype=np.float32)  # a half-precision row, in float32
         noise_bits = np.empty(max_dim, dtype=np.uint64)  # its stochastic rounding's noise
+        first = c * num_runs // chunks
         last = (c + 1) * num_runs // chunks
-        for r in range(c * num_runs // chunks, last):
+        ids_end = runs[last]
+        for k in range(runs[first], min(runs[first] + PREFETCH_IDS, ids_end)):
+            _prefetch_upstream(grad_out, id_upstream[k], dims[run_table[first]])
+        for r in range(first, last):
             if r + PREFETCH_ROWS < last:
-                _prefetch_run(r + PREFETCH_ROWS, weights, weights16, precision, state1, touched, table_offsets,
-                              state_offsets, state_width, row_offsets, dims, feature_table, out_columns, values,
-                              bag_of_id, sorted_positions, runs, run_table, grad_out, batch_size, width)
+                _prefetch_row_and_state(weights, weights16, precision, state1, touched, table_offsets, state_offsets,
+                                        state_width, row_offsets, dims, run_table[r + PREFETCH_ROWS],
+                                        run_rows[r + PREFETCH_ROWS])
             t = run_table[r]
             dim = dims[t]
+            row = run_rows[r]
             for d in range(dim):
                 grad[d] = 0.0
-            row = values[sorted_positions[runs[r]]]
             for k in range(runs[r], runs[r + 1]):
-                if far_upstream and k + PREFETCH_IDS < runs[last]:  # later ids' rows, whatever their run
-                    _prefetch_upstream(sorted_positions[k + PREFETCH_IDS], dims, feature_table, out_columns,
-                                       bag_of_id, grad_out, batch_size, width)
-                p = sorted_positions[k]
-                bag = bag_of_id[p]
-                f = bag // batch_size
-                b = bag - f * batch_size
-                scale = id_weights[p] if weighted else np.float32(1.0)
-                if mean_pooling[t]:
-                    source_bag = feature_source[f] * batch_size + b
-                    scale = scale / np.float32(bag_offsets[source_bag + 1] - bag_offsets[source_bag])
-                o = b * width + out_columns[f]
+                if k + PREFETCH_IDS < ids_end:  # a later id's row, whatever its run
+                    _prefetch_upstream(grad_out, id_upstream[k + PREFETCH_IDS], dim)
+                scale = id_scale[k] if scaled else np.float32(1.0)
+                o = id_upstream[k]
                 upstream = grad_out[o : o + dim]  # slices indexed by the loop counter vectorize
                 for d in range(dim):
                     grad[d] += scale * upstream[d]
@@ -201,34 +229,21 @@ def apply_updates(
 
 
 @numba.njit(inline="always")
-def _prefetch_run(r, weights, weights16, precision, state1, touched, table_offsets, state_offsets, state_width,
-                  row_offsets, dims, feature_table, out_columns, values, bag_of_id, sorted_positions, runs, run_table,
-                  grad_out, batch_size, width):
-    """Prefetch what run ``r`` will touch: its row's weights, state and touched flag, and
-    the upstream gradient of its first id."""
-    t = run_table[r]
-    dim = dims[t]
-    p = sorted_positions[runs[r]]
-    row = values[p]
-    prefetch_row(weights, weights16, precision, table_offsets[t] + row * dim, dim)
+def _prefetch_row_and_state(weights, weights16, precision, state1, touched, table_offsets, state_offsets,
+                            state_width, row_offsets, dims, t, row):
+    """Prefetch what the update of ``row`` of table ``t`` touches: its weights, its state
+    and its touched flag."""
+    prefetch_row(weights, weights16, precision, table_offsets[t] + row * dims[t], dims[t])
     if state1.shape[0] > 0:
         prefetch(state1, state_offsets[t] + row * state_width[t])
     prefetch(touched, row_offsets[t] + row)
-    bag = bag_of_id[p]
-    f = bag // batch_size
-    o = (bag - f * batch_size) * width + out_columns[f]
-    for d in range(0, dim, 16):
-        prefetch(grad_out, o + d)
 
 
 @numba.njit(inline="always")
-def _prefetch_upstream(p, dims, feature_table, out_columns, bag_of_id, grad_out, batch_size, width):
-    """Prefetch the upstream gradient row of the id at position ``p``."""
-    bag = bag_of_id[p]
-    f = bag // batch_size
-    o = (bag - f * batch_size) * width + out_columns[f]
-    for d in range(0, dims[feature_table[f]], 16):
-        prefetch(grad_out, o + d)
+def _prefetch_upstream(grad_out, offset, dim):
+    """Prefetch the upstream gradient row of ``dim`` floats at ``offset``."""
+    for d in range(0, dim, 16):
+        prefetch(grad_out, offset + d)
 
 
 @numba.njit(inline="always")

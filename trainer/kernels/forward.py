@@ -15,6 +15,16 @@ from trainer.kernels.prefetch import prefetch_row
 
 PREFETCH_IDS = 16
 """How many ids ahead the forward prefetches rows."""
+MAX_BAGS_PER_JOB = 256
+"""A parallel job pools a run of at most this many consecutive bags of one feature."""
+JOBS_PER_THREAD = 8
+"""Jobs are made small enough that each thread gets about this many (load balance)."""
+
+
+def bags_per_job(num_bags: int, threads: int) -> int:
+    """Bags a job of :func:`pooled_forward` pools: at most :data:`MAX_BAGS_PER_JOB`, fewer when
+    ``num_bags`` would otherwise give a thread fewer than :data:`JOBS_PER_THREAD` jobs."""
+    return max(1, min(MAX_BAGS_PER_JOB, num_bags // max(1, threads * JOBS_PER_THREAD)))
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -33,54 +43,64 @@ def pooled_forward(
     values: np.ndarray,          # int64 [N]
     id_weights: np.ndarray,      # float32 [N] or [0] when unweighted
     batch_size: int,
+    bags_per_job: int,           # consecutive bags of one feature pooled by one parallel job
     out: np.ndarray,             # float32 [B * sum(dims of features)] (row-major [B, C]), written
-    bag_of_id: np.ndarray,       # int32 [N], written: module bag (f * B + b) of each id
-                                 # of the module's features (others untouched)
+    upstream_of_id: np.ndarray,  # int64 [N], written: where in ``out`` each id's bag starts (the
+                                 # id's upstream gradient row in the backward); ids of features
+                                 # outside the module untouched
+    scale_of_id: np.ndarray,     # float32 [N] or [0], written when not empty: the factor of each
+                                 # id's row in its bag (its weight, over the bag's size if mean)
 ) -> int:
     """Sum (or mean) of each bag's rows; returns the number of out-of-range ids (0 if valid).
 
     Each bag is summed by one thread in id order, so the result does not depend on the
-    thread count.
+    thread count. A job walks a feature's bags in order, so its ids are read in order and
+    prefetched ahead across bag boundaries.
     """
-    num_bags = feature_table.shape[0] * batch_size
     width = out.shape[0] // max(batch_size, 1)
     weighted = id_weights.shape[0] > 0
+    scaled = scale_of_id.shape[0] > 0
+    jobs_per_feature = -(-batch_size // bags_per_job)
     bad = 0  # a reduction over the threads: the count of out-of-range ids
-    for bag in numba.prange(num_bags):
-        f = bag // batch_size
-        b = bag - f * batch_size
+    for job in numba.prange(feature_table.shape[0] * jobs_per_feature):
+        f = job // jobs_per_feature
+        first_bag = (job - f * jobs_per_feature) * bags_per_job
         t = feature_table[f]
         dim = dims[t]
         base = table_offsets[t]
-        o = b * width + out_columns[f]
-        pooled = out[o : o + dim]  # slices indexed by the loop counter vectorize
-        source_bag = feature_source[f] * batch_size + b
-        start = bag_offsets[source_bag]
-        end = bag_offsets[source_bag + 1]
-        feature_end = bag_offsets[(feature_source[f] + 1) * batch_size]
-        for d in range(dim):
-            pooled[d] = 0.0
-        for p in range(start, end):
-            ahead = p + PREFETCH_IDS
-            if ahead < feature_end and 0 <= values[ahead] < rows[t]:  # ids of one feature are contiguous
-                prefetch_row(weights, weights16, precision, base + values[ahead] * dim, dim)
-            idx = values[p]
-            bag_of_id[p] = bag
-            if idx < 0 or idx >= rows[t]:
-                bad += 1
-                continue
-            row = base + idx * dim
-            w = id_weights[p] if weighted else np.float32(1.0)
-            if precision == FP32:
-                row_weights = weights[row : row + dim]
-                for d in range(dim):
-                    pooled[d] += w * row_weights[d]
-            else:
-                row_bits = weights16[row : row + dim]
-                for d in range(dim):
-                    pooled[d] += w * decode(row_bits[d], precision)
-        if mean_pooling[t] and end > start:
-            count = np.float32(end - start)
+        table_rows = rows[t]
+        source = feature_source[f] * batch_size
+        feature_end = bag_offsets[source + batch_size]  # ids of one feature are contiguous
+        for b in range(first_bag, min(first_bag + bags_per_job, batch_size)):
+            o = b * width + out_columns[f]
+            pooled = out[o : o + dim]  # slices indexed by the loop counter vectorize
+            start = bag_offsets[source + b]
+            end = bag_offsets[source + b + 1]
+            count = np.float32(end - start) if mean_pooling[t] else np.float32(1.0)
             for d in range(dim):
-                pooled[d] /= count
+                pooled[d] = 0.0
+            for p in range(start, end):
+                ahead = p + PREFETCH_IDS
+                if ahead < feature_end and 0 <= values[ahead] < table_rows:
+                    prefetch_row(weights, weights16, precision, base + values[ahead] * dim, dim)
+                upstream_of_id[p] = o
+                w = id_weights[p] if weighted else np.float32(1.0)
+                if scaled:
+                    scale_of_id[p] = w / count
+                idx = values[p]
+                if idx < 0 or idx >= table_rows:
+                    bad += 1
+                    continue
+                row = base + idx * dim
+                if precision == FP32:
+                    row_weights = weights[row : row + dim]
+                    for d in range(dim):
+                        pooled[d] += w * row_weights[d]
+                else:
+                    row_bits = weights16[row : row + dim]
+                    for d in range(dim):
+                        pooled[d] += w * decode(row_bits[d], precision)
+            if mean_pooling[t] and end > start:
+                for d in range(dim):
+                    pooled[d] /= count
     return bad
