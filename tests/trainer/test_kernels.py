@@ -91,7 +91,10 @@ def test_row_encoder_equals_encoding_each_element(precision, seed):
     rows = values[: values.shape[0] // 32 * 32].reshape(-1, 32).copy()
     rng = np.random.default_rng(1)
     tame = (rng.standard_normal((5_000, 32)) * rng.choice([1e-3, 1, 100], (5_000, 1))).astype(np.float32)
-    rows = np.concatenate([rows, tame])
+    # fp16 subnormals and zeros among normal values, as in freshly initialised tables
+    small = (rng.uniform(-1, 1, (5_000, 32)) * rng.choice([3e-3, 1e-5, 1e-9], (5_000, 1))).astype(np.float32)
+    small[rng.random(small.shape) < 0.05] = 0.0
+    rows = np.concatenate([rows, tame, small])
     ours = np.empty(rows.shape, dtype=np.uint16)
     _encode_rows(rows, precision, seed, ours)
     each = np.empty(rows.size, dtype=np.uint16)

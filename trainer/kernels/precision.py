@@ -101,11 +101,12 @@ def encode(x: np.float32, precision: int, noise: float) -> np.uint16:
     return np.uint16(sign | (truncated + np.uint32(up)))
 
 
-_FAST_LOWEST = (0, 0x38800000, 0)
+_FAST_LOWEST = (0, 73 << 23, 0)
 _FAST_HIGHEST = (0, 0x477FE000, 0x7F7F0000)
-"""By precision code: float32 magnitudes (as bits) whose half is normal and finite at any rounding: fp16 from
-2**-14 to 65504, bf16 up to its largest finite value. A row inside it is encoded by
-:func:`encode_row`'s vectorized loop."""
+"""By precision code: nonzero float32 magnitudes (as bits) that :func:`encode_row`'s vectorized
+loop encodes, zero aside: fp16 from 2**-54 (where a subnormal's rounding needs at most 53
+noise bits, as in :func:`encode`) to 65504, the largest value no rounding takes to infinity;
+bf16 up to its largest finite value."""
 
 
 @numba.njit(inline="always")
@@ -122,22 +123,29 @@ def encode_row(row, bits, dim, precision, seed, step, first_element, noise_bits)
     inside = True
     for d in range(dim):
         a = _bits_of_float(row[d]) & np.uint32(0x7FFFFFFF)
-        inside &= (a >= np.uint32(lowest)) & (a <= np.uint32(highest))
+        inside &= (a == np.uint32(0)) | ((a >= np.uint32(lowest)) & (a <= np.uint32(highest)))
     if not inside:
         for d in range(dim):
             noise = np.float64(noise_bits[d]) * (1.0 / 9007199254740992.0) if stochastic else -1.0
             bits[d] = encode(row[d], precision, noise)
         return
-    shift = 16 if precision == BF16 else 13
-    rebias = np.uint32(0) if precision == BF16 else np.uint32(112 << 23)
     for d in range(dim):
         b = _bits_of_float(row[d])
-        base = (b & np.uint32(0x7FFFFFFF)) - rebias
+        a = b & np.uint32(0x7FFFFFFF)
+        if precision == BF16:
+            base, shift = np.uint64(a), np.uint64(16)
+        else:  # fp16 normal: rebias the exponent; subnormal (zero too): the significand, in
+            # units of 2**-24 once shifted (see encode); selects, not branches, so it vectorizes
+            exponent = a >> np.uint32(23)
+            normal = exponent >= np.uint32(113)
+            significand = (a & np.uint32(0x7FFFFF)) | (np.uint32(0x800000) if exponent > 0 else np.uint32(0))
+            base = np.uint64(a - np.uint32(112 << 23)) if normal else np.uint64(significand)
+            shift = np.uint64(13) if normal else np.uint64(min(np.uint32(126) - exponent, np.uint32(53)))
         if stochastic:  # the top `shift` of the noise's 53 bits: see encode
-            carry = np.uint32(noise_bits[d] >> np.uint64(53 - shift))
+            carry = noise_bits[d] >> (np.uint64(53) - shift)
         else:  # ties to even
-            carry = np.uint32((1 << (shift - 1)) - 1) + ((base >> np.uint32(shift)) & np.uint32(1))
-        bits[d] = np.uint16(((b >> np.uint32(16)) & np.uint32(0x8000)) | ((base + carry) >> np.uint32(shift)))
+            carry = ((np.uint64(1) << (shift - np.uint64(1))) - np.uint64(1)) + ((base >> shift) & np.uint64(1))
+        bits[d] = np.uint16(((b >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32((base + carry) >> shift))
 
 
 @numba.njit(inline="always")
