@@ -262,10 +262,7 @@ def _update_row(weights, state1, state2, grad, dim, optimizer, lr, eps, beta1, b
             state1[d] += grad[d] * grad[d]
             weights[d] -= lr * grad[d] / (np.sqrt(state1[d]) + eps)
     elif optimizer == ROWWISE_ADAGRAD:
-        square_sum = np.float32(0.0)
-        for d in range(dim):
-            square_sum += grad[d] * grad[d]
-        state1[0] += square_sum / np.float32(dim)
+        state1[0] += _square_sum(grad, dim) / np.float32(dim)
         multiplier = lr / (np.sqrt(state1[0]) + eps)
         for d in range(dim):
             weights[d] -= multiplier * grad[d]
@@ -278,3 +275,25 @@ def _update_row(weights, state1, state2, grad, dim, optimizer, lr, eps, beta1, b
             state1[d] = m
             state2[d] = v
             weights[d] -= lr * adam_step_size * m / (np.sqrt(v) + eps)
+
+
+@numba.njit(inline="always")
+def _square_sum(x, n):
+    """sum of ``x[:n]**2`` in 8 interleaved partial sums, added pairwise: a fixed order
+    (the same result whatever the thread count) without one chain of n dependent adds."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    d = 0
+    while d + 8 <= n:
+        s0 += x[d] * x[d]
+        s1 += x[d + 1] * x[d + 1]
+        s2 += x[d + 2] * x[d + 2]
+        s3 += x[d + 3] * x[d + 3]
+        s4 += x[d + 4] * x[d + 4]
+        s5 += x[d + 5] * x[d + 5]
+        s6 += x[d + 6] * x[d + 6]
+        s7 += x[d + 7] * x[d + 7]
+        d += 8
+    while d < n:
+        s0 += x[d] * x[d]
+        d += 1
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
