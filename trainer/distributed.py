@@ -79,10 +79,25 @@ def init_from_torchrun(device_kind: str = "auto", timeout_s: float = 300.0) -> D
                               local_rank, device, heartbeat)
 
 
+COLLECTIVE_SETTLE_S = 0.2
+"""How long :func:`shutdown` leaves the GIL to gloo's worker threads before the process
+goes on to exit."""
+
+
 def shutdown(context: DistributedContext) -> None:
+    """Stop the heartbeat and leave the process group.
+
+    A gloo worker thread drops its last reference to a finished collective's tensors after
+    the caller has returned from it, and when Python no longer holds them that needs the
+    GIL. If the interpreter is already finalizing, the thread is ended inside a destructor
+    that cannot unwind, and the process aborts ("terminate called without an active
+    exception") after a run that succeeded. Sleeping releases the GIL, so the workers
+    finish that while the interpreter is whole.
+    """
     if context.heartbeat is not None:
         context.heartbeat.stop()
     if context.distributed and dist.is_initialized():
+        time.sleep(COLLECTIVE_SETTLE_S)
         dist.destroy_process_group()
 
 
