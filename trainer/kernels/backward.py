@@ -40,7 +40,6 @@ RADIX_MIN_IDS = 256
 """Tables with fewer ids in the batch are grouped by a comparison sort instead."""
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
 def group_by_row(
     values: np.ndarray,          # int64 [N]
     upstream_of_id: np.ndarray,  # int64 [N] (from the forward)
@@ -54,12 +53,30 @@ def group_by_row(
       each id's upstream gradient offset and scale, in that order;
     - ``runs`` int64 [R + 1]: run r (the ids of one row) is ``[runs[r], runs[r + 1])``;
     - ``run_table`` int64 [R] and ``run_rows`` int64 [R]: each run's table and row.
+
+    The arrays are allocated here, not in the kernel: a kernel that returns arrays calls
+    back into Python to build them, and a Ctrl-C landing in that call surfaces as a
+    ``SystemError`` instead of ``KeyboardInterrupt``.
     """
+    num_ids = positions.shape[0]
+    id_upstream = np.empty(num_ids, dtype=np.int64)
+    id_scale = np.empty(num_ids if scale_of_id.shape[0] > 0 else 0, dtype=np.float32)
+    runs = np.empty(num_ids + 1, dtype=np.int64)
+    run_table = np.empty(num_ids, dtype=np.int64)
+    run_rows = np.empty(num_ids, dtype=np.int64)
+    num_runs = _group_by_row(values, upstream_of_id, scale_of_id, positions, table_starts, id_upstream, id_scale,
+                             runs, run_table, run_rows)
+    return id_upstream, id_scale, runs[: num_runs + 1], run_table[:num_runs], run_rows[:num_runs]
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _group_by_row(values, upstream_of_id, scale_of_id, positions, table_starts,
+                  id_upstream, id_scale, runs, run_table, run_rows) -> int:
+    """:func:`group_by_row` into its arrays (``runs``, ``run_table`` and ``run_rows`` sized
+    for one run per id); returns the number of runs."""
     num_ids = positions.shape[0]
     num_tables = table_starts.shape[0] - 1
     scaled = scale_of_id.shape[0] > 0
-    id_upstream = np.empty(num_ids, dtype=np.int64)
-    id_scale = np.empty(num_ids if scaled else 0, dtype=np.float32)
     sorted_rows = np.empty(num_ids, dtype=np.int64)
     table_runs = np.zeros(num_tables + 1, dtype=np.int64)
     for t in numba.prange(num_tables):
@@ -100,10 +117,7 @@ def group_by_row(
         table_runs[t + 1] = count
     for t in range(num_tables):
         table_runs[t + 1] += table_runs[t]
-    runs = np.empty(table_runs[num_tables] + 1, dtype=np.int64)
-    run_table = np.empty(table_runs[num_tables], dtype=np.int64)
-    run_rows = np.empty(table_runs[num_tables], dtype=np.int64)
-    runs[-1] = num_ids
+    runs[table_runs[num_tables]] = num_ids
     for t in numba.prange(num_tables):
         r = table_runs[t]
         for i in range(table_starts[t], table_starts[t + 1]):
@@ -112,7 +126,7 @@ def group_by_row(
                 run_table[r] = t
                 run_rows[r] = sorted_rows[i]
                 r += 1
-    return id_upstream, id_scale, runs, run_table, run_rows
+    return table_runs[num_tables]
 
 
 @numba.njit(inline="always")
