@@ -9,27 +9,27 @@ from typing import Any
 def run_benchmark(name: str, quick: bool = False, nproc: int = 1, threads: int = 0) -> dict[str, Any]:
     """Benchmark ``name``; ``threads`` (tbe): threads for both sides (0: all cores)."""
     if name == "train" and nproc > 1:
-        from benchmarks.sharded_train_bench import run
+        from neorec.benchmarks.sharded_train_bench import run
 
         return run(quick=quick, nproc=nproc)
     if name == "collectives":
-        from benchmarks.collectives_bench import run
+        from neorec.benchmarks.collectives_bench import run
 
         return run(quick=quick, nproc=max(nproc, 2))
     if name == "train":
-        from benchmarks.train_bench import run
+        from neorec.benchmarks.train_bench import run
     elif name == "tbe":
-        from benchmarks.tbe_bench import run
+        from neorec.benchmarks.tbe_bench import run
 
         return run(quick=quick, threads=threads)
     elif name == "ingest":
-        from benchmarks.ingest_bench import run
+        from neorec.benchmarks.ingest_bench import run
     elif name == "checkpoint":
-        from benchmarks.checkpoint_bench import run
+        from neorec.benchmarks.checkpoint_bench import run
     elif name == "import":
-        from benchmarks.import_bench import run
+        from neorec.benchmarks.import_bench import run
     elif name == "store":
-        from benchmarks.store_bench import run
+        from neorec.benchmarks.store_bench import run
     else:
         raise ValueError(f"unknown benchmark {name!r}")
     return run(quick=quick)

@@ -16,8 +16,8 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from trainer.batch import KeyedJaggedTensor
-from trainer.embedding_config import TableConfig
+from neorec.trainer.batch import KeyedJaggedTensor
+from neorec.trainer.embedding.config import TableConfig
 
 
 class EmbeddingBagCollectionReference(nn.Module):
@@ -82,7 +82,7 @@ class FbgemmTableBatched(nn.Module):
     """FBGEMM's table-batched embedding (``SplitTableBatchedEmbeddingBagsCodegen``) on the
     CPU, one feature per table, sum pooling, started from ``weights`` (float32 ``[rows,
     dim]`` per table); the optimizer update runs in its backward, as ours does. Same
-    output layout as :class:`~trainer.fused_embedding.FusedEmbeddingBagCollection`."""
+    output layout as :class:`~neorec.trainer.embedding.fused.FusedEmbeddingBagCollection`."""
 
     def __init__(self, tables: Sequence[TableConfig], weights: Sequence[torch.Tensor], optimizer: str,
                  learning_rate: float, eps: float, weight_dtype: str = "fp32") -> None:

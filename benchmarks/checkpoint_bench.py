@@ -13,10 +13,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ingest.synth import SynthSpec, generate
-from orchestration.config import load_config
-from trainer.checkpoint.layout import complete, read_manifest
-from trainer.train import StepReport, train
+from neorec.ingest.synth import SynthSpec, generate
+from neorec.orchestration.config import load_config
+from neorec.trainer.checkpoint.layout import complete, read_manifest
+from neorec.trainer.run.step import StepReport
+from neorec.trainer.run.train import train
 
 ROUNDS = 2
 EVERY_STEPS = 400

@@ -1,7 +1,7 @@
 """Sums over ranks on gloo: gloo's all-reduce against one all-to-all of the whole tensor
 (each rank adding the copies itself), at several sizes, on ``nproc`` ranks launched by
 torchrun and pinned like the trainer's. This measures the size limit
-:data:`trainer.sharding.collectives.WHOLE_TENSOR_ALL_TO_ALL_BYTES`.
+:data:`neorec.trainer.sharding.collectives.WHOLE_TENSOR_ALL_TO_ALL_BYTES`.
 
 Reduced-precision communication (``sharding.comm_precision``), at the same sizes: the
 pooled embeddings' all-to-all in fp16/bf16 (encode and decode included) against float32,
@@ -21,11 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.timing import interleaved_rates
-from orchestration.processes import torchrun_command
-from trainer.affinity import pin_rank
-from trainer.sharding.collectives import all_to_all, start_all_to_all_sum
-from trainer.sharding.comm_precision import all_to_all_in, decode, encode, sum_in
+from neorec.benchmarks.timing import interleaved_rates
+from neorec.orchestration.processes import torchrun_command
+from neorec.trainer.run.affinity import pin_rank
+from neorec.trainer.sharding.collectives import all_to_all, start_all_to_all_sum
+from neorec.trainer.sharding.comm_precision import all_to_all_in, decode, encode, sum_in
 
 SIZES_BYTES = (1 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 """Bytes of the tensor each rank sums."""
@@ -34,7 +34,7 @@ SIZES_BYTES = (1 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 def run(quick: bool = False, nproc: int = 2) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "collectives.json"
-        command = torchrun_command(nproc, "benchmarks.collectives_bench", [str(out), "quick" if quick else "full"])
+        command = torchrun_command(nproc, "neorec.benchmarks.collectives_bench", [str(out), "quick" if quick else "full"])
         result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")

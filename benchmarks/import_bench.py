@@ -54,7 +54,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         spec = root / "spec.toml"
         spec.write_text(SPEC.format(path=log, dense=", ".join(f'"{c}"' for c in dense),
                                     sparse=", ".join(f'"{c}"' for c in sparse)))
-        ours = _timed([sys.executable, "-m", "orchestration.cli", "data", "import", str(spec), "--out",
+        ours = _timed([sys.executable, "-m", "neorec.orchestration.cli", "data", "import", str(spec), "--out",
                        str(root / "out")])
         baseline = _timed([sys.executable, "-c", PYARROW_BASELINE, str(log), str(root / "plain.parquet")])
         imported = json.loads((root / "out" / "dataset.json").read_text())

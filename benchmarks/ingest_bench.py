@@ -7,12 +7,12 @@ from __future__ import annotations
 import tempfile
 from typing import Any, Callable
 
-from benchmarks.timing import interleaved_rates
-from ingest.client import ClientOptions, RemoteReader
-from ingest.decoder import DecodeOptions
-from ingest.reader import BatchReader, InProcessReader, ReaderConfig
-from ingest.synth import SynthSpec, generate
-from orchestration.processes import start_reader_service
+from neorec.benchmarks.timing import interleaved_rates
+from neorec.ingest.client import ClientOptions, RemoteReader
+from neorec.ingest.decoder import DecodeOptions
+from neorec.ingest.reader import BatchReader, InProcessReader, ReaderConfig
+from neorec.ingest.synth import SynthSpec, generate
+from neorec.orchestration.processes import start_reader_service
 
 PROFILES = {
     # profile: (rows, batch size), full and quick

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ingest.synth import SynthSpec, generate
+from neorec.ingest.synth import SynthSpec, generate
 
 CONFIG = """
 [data]
@@ -84,7 +84,7 @@ def _train(tmp: Path, nproc: int, batch: int, steps: int, precision: str = "{}")
     run_dir = tmp / f"run-{nproc}"
     config = tmp / f"bench-{nproc}.toml"
     config.write_text(CONFIG.format(data=tmp / "data", batch=batch, steps=steps, run=run_dir, precision=precision))
-    command = [sys.executable, "-m", "orchestration.cli", "train", str(config), "--nproc", str(nproc), "--overwrite"]
+    command = [sys.executable, "-m", "neorec.orchestration.cli", "train", str(config), "--nproc", str(nproc), "--overwrite"]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")

@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from embedding_store.cache import SetAssociativeCache
-from ingest.synth import SynthSpec, generate
-from orchestration.config import load_config
-from trainer.planner.inputs import TableSpec
-from trainer.train import train
+from neorec.embedding_store.cache import SetAssociativeCache
+from neorec.ingest.synth import SynthSpec, generate
+from neorec.orchestration.config import load_config
+from neorec.trainer.planner.inputs import TableSpec
+from neorec.trainer.run.train import train
 
 KERNEL_SLOTS = 1 << 25
 """32M slots: 768 MiB of tags, scores and pins, far beyond a last-level cache."""
@@ -168,7 +168,7 @@ def out_of_core(quick: bool) -> dict[str, Any]:
                 "model.max_table_rows=2000000", "train.log_every=1000000", "train.batch_size=2048",
                 "checkpoint.final=false", "embedding_store.cache_fraction=0.0"]
         config = load_config("configs/demo.toml", base)
-        from trainer.build import table_configs
+        from neorec.trainer.run.build import table_configs
 
         tables = table_configs(dataset.schema, config)
         large = [t for t in tables if t.num_embeddings >= 100_000]
@@ -218,11 +218,11 @@ def larger_than_memory(quick: bool) -> dict[str, Any]:
                     f"embedding_store.dir='{root / 'tiers'}'", "embedding_store.direct_io=true",
                     "embedding_store.cache_fraction=0.01", "sharding.memory_per_rank='4GiB'"]
         config = load_config("configs/demo.toml", settings)
-        from trainer.build import table_configs
+        from neorec.trainer.run.build import table_configs
 
         logical = sum(_bytes(t.num_embeddings, dim) for t in table_configs(dataset.schema, config))
         # Its own process: the peak RSS is this run's alone.
-        subprocess.run([sys.executable, "-m", "orchestration.cli", "train", "configs/demo.toml",
+        subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", "train", "configs/demo.toml",
                         *(arg for setting in settings for arg in ("--set", setting))], check=True,
                        stdout=subprocess.DEVNULL)
         summary = json.loads((root / "run" / "summary.json").read_text())

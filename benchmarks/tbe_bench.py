@@ -23,13 +23,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from benchmarks.baselines import EmbeddingBagCollectionReference, FbgemmTableBatched, fbgemm_missing
-from benchmarks.timing import interleaved_rates
-from trainer.batch import KeyedJaggedTensor
-from trainer.embedding_config import SparseOptimizer, TableConfig
-from trainer.fused_embedding import FusedEmbeddingBagCollection
-from trainer.memory import huge_page_empty
-from trainer.train import set_threads
+from neorec.benchmarks.baselines import EmbeddingBagCollectionReference, FbgemmTableBatched, fbgemm_missing
+from neorec.benchmarks.timing import interleaved_rates
+from neorec.trainer.batch import KeyedJaggedTensor
+from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
+from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
+from neorec.trainer.embedding.memory import huge_page_empty
+from neorec.trainer.run.step import set_threads
 
 LEARNING_RATE = 0.01
 EPS = 1e-8

@@ -14,16 +14,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.timing import interleaved_rates
-from ingest.reader import InProcessReader, ReaderConfig
-from ingest.schema import Dataset
-from ingest.synth import SynthSpec, generate
-from trainer.batch import Batch
-from trainer.build import build_model, decode_options, dense_optimizer, table_configs
-from trainer.config import TrainConfig
-from benchmarks.baselines import EmbeddingBagCollectionReference
-from trainer.model import DLRM
-from trainer.train import set_threads, train_step
+from neorec.benchmarks.timing import interleaved_rates
+from neorec.ingest.reader import InProcessReader, ReaderConfig
+from neorec.ingest.schema import Dataset
+from neorec.ingest.synth import SynthSpec, generate
+from neorec.trainer.batch import Batch
+from neorec.trainer.run.build import build_model, decode_options, dense_optimizer, table_configs
+from neorec.trainer.config import TrainConfig
+from neorec.benchmarks.baselines import EmbeddingBagCollectionReference
+from neorec.trainer.model import DLRM
+from neorec.trainer.run.step import set_threads, train_step
 
 
 def run(quick: bool = False) -> dict[str, Any]:

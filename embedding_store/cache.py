@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from ingest.hashing import mix64_jit
-from ingest.prefetch import prefetch
+from neorec.common.hashing import mix64_jit
+from neorec.common.cache_prefetch import prefetch
 
 POLICIES = ("lru", "lfu")
 EMPTY = -1

@@ -1,5 +1,5 @@
 """The trainer's side of a store service: each table piece's tier as a
-:class:`RemoteTier` (the interface of :class:`~embedding_store.segments.SegmentTier`), its
+:class:`RemoteTier` (the interface of :class:`~neorec.embedding_store.segments.SegmentTier`), its
 calls sent to the service.
 
 Reads and writes larger than a message are split. Every call has a deadline, and a
@@ -14,10 +14,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from embedding_store.segments import TierStats
-from embedding_store.service import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
-from ingest.transport import ClientSecurity, read_token
-from protos import store_pb2, store_pb2_grpc
+from neorec.embedding_store.segments import TierStats
+from neorec.embedding_store.service import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
+from neorec.common.transport import ClientSecurity, read_token
+from neorec.protos import store_pb2, store_pb2_grpc
 
 CALL_TIMEOUT_S = 60.0
 """Longest a call may take (a sync flush or a snapshot of a large piece included)."""

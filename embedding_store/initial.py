@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ingest.hashing import combine, splitmix64, unit_floats
+from neorec.common.hashing import combine, splitmix64, unit_floats
 
 
 def initial_rows(seed: int, table: int, rows: np.ndarray, table_rows: int, dim: int,

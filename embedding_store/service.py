@@ -2,8 +2,8 @@
 served over gRPC to trainers that keep their caches in memory.
 
 It runs the code of the embedded store: each table piece (a key such as ``t_C1@0``) is a
-:class:`~embedding_store.segments.SegmentTier` under the service's directory. Requests
-carry rows as raw bytes (:mod:`protos.store_pb2`). A bad request ends with a gRPC status
+:class:`~neorec.embedding_store.segments.SegmentTier` under the service's directory. Requests
+carry rows as raw bytes (:mod:`neorec.protos.store_pb2`). A bad request ends with a gRPC status
 naming what is wrong and changes nothing: an unknown key (NOT_FOUND), ids out of range,
 sizes that do not match, a malformed key or path (INVALID_ARGUMENT), a piece reopened with
 another shape (FAILED_PRECONDITION), a corrupt segment (DATA_LOSS, naming the file).
@@ -22,9 +22,9 @@ from typing import Callable
 import grpc
 import numpy as np
 
-from embedding_store.segments import SEGMENT_NAME, SegmentError, SegmentTier
-from ingest.transport import MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, ServerSecurity, ServiceHost, abort
-from protos import store_pb2
+from neorec.embedding_store.segments import SEGMENT_NAME, SegmentError, SegmentTier
+from neorec.common.transport import MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, ServerSecurity, ServiceHost, abort
+from neorec.protos import store_pb2
 
 log = logging.getLogger(__name__)
 

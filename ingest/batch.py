@@ -13,13 +13,13 @@ from typing import Sequence
 
 import numpy as np
 
-from ingest.rows import Segment
+from neorec.ingest.rows import Segment
 
 
 @dataclass(frozen=True)
 class Provenance:
     """Where a batch comes from: its place in the epoch and the rows it holds, in order
-    (segments of the epoch's windows, see :mod:`ingest.rows`)."""
+    (segments of the epoch's windows, see :mod:`neorec.ingest.rows`)."""
 
     epoch: int
     step: int

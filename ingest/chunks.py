@@ -17,10 +17,10 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
-from ingest.batch import HostBatch
-from ingest.decoder import DecodeOptions, decode_table
-from ingest.rows import RowGroupInfo, Segment
-from ingest.schema import DatasetSchema
+from neorec.ingest.batch import HostBatch
+from neorec.ingest.decoder import DecodeOptions, decode_table
+from neorec.ingest.rows import RowGroupInfo, Segment
+from neorec.ingest.schema import DatasetSchema
 
 CHUNK_ROWS = 65_536
 """Rows decoded at once. Larger chunks allocate arrays beyond what the allocator keeps for

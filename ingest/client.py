@@ -1,6 +1,6 @@
 """The trainer-side client of the reader services: fan-in, prefetch, reorder, failover.
 
-The client plans the epoch itself (exactly as :class:`~ingest.reader.InProcessReader`
+The client plans the epoch itself (exactly as :class:`~neorec.ingest.reader.InProcessReader`
 does), cuts the rank's batches into tasks of consecutive batches, and hands the tasks
 to fetcher threads, ``streams_per_worker`` per live worker. Each fetched batch is checked
 against the plan (epoch, step, the exact rows it must hold) and for well-formedness (bag
@@ -33,17 +33,17 @@ from typing import Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ingest.batch import HostBatch
-from ingest.decoder import DecodeOptions
-from ingest.fingerprint import fingerprint
-from ingest.plan import RankPlan, ReadTask
-from ingest.reader import ReaderConfig, SplitPlanner
-from ingest.rows import Window
-from ingest.schema import Dataset
-from ingest.transport import ClientSecurity
-from ingest.wire import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, READ_METHOD, SERVICE_NAME, \
+from neorec.ingest.batch import HostBatch
+from neorec.ingest.decoder import DecodeOptions
+from neorec.ingest.fingerprint import fingerprint
+from neorec.ingest.plan import RankPlan, ReadTask
+from neorec.ingest.reader import ReaderConfig, SplitPlanner
+from neorec.ingest.rows import Window
+from neorec.ingest.schema import Dataset
+from neorec.common.transport import ClientSecurity
+from neorec.ingest.wire import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, READ_METHOD, SERVICE_NAME, \
     WireError, decode_batch
-from protos import ingest_pb2
+from neorec.protos import ingest_pb2
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def check_address(address: str) -> str:
 
 class RemoteReader:
     """Reads one split for one rank through reader services; same interface and same
-    batches as :class:`~ingest.reader.InProcessReader`.
+    batches as :class:`~neorec.ingest.reader.InProcessReader`.
 
     The dataset directory must be readable here (for the plan: Parquet footers only) and
     at the same path on every worker.

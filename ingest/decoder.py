@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ingest.batch import HostBatch
-from ingest.errors import DataError
-from ingest.schema import DatasetSchema
+from neorec.ingest.batch import HostBatch
+from neorec.ingest.errors import DataError
+from neorec.ingest.schema import DatasetSchema
 
 DENSE_TRANSFORMS = ("log1p", "identity")
 ID_MAPPINGS = ("modulo", "strict")

@@ -47,7 +47,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ingest.sections import build_section
+from neorec.ingest.sections import build_section
 
 FORMATS = ("csv", "tsv", "parquet")
 DENSE_TRANSFORMS = ("none", "log1p", "standardize")

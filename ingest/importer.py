@@ -1,6 +1,6 @@
 """``neorec data import``: any tabular click log → a neorec dataset, in bounded memory.
 
-Passes over the input, each streaming it in blocks (:mod:`ingest.sources`):
+Passes over the input, each streaming it in blocks (:mod:`neorec.ingest.sources`):
 
 1. (chronological split only) the time column alone, to find the row where the train
    split ends: the first ``1 - eval_fraction`` of the rows by time, ties in file order;
@@ -12,7 +12,7 @@ Passes over the input, each streaming it in blocks (:mod:`ingest.sources`):
 
 Memory holds one block, the vocabularies, and for a chronological split the time column
 (8 bytes a row). Every step is vectorized (Arrow compute, numpy, a Numba hash); no Python
-code runs per row. Bad input is a :class:`~ingest.errors.DataError` naming the file, column
+code runs per row. Bad input is a :class:`~neorec.ingest.errors.DataError` naming the file, column
 and row. The dataset keeps its vocabularies (``vocab/COLUMN.parquet``) and the dense
 statistics, so that later data is encoded the same way (``vocab_from``).
 """
@@ -30,12 +30,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ingest.errors import DataError
-from ingest.hashing import combine, splitmix64, unit_floats
-from ingest.import_spec import LABEL_TRANSFORM, ImportSpec
-from ingest.schema import Dataset, DatasetSchema, SparseFeature
-from ingest.sources import Block, expand, read_blocks
-from ingest.vocab import ValueCounter, Vocabulary, as_strings, hash_encode
+from neorec.ingest.errors import DataError
+from neorec.common.hashing import combine, splitmix64, unit_floats
+from neorec.ingest.import_spec import LABEL_TRANSFORM, ImportSpec
+from neorec.ingest.schema import Dataset, DatasetSchema, SparseFeature
+from neorec.ingest.sources import Block, expand, read_blocks
+from neorec.ingest.vocab import ValueCounter, Vocabulary, as_strings, hash_encode
 
 VOCAB_DIRECTORY = "vocab"
 HASH_KEY = 0x4E52

@@ -1,7 +1,7 @@
 """Epoch planning from Parquet metadata: which rows each trainer rank reads, in which order.
 
 Every epoch the row groups of a split are arranged into a sequence of windows
-(:class:`~ingest.rows.Window`) from ``(seed, epoch)``, as the shuffle mode says:
+(:class:`~neorec.ingest.rows.Window`) from ``(seed, epoch)``, as the shuffle mode says:
 
 - ``rows``: the row groups in a shuffled order, taken ``window`` at a time; each window's
   rows are permuted by a seed drawn from ``(seed, epoch, window index)``, so a batch mixes
@@ -22,8 +22,8 @@ from typing import Sequence
 import numpy as np
 import pyarrow.parquet as pq
 
-from ingest.hashing import combine, permutation
-from ingest.rows import RowGroupInfo, Segment, Window, cut_segments
+from neorec.common.hashing import combine, permutation
+from neorec.ingest.rows import RowGroupInfo, Segment, Window, cut_segments
 
 REMAINDER_POLICIES = ("drop", "pad")
 SHUFFLE_MODES = ("rows", "row_groups", "none")

@@ -1,5 +1,5 @@
 """``neorec data convert``: import specs for the public click and rating logs, over the
-importer (:mod:`ingest.importer`). The files are yours to download: their licenses do not
+importer (:mod:`neorec.ingest.importer`). The files are yours to download: their licenses do not
 allow redistributing them.
 
 - ``criteo``: Criteo Kaggle ``train.txt`` / Terabyte ``day_N`` TSV (label, 13 counts, 26
@@ -25,10 +25,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from ingest.errors import DataError
-from ingest.import_spec import (CategoricalSpec, DenseSpec, ImportSpec, InputSpec, LabelSpec, MultiValuedSpec,
+from neorec.ingest.errors import DataError
+from neorec.ingest.import_spec import (CategoricalSpec, DenseSpec, ImportSpec, InputSpec, LabelSpec, MultiValuedSpec,
                                 OutputSpec, SplitSpec)
-from ingest.sources import BLOCK_BYTES, Block
+from neorec.ingest.sources import BLOCK_BYTES, Block
 
 PRESETS = ("criteo", "avazu", "movielens")
 CRITEO_DENSE = [f"I{i}" for i in range(1, 14)]

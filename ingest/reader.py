@@ -8,21 +8,21 @@ from typing import Iterable, Iterator, Protocol
 
 import pyarrow as pa
 
-from ingest.batch import HostBatch, Provenance
-from ingest.chunks import ChunkDecoder
-from ingest.decoder import DecodeOptions, open_files, read_row_group
-from ingest.plan import RankPlan, ReadTask, plan_epoch, row_groups_of
-from ingest.rows import RowGroupInfo, Segment, merge_segments
-from ingest.schema import Dataset, DatasetSchema
+from neorec.ingest.batch import HostBatch, Provenance
+from neorec.ingest.chunks import ChunkDecoder
+from neorec.ingest.decoder import DecodeOptions, open_files, read_row_group
+from neorec.ingest.plan import RankPlan, ReadTask, plan_epoch, row_groups_of
+from neorec.ingest.rows import RowGroupInfo, Segment, merge_segments
+from neorec.ingest.schema import Dataset, DatasetSchema
 
 
 @dataclass(frozen=True)
 class ReaderConfig:
     """What determines a rank's batch sequence (besides the dataset and the epoch).
 
-    ``shuffle``: ``rows``, ``row_groups`` or ``none`` (see :mod:`ingest.plan`);
+    ``shuffle``: ``rows``, ``row_groups`` or ``none`` (see :mod:`neorec.ingest.plan`);
     ``window``: row groups per row-shuffling window (0: about
-    :data:`~ingest.plan.WINDOW_ROWS` rows)."""
+    :data:`~neorec.ingest.plan.WINDOW_ROWS` rows)."""
 
     batch_size: int
     seed: int = 0

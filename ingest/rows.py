@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ingest.hashing import permutation
+from neorec.common.hashing import permutation
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class RowGroupInfo:
 @dataclass(frozen=True)
 class Window:
     """Row groups read as one sequence: their rows in file order (``seed`` is None) or in
-    the order of :func:`ingest.hashing.permutation` of ``seed``."""
+    the order of :func:`neorec.common.hashing.permutation` of ``seed``."""
 
     groups: tuple[RowGroupInfo, ...]
     seed: int | None = None

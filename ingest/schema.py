@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ingest.errors import DataError
+from neorec.ingest.errors import DataError
 
 DATASET_FORMAT = "neorec-dataset/1"
 DATASET_FILE = "dataset.json"

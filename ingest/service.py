@@ -3,7 +3,7 @@
 A ``Read`` request names a dataset directory, the rows to read (windows of row groups,
 each read in file order or permuted by a seed, and segments of them) and how to cut them
 into batches; the reply streams one ``Batch`` message per
-batch, cut exactly as :func:`ingest.reader.batches_from_chunks` cuts them in process.
+batch, cut exactly as :func:`neorec.ingest.reader.batches_from_chunks` cuts them in process.
 The worker keeps nothing between requests, so any worker can serve any request and a
 client can re-request unfinished work from another worker.
 
@@ -30,19 +30,19 @@ import grpc
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ingest.batch import HostBatch
-from ingest.chunks import ChunkDecoder
-from ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS, DecodeOptions, open_files, read_row_group
-from ingest.errors import DataError
-from ingest.fingerprint import fingerprint
-from ingest.plan import ReadTask
-from ingest.reader import batches_from_chunks
-from ingest.row_group_cache import DEFAULT_CAPACITY_BYTES, RowGroupCache
-from ingest.rows import RowGroupInfo, Segment, Window
-from ingest.schema import Dataset
-from ingest.transport import MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, ServerSecurity, ServiceHost, abort
-from ingest.wire import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, SERVICE_NAME, serialize_batch
-from protos import ingest_pb2, ingest_pb2_grpc
+from neorec.ingest.batch import HostBatch
+from neorec.ingest.chunks import ChunkDecoder
+from neorec.ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS, DecodeOptions, open_files, read_row_group
+from neorec.ingest.errors import DataError
+from neorec.ingest.fingerprint import fingerprint
+from neorec.ingest.plan import ReadTask
+from neorec.ingest.reader import batches_from_chunks
+from neorec.ingest.row_group_cache import DEFAULT_CAPACITY_BYTES, RowGroupCache
+from neorec.ingest.rows import RowGroupInfo, Segment, Window
+from neorec.ingest.schema import Dataset
+from neorec.common.transport import MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, ServerSecurity, ServiceHost, abort
+from neorec.ingest.wire import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, SERVICE_NAME, serialize_batch
+from neorec.protos import ingest_pb2, ingest_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +282,7 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
         self._pool = ThreadPoolExecutor(decode_threads, thread_name_prefix="decode")
 
     def Read(self, request: ingest_pb2.ReadRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        """Streams serialized ``Batch`` messages (see :func:`ingest.wire.serialize_batch`)."""
+        """Streams serialized ``Batch`` messages (see :func:`neorec.ingest.wire.serialize_batch`)."""
         if self.draining.is_set():
             self._abort(context, grpc.StatusCode.UNAVAILABLE, "the reader service is shutting down")
         try:

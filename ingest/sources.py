@@ -15,7 +15,7 @@ import pyarrow.csv as pacsv
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ingest.errors import DataError
+from neorec.ingest.errors import DataError
 
 BLOCK_BYTES = 16 << 20
 """CSV bytes parsed at a time (one batch): memory stays bounded whatever the file's size."""

@@ -30,9 +30,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ingest.hashing import SALT, splitmix64
-from ingest.metrics import binary_metrics
-from ingest.schema import Dataset, DatasetSchema, SparseFeature
+from neorec.common.hashing import SALT, splitmix64
+from neorec.ingest.metrics import binary_metrics
+from neorec.ingest.schema import Dataset, DatasetSchema, SparseFeature
 
 CRITEO_KAGGLE_CARDINALITIES = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ingest.hashing import mix64_jit
+from neorec.common.hashing import mix64_jit
 
 MERGE_EVERY = 16
 """Batch counts merged into the running counts this many batches at a time."""

@@ -16,9 +16,9 @@ from google.protobuf.message import DecodeError
 
 from typing import Mapping, Sequence
 
-from ingest.batch import HostBatch, Provenance
-from ingest.rows import Segment, Window
-from protos import ingest_pb2
+from neorec.ingest.batch import HostBatch, Provenance
+from neorec.ingest.rows import Segment, Window
+from neorec.protos import ingest_pb2
 
 ZSTD_LEVEL = 1
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024

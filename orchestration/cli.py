@@ -1,5 +1,5 @@
 """The ``neorec`` command: data generation and conversion, training, evaluation, benchmarks
-(the service commands are in :mod:`orchestration.cli_services`)."""
+(the service commands are in :mod:`neorec.orchestration.cli_services`)."""
 
 from __future__ import annotations
 
@@ -12,24 +12,24 @@ from typing import TYPE_CHECKING, Sequence
 
 from tqdm import tqdm
 
-from embedding_store.client import StoreServiceError
-from embedding_store.segments import SegmentError
-from ingest.client import IngestError
-from ingest.errors import DataError
-from ingest.presets import PRESETS
-from orchestration.cli_args import add_client_security, at_least, client_security, port, seconds
-from orchestration.cli_services import add_service_commands
-from orchestration.supervisor import die_with_parent
-from trainer.checkpoint.layout import CheckpointError
-from trainer.config import ConfigError
-from trainer.distributed import RankSilentError
-from trainer.sharding.plan import PlanError
-from trainer.store_backed import StoreError
+from neorec.embedding_store.client import StoreServiceError
+from neorec.embedding_store.segments import SegmentError
+from neorec.ingest.client import IngestError
+from neorec.ingest.errors import DataError
+from neorec.ingest.presets import PRESETS
+from neorec.orchestration.cli_args import add_client_security, at_least, client_security, port, seconds
+from neorec.orchestration.cli_services import add_service_commands
+from neorec.orchestration.supervisor import die_with_parent
+from neorec.trainer.checkpoint.layout import CheckpointError
+from neorec.trainer.config import ConfigError
+from neorec.trainer.distributed import RankSilentError
+from neorec.trainer.sharding.plan import PlanError
+from neorec.trainer.embedding.store_backed import StoreError
 
 if TYPE_CHECKING:
-    from orchestration.trainer_status import TrainerStatusServer
-    from trainer.config import TrainConfig
-    from trainer.distributed import DistributedContext
+    from neorec.orchestration.trainer_status import TrainerStatusServer
+    from neorec.trainer.config import TrainConfig
+    from neorec.trainer.distributed import DistributedContext
 
 log = logging.getLogger("neorec")
 
@@ -192,7 +192,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from ingest.synth import SynthSpec, generate
+    from neorec.ingest.synth import SynthSpec, generate
 
     spec = SynthSpec(profile=args.profile, rows=args.rows, seed=args.seed, eval_fraction=args.eval_fraction)
     with tqdm(total=spec.rows, unit="rows", desc=f"synth {spec.profile}") as bar:
@@ -204,8 +204,8 @@ def _synth(args: argparse.Namespace) -> int:
 def _import(args: argparse.Namespace) -> int:
     import tomllib
 
-    from ingest.import_spec import ImportSpec
-    from orchestration.config import apply_override
+    from neorec.ingest.import_spec import ImportSpec
+    from neorec.orchestration.config import apply_override
 
     raw: dict = {}
     if args.spec:
@@ -234,7 +234,7 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from ingest.presets import PresetOptions, preset
+    from neorec.ingest.presets import PresetOptions, preset
 
     spec, source = preset(args.format, args.files, PresetOptions(
         eval_fraction=args.eval_fraction, eval_files=tuple(args.eval_files), min_count=args.min_count,
@@ -243,7 +243,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _write_import(spec, source, out: str, vocab_from: str | None, profile: str) -> int:
-    from ingest.importer import import_dataset
+    from neorec.ingest.importer import import_dataset
 
     with tqdm(unit="rows", desc=f"{profile} → {out}", unit_scale=True) as bar:
         dataset = import_dataset(spec, out, source=source, vocab_from=vocab_from, progress=bar.update,
@@ -254,9 +254,9 @@ def _write_import(spec, source, out: str, vocab_from: str | None, profile: str) 
 
 
 def _train(args: argparse.Namespace) -> int:
-    from orchestration.config import load_config
-    from orchestration.processes import run_torchrun
-    from trainer.distributed import init_from_torchrun, launched_by_torchrun, shutdown, single_process
+    from neorec.orchestration.config import load_config
+    from neorec.orchestration.processes import run_torchrun
+    from neorec.trainer.distributed import init_from_torchrun, launched_by_torchrun, shutdown, single_process
 
     overrides = list(args.set)
     if args.ingest:
@@ -267,7 +267,7 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"run.dir={json.dumps(args.resume)}")
     config = load_config(args.config, overrides)
     if args.nproc > 1 and not launched_by_torchrun():
-        from trainer.warmup import compile_kernels
+        from neorec.trainer.run.warmup import compile_kernels
 
         compile_kernels()  # the ranks then load Numba's cache instead of racing to write it
         flags = (["--overwrite"] if args.overwrite else []) + (["--resume", args.resume] if args.resume else [])
@@ -280,8 +280,8 @@ def _train(args: argparse.Namespace) -> int:
                else single_process(loop.device))
     status = None
     if args.status_port is not None and context.is_main:
-        from ingest.transport import ServerSecurity, read_token
-        from orchestration.trainer_status import TrainerStatusServer
+        from neorec.common.transport import ServerSecurity, read_token
+        from neorec.orchestration.trainer_status import TrainerStatusServer
 
         status = TrainerStatusServer(args.status_host, args.status_port, context.world_size,
                                      ServerSecurity(token=read_token(None)))
@@ -304,7 +304,8 @@ def _train(args: argparse.Namespace) -> int:
 def _train_rank(config: "TrainConfig", context: "DistributedContext", overwrite: bool, resume: bool,
                 status: "TrainerStatusServer | None") -> dict:
     """Train this rank; rank 0 shows a progress bar (and feeds the status service)."""
-    from trainer.train import StepReport, train
+    from neorec.trainer.run.step import StepReport
+    from neorec.trainer.run.train import train
 
     if not context.is_main:
         return train(config, context=context, overwrite=overwrite, resume=resume)
@@ -328,11 +329,11 @@ def _train_rank(config: "TrainConfig", context: "DistributedContext", overwrite:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from ingest.schema import Dataset
-    from orchestration.config import load_config
-    from trainer.planner.from_config import planner_inputs
-    from trainer.planner.planner import plan_tables, round_robin
-    from trainer.planner.render import render
+    from neorec.ingest.schema import Dataset
+    from neorec.orchestration.config import load_config
+    from neorec.trainer.planner.from_config import planner_inputs
+    from neorec.trainer.planner.planner import plan_tables, round_robin
+    from neorec.trainer.planner.render import render
 
     overrides = list(args.set)
     if args.ranks_per_node is not None:
@@ -350,8 +351,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from orchestration.config import load_config
-    from trainer.train import evaluate_checkpoint
+    from neorec.orchestration.config import load_config
+    from neorec.trainer.run.train import evaluate_checkpoint
 
     config = load_config(args.config, args.set) if args.config else None
     if config is None and args.set:
@@ -361,7 +362,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from orchestration.report import write_report
+    from neorec.orchestration.report import write_report
 
     text, written = write_report(args.runs, args.out or Path(args.runs[0]) / "report")
     print(text)
@@ -371,7 +372,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_inspect(args: argparse.Namespace) -> int:
-    from trainer.checkpoint.inspect import describe, render
+    from neorec.trainer.checkpoint.inspect import describe, render
 
     described = describe(args.directory, verify=args.verify)
     print(json.dumps(described, indent=2) if args.json else render(described))
@@ -379,14 +380,14 @@ def _checkpoint_inspect(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from orchestration.config import load_config
-    from orchestration.launch import Job, JobFailed
+    from neorec.orchestration.config import load_config
+    from neorec.orchestration.launch import Job, JobFailed
 
     if args.overwrite and args.resume:
         raise ConfigError("--resume continues a run, --overwrite replaces it: give one of them")
     config = load_config(args.config, args.set)
     if args.emit:
-        from orchestration.k8s import write_manifests
+        from neorec.orchestration.k8s import write_manifests
 
         kind, directory = args.emit
         if kind != "k8s":
@@ -402,7 +403,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from orchestration.status import check_address, job_services, probe
+    from neorec.orchestration.status import check_address, job_services, probe
 
     addresses: list[str] = []
     try:
@@ -427,7 +428,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from benchmarks import run_benchmark
+    from neorec.benchmarks import run_benchmark
 
     results = run_benchmark(args.name, quick=args.quick, nproc=args.nproc, threads=args.threads)
     text = json.dumps(results, indent=2, sort_keys=True)

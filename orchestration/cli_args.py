@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from ingest.transport import TOKEN_ENV
+from neorec.common.transport import TOKEN_ENV
 
 if TYPE_CHECKING:
-    from ingest.transport import ClientSecurity, ServerSecurity
+    from neorec.common.transport import ClientSecurity, ServerSecurity
 
 
 def port(text: str) -> int:
@@ -60,13 +60,13 @@ def add_client_security(parser: argparse.ArgumentParser) -> None:
 
 
 def server_security(args: argparse.Namespace) -> "ServerSecurity":
-    from ingest.transport import ServerSecurity, read_token
+    from neorec.common.transport import ServerSecurity, read_token
 
     return ServerSecurity(tls_cert=args.tls_cert, tls_key=args.tls_key, token=read_token(args.token_file),
                           insecure=args.insecure)
 
 
 def client_security(args: argparse.Namespace) -> "ClientSecurity":
-    from ingest.transport import ClientSecurity, read_token
+    from neorec.common.transport import ClientSecurity, read_token
 
     return ClientSecurity(tls_ca=args.tls_ca, token=read_token(args.token_file))

@@ -8,10 +8,10 @@ import json
 import sys
 from pathlib import Path
 
-from ingest.arrow_memory import MEMORY_POOLS, SERVICE_MEMORY_POOL, use_memory_pool
-from ingest.row_group_cache import DEFAULT_CAPACITY_BYTES
-from ingest.service import DEFAULT_MAX_STREAMS
-from orchestration.cli_args import add_client_security, add_server_security, at_least, client_security, port, \
+from neorec.ingest.arrow_memory import MEMORY_POOLS, SERVICE_MEMORY_POOL, use_memory_pool
+from neorec.ingest.row_group_cache import DEFAULT_CAPACITY_BYTES
+from neorec.ingest.service import DEFAULT_MAX_STREAMS
+from neorec.orchestration.cli_args import add_client_security, add_server_security, at_least, client_security, port, \
     seconds, server_security
 
 
@@ -66,8 +66,8 @@ def _status_parser(group: "argparse._SubParsersAction", help_text: str, run) -> 
 
 
 def _ingest_serve(args: argparse.Namespace) -> int:
-    from ingest.service import ReaderServer
-    from ingest.transport import serve_until_signal
+    from neorec.ingest.service import ReaderServer
+    from neorec.common.transport import serve_until_signal
 
     use_memory_pool(args.memory_pool)
     roots = args.data_roots or ["."]
@@ -89,7 +89,7 @@ def _ingest_status(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from protos import ingest_pb2, ingest_pb2_grpc
+    from neorec.protos import ingest_pb2, ingest_pb2_grpc
 
     with client_security(args).channel(args.address) as channel:
         try:
@@ -102,8 +102,8 @@ def _ingest_status(args: argparse.Namespace) -> int:
 
 
 def _store_serve(args: argparse.Namespace) -> int:
-    from embedding_store.service import StoreServer
-    from ingest.transport import serve_until_signal
+    from neorec.embedding_store.service import StoreServer
+    from neorec.common.transport import serve_until_signal
 
     server = StoreServer(args.dir, host=args.host, port=args.port, direct_io=args.direct_io, threads=args.threads,
                          security=server_security(args))
@@ -118,7 +118,7 @@ def _store_serve(args: argparse.Namespace) -> int:
 def _store_status(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from embedding_store.client import StoreClient, StoreServiceError
+    from neorec.embedding_store.client import StoreClient, StoreServiceError
 
     client = StoreClient(args.address, tls_ca=args.tls_ca or "", token_file=args.token_file or "")
     try:

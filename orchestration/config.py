@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Sequence
 
-from trainer.config import ConfigError, TrainConfig
+from neorec.trainer.config import ConfigError, TrainConfig
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:

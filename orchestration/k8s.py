@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainer.config import TrainConfig
+from neorec.trainer.config import TrainConfig
 
 READER_PORT = 50051
 RENDEZVOUS_PORT = 29500
@@ -73,7 +73,7 @@ def manifests(config: TrainConfig, config_path: str, image: str) -> dict[str, li
     readers = ",".join(f"neorec-ingest-{i}.neorec-ingest:{READER_PORT}" for i in range(launch.ingest_workers))
     torchrun = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={launch.nproc // nodes}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=neorec-trainer-0.neorec-trainer:{RENDEZVOUS_PORT}",
-                "--module", "orchestration.cli", "train", job_config,
+                "--module", "neorec.orchestration.cli", "train", job_config,
                 "--set", "\"security.token_file='/etc/neorec/token'\""]
     if readers:
         torchrun += ["--ingest", readers]

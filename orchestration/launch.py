@@ -41,13 +41,13 @@ from typing import IO, Sequence
 
 import grpc
 
-from ingest.transport import ClientSecurity, bracketed
-from orchestration.status import SERVICES_FILE
-from orchestration.supervisor import HealthProbe, ManagedProcess
-from protos import trainer_pb2, trainer_pb2_grpc
-from trainer.checkpoint.layout import complete
-from trainer.config import TrainConfig
-from trainer.run_dir import CHECKPOINTS
+from neorec.common.transport import ClientSecurity, bracketed
+from neorec.orchestration.status import SERVICES_FILE
+from neorec.orchestration.supervisor import HealthProbe, ManagedProcess
+from neorec.protos import trainer_pb2, trainer_pb2_grpc
+from neorec.trainer.checkpoint.layout import complete
+from neorec.trainer.config import TrainConfig
+from neorec.trainer.run.run_dir import CHECKPOINTS
 
 TICK_S = 0.25
 STOP_GRACE_S = 3.0
@@ -93,7 +93,7 @@ class Job:
         self.stop_signal: int | None = None
         host = self.launch.host
         ports = free_ports(host, self.launch.ingest_workers + int(self.launch.store_service) + 1)
-        python = [sys.executable, "-m", "orchestration.cli"]
+        python = [sys.executable, "-m", "neorec.orchestration.cli"]
         data_root = str(Path(config.data.path).resolve())
         self.services: list[Watched] = []
         """The reader services, then the store service (if the job has one)."""

@@ -45,7 +45,7 @@ def start_reader_service(*args: str, host: str = "127.0.0.1", data_roots: Sequen
     """
     roots = [a for root in data_roots for a in ("--data-root", str(root))]
     process = subprocess.Popen(
-        [sys.executable, "-m", "orchestration.cli", "ingest", "serve", "--host", host, "--port", "0", *roots, *args],
+        [sys.executable, "-m", "neorec.orchestration.cli", "ingest", "serve", "--host", host, "--port", "0", *roots, *args],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     line = process.stdout.readline()
@@ -68,5 +68,5 @@ def run_torchrun(nproc: int, neorec_args: list[str]) -> int:
     """Run ``neorec NEOREC_ARGS`` as ``nproc`` ranks on this host under torchrun; returns
     torchrun's exit status."""
     threads = str(max(1, (os.cpu_count() or 1) // nproc))  # the ranks share this host's cores
-    command = torchrun_command(nproc, "orchestration.cli", neorec_args)
+    command = torchrun_command(nproc, "neorec.orchestration.cli", neorec_args)
     return subprocess.run(command, check=False, env={**os.environ, "OMP_NUM_THREADS": threads}).returncode

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.run_dir import METRICS, SUMMARY, RunDirError
+from neorec.trainer.run.run_dir import METRICS, SUMMARY, RunDirError
 
 PLOTS = {"loss": [("train", "loss", "train loss")],
          "eval": [("eval", "auc", "eval AUC"), ("eval", "logloss", "eval log loss")],

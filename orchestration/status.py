@@ -22,8 +22,8 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ingest.transport import ClientSecurity
-from protos import ingest_pb2, ingest_pb2_grpc, store_pb2, store_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from neorec.common.transport import ClientSecurity
+from neorec.protos import ingest_pb2, ingest_pb2_grpc, store_pb2, store_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 SERVING, BAD_ARGUMENTS, CONNECT_FAILURE, RPC_FAILURE, NOT_SERVING = 0, 1, 2, 3, 4
 SERVICES_FILE = "services.json"

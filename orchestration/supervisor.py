@@ -24,7 +24,7 @@ from typing import IO, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ingest.transport import ClientSecurity
+from neorec.common.transport import ClientSecurity
 
 log = logging.getLogger(__name__)
 

@@ -9,16 +9,16 @@ import time
 
 import grpc
 
-from ingest.transport import RESERVED_THREADS, HostedServer, ServerSecurity, ServiceHost
-from protos import trainer_pb2, trainer_pb2_grpc
-from trainer.train import StepReport
+from neorec.common.transport import RESERVED_THREADS, HostedServer, ServerSecurity, ServiceHost
+from neorec.protos import trainer_pb2, trainer_pb2_grpc
+from neorec.trainer.run.step import StepReport
 
 SERVICE_NAME = "neorec.trainer.Trainer"
 MAX_REQUEST_BYTES = 1 << 16
 
 
 class TrainerStatusServer(HostedServer, trainer_pb2_grpc.TrainerServicer):
-    """Serves the latest :class:`~trainer.train.StepReport` on ``host:port`` (0: a free one)."""
+    """Serves the latest :class:`~neorec.trainer.run.step.StepReport` on ``host:port`` (0: a free one)."""
 
     def __init__(self, host: str, port: int, world_size: int, security: ServerSecurity = ServerSecurity()) -> None:
         self._lock = threading.Lock()

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import ingest_pb2 as protos_dot_ingest__pb2
+from neorec.protos import ingest_pb2 as neorec_dot_protos_dot_ingest__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/ingest_pb2_grpc.py depends on'
+        + ' but the generated code in neorec/protos/ingest_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class ReaderStub:
         """
         self.Read = channel.unary_stream(
                 '/neorec.ingest.Reader/Read',
-                request_serializer=protos_dot_ingest__pb2.ReadRequest.SerializeToString,
-                response_deserializer=protos_dot_ingest__pb2.Batch.FromString,
+                request_serializer=neorec_dot_protos_dot_ingest__pb2.ReadRequest.SerializeToString,
+                response_deserializer=neorec_dot_protos_dot_ingest__pb2.Batch.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/neorec.ingest.Reader/Status',
-                request_serializer=protos_dot_ingest__pb2.StatusRequest.SerializeToString,
-                response_deserializer=protos_dot_ingest__pb2.StatusReply.FromString,
+                request_serializer=neorec_dot_protos_dot_ingest__pb2.StatusRequest.SerializeToString,
+                response_deserializer=neorec_dot_protos_dot_ingest__pb2.StatusReply.FromString,
                 _registered_method=True)
 
 
@@ -66,13 +66,13 @@ def add_ReaderServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Read': grpc.unary_stream_rpc_method_handler(
                     servicer.Read,
-                    request_deserializer=protos_dot_ingest__pb2.ReadRequest.FromString,
-                    response_serializer=protos_dot_ingest__pb2.Batch.SerializeToString,
+                    request_deserializer=neorec_dot_protos_dot_ingest__pb2.ReadRequest.FromString,
+                    response_serializer=neorec_dot_protos_dot_ingest__pb2.Batch.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=protos_dot_ingest__pb2.StatusRequest.FromString,
-                    response_serializer=protos_dot_ingest__pb2.StatusReply.SerializeToString,
+                    request_deserializer=neorec_dot_protos_dot_ingest__pb2.StatusRequest.FromString,
+                    response_serializer=neorec_dot_protos_dot_ingest__pb2.StatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -100,8 +100,8 @@ class Reader:
             request,
             target,
             '/neorec.ingest.Reader/Read',
-            protos_dot_ingest__pb2.ReadRequest.SerializeToString,
-            protos_dot_ingest__pb2.Batch.FromString,
+            neorec_dot_protos_dot_ingest__pb2.ReadRequest.SerializeToString,
+            neorec_dot_protos_dot_ingest__pb2.Batch.FromString,
             options,
             channel_credentials,
             insecure,
@@ -127,8 +127,8 @@ class Reader:
             request,
             target,
             '/neorec.ingest.Reader/Status',
-            protos_dot_ingest__pb2.StatusRequest.SerializeToString,
-            protos_dot_ingest__pb2.StatusReply.FromString,
+            neorec_dot_protos_dot_ingest__pb2.StatusRequest.SerializeToString,
+            neorec_dot_protos_dot_ingest__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import store_pb2 as protos_dot_store__pb2
+from neorec.protos import store_pb2 as neorec_dot_protos_dot_store__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/store_pb2_grpc.py depends on'
+        + ' but the generated code in neorec/protos/store_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,43 +36,43 @@ class StoreStub:
         """
         self.Open = channel.unary_unary(
                 '/neorec.store.Store/Open',
-                request_serializer=protos_dot_store__pb2.OpenRequest.SerializeToString,
-                response_deserializer=protos_dot_store__pb2.OpenReply.FromString,
+                request_serializer=neorec_dot_protos_dot_store__pb2.OpenRequest.SerializeToString,
+                response_deserializer=neorec_dot_protos_dot_store__pb2.OpenReply.FromString,
                 _registered_method=True)
         self.Read = channel.unary_unary(
                 '/neorec.store.Store/Read',
-                request_serializer=protos_dot_store__pb2.ReadRequest.SerializeToString,
-                response_deserializer=protos_dot_store__pb2.ReadReply.FromString,
+                request_serializer=neorec_dot_protos_dot_store__pb2.ReadRequest.SerializeToString,
+                response_deserializer=neorec_dot_protos_dot_store__pb2.ReadReply.FromString,
                 _registered_method=True)
         self.Write = channel.unary_unary(
                 '/neorec.store.Store/Write',
-                request_serializer=protos_dot_store__pb2.WriteRequest.SerializeToString,
-                response_deserializer=protos_dot_store__pb2.WriteReply.FromString,
+                request_serializer=neorec_dot_protos_dot_store__pb2.WriteRequest.SerializeToString,
+                response_deserializer=neorec_dot_protos_dot_store__pb2.WriteReply.FromString,
                 _registered_method=True)
         self.Flush = channel.unary_unary(
                 '/neorec.store.Store/Flush',
-                request_serializer=protos_dot_store__pb2.FlushRequest.SerializeToString,
-                response_deserializer=protos_dot_store__pb2.FlushReply.FromString,
+                request_serializer=neorec_dot_protos_dot_store__pb2.FlushRequest.SerializeToString,
+                response_deserializer=neorec_dot_protos_dot_store__pb2.FlushReply.FromString,
                 _registered_method=True)
         self.Snapshot = channel.unary_unary(
                 '/neorec.store.Store/Snapshot',
-                request_serializer=protos_dot_store__pb2.SnapshotRequest.SerializeToString,
-                response_deserializer=protos_dot_store__pb2.SnapshotReply.FromString,
+                request_serializer=neorec_dot_protos_dot_store__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=neorec_dot_protos_dot_store__pb2.SnapshotReply.FromString,
                 _registered_method=True)
         self.Load = channel.unary_unary(
                 '/neorec.store.Store/Load',
-                request_serializer=protos_dot_store__pb2.LoadRequest.SerializeToString,
-                response_deserializer=protos_dot_store__pb2.LoadReply.FromString,
+                request_serializer=neorec_dot_protos_dot_store__pb2.LoadRequest.SerializeToString,
+                response_deserializer=neorec_dot_protos_dot_store__pb2.LoadReply.FromString,
                 _registered_method=True)
         self.Close = channel.unary_unary(
                 '/neorec.store.Store/Close',
-                request_serializer=protos_dot_store__pb2.CloseRequest.SerializeToString,
-                response_deserializer=protos_dot_store__pb2.CloseReply.FromString,
+                request_serializer=neorec_dot_protos_dot_store__pb2.CloseRequest.SerializeToString,
+                response_deserializer=neorec_dot_protos_dot_store__pb2.CloseReply.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/neorec.store.Store/Status',
-                request_serializer=protos_dot_store__pb2.StatusRequest.SerializeToString,
-                response_deserializer=protos_dot_store__pb2.StatusReply.FromString,
+                request_serializer=neorec_dot_protos_dot_store__pb2.StatusRequest.SerializeToString,
+                response_deserializer=neorec_dot_protos_dot_store__pb2.StatusReply.FromString,
                 _registered_method=True)
 
 
@@ -132,43 +132,43 @@ def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Open': grpc.unary_unary_rpc_method_handler(
                     servicer.Open,
-                    request_deserializer=protos_dot_store__pb2.OpenRequest.FromString,
-                    response_serializer=protos_dot_store__pb2.OpenReply.SerializeToString,
+                    request_deserializer=neorec_dot_protos_dot_store__pb2.OpenRequest.FromString,
+                    response_serializer=neorec_dot_protos_dot_store__pb2.OpenReply.SerializeToString,
             ),
             'Read': grpc.unary_unary_rpc_method_handler(
                     servicer.Read,
-                    request_deserializer=protos_dot_store__pb2.ReadRequest.FromString,
-                    response_serializer=protos_dot_store__pb2.ReadReply.SerializeToString,
+                    request_deserializer=neorec_dot_protos_dot_store__pb2.ReadRequest.FromString,
+                    response_serializer=neorec_dot_protos_dot_store__pb2.ReadReply.SerializeToString,
             ),
             'Write': grpc.unary_unary_rpc_method_handler(
                     servicer.Write,
-                    request_deserializer=protos_dot_store__pb2.WriteRequest.FromString,
-                    response_serializer=protos_dot_store__pb2.WriteReply.SerializeToString,
+                    request_deserializer=neorec_dot_protos_dot_store__pb2.WriteRequest.FromString,
+                    response_serializer=neorec_dot_protos_dot_store__pb2.WriteReply.SerializeToString,
             ),
             'Flush': grpc.unary_unary_rpc_method_handler(
                     servicer.Flush,
-                    request_deserializer=protos_dot_store__pb2.FlushRequest.FromString,
-                    response_serializer=protos_dot_store__pb2.FlushReply.SerializeToString,
+                    request_deserializer=neorec_dot_protos_dot_store__pb2.FlushRequest.FromString,
+                    response_serializer=neorec_dot_protos_dot_store__pb2.FlushReply.SerializeToString,
             ),
             'Snapshot': grpc.unary_unary_rpc_method_handler(
                     servicer.Snapshot,
-                    request_deserializer=protos_dot_store__pb2.SnapshotRequest.FromString,
-                    response_serializer=protos_dot_store__pb2.SnapshotReply.SerializeToString,
+                    request_deserializer=neorec_dot_protos_dot_store__pb2.SnapshotRequest.FromString,
+                    response_serializer=neorec_dot_protos_dot_store__pb2.SnapshotReply.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
-                    request_deserializer=protos_dot_store__pb2.LoadRequest.FromString,
-                    response_serializer=protos_dot_store__pb2.LoadReply.SerializeToString,
+                    request_deserializer=neorec_dot_protos_dot_store__pb2.LoadRequest.FromString,
+                    response_serializer=neorec_dot_protos_dot_store__pb2.LoadReply.SerializeToString,
             ),
             'Close': grpc.unary_unary_rpc_method_handler(
                     servicer.Close,
-                    request_deserializer=protos_dot_store__pb2.CloseRequest.FromString,
-                    response_serializer=protos_dot_store__pb2.CloseReply.SerializeToString,
+                    request_deserializer=neorec_dot_protos_dot_store__pb2.CloseRequest.FromString,
+                    response_serializer=neorec_dot_protos_dot_store__pb2.CloseReply.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=protos_dot_store__pb2.StatusRequest.FromString,
-                    response_serializer=protos_dot_store__pb2.StatusReply.SerializeToString,
+                    request_deserializer=neorec_dot_protos_dot_store__pb2.StatusRequest.FromString,
+                    response_serializer=neorec_dot_protos_dot_store__pb2.StatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -196,8 +196,8 @@ class Store:
             request,
             target,
             '/neorec.store.Store/Open',
-            protos_dot_store__pb2.OpenRequest.SerializeToString,
-            protos_dot_store__pb2.OpenReply.FromString,
+            neorec_dot_protos_dot_store__pb2.OpenRequest.SerializeToString,
+            neorec_dot_protos_dot_store__pb2.OpenReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -223,8 +223,8 @@ class Store:
             request,
             target,
             '/neorec.store.Store/Read',
-            protos_dot_store__pb2.ReadRequest.SerializeToString,
-            protos_dot_store__pb2.ReadReply.FromString,
+            neorec_dot_protos_dot_store__pb2.ReadRequest.SerializeToString,
+            neorec_dot_protos_dot_store__pb2.ReadReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -250,8 +250,8 @@ class Store:
             request,
             target,
             '/neorec.store.Store/Write',
-            protos_dot_store__pb2.WriteRequest.SerializeToString,
-            protos_dot_store__pb2.WriteReply.FromString,
+            neorec_dot_protos_dot_store__pb2.WriteRequest.SerializeToString,
+            neorec_dot_protos_dot_store__pb2.WriteReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -277,8 +277,8 @@ class Store:
             request,
             target,
             '/neorec.store.Store/Flush',
-            protos_dot_store__pb2.FlushRequest.SerializeToString,
-            protos_dot_store__pb2.FlushReply.FromString,
+            neorec_dot_protos_dot_store__pb2.FlushRequest.SerializeToString,
+            neorec_dot_protos_dot_store__pb2.FlushReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -304,8 +304,8 @@ class Store:
             request,
             target,
             '/neorec.store.Store/Snapshot',
-            protos_dot_store__pb2.SnapshotRequest.SerializeToString,
-            protos_dot_store__pb2.SnapshotReply.FromString,
+            neorec_dot_protos_dot_store__pb2.SnapshotRequest.SerializeToString,
+            neorec_dot_protos_dot_store__pb2.SnapshotReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -331,8 +331,8 @@ class Store:
             request,
             target,
             '/neorec.store.Store/Load',
-            protos_dot_store__pb2.LoadRequest.SerializeToString,
-            protos_dot_store__pb2.LoadReply.FromString,
+            neorec_dot_protos_dot_store__pb2.LoadRequest.SerializeToString,
+            neorec_dot_protos_dot_store__pb2.LoadReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -358,8 +358,8 @@ class Store:
             request,
             target,
             '/neorec.store.Store/Close',
-            protos_dot_store__pb2.CloseRequest.SerializeToString,
-            protos_dot_store__pb2.CloseReply.FromString,
+            neorec_dot_protos_dot_store__pb2.CloseRequest.SerializeToString,
+            neorec_dot_protos_dot_store__pb2.CloseReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -385,8 +385,8 @@ class Store:
             request,
             target,
             '/neorec.store.Store/Status',
-            protos_dot_store__pb2.StatusRequest.SerializeToString,
-            protos_dot_store__pb2.StatusReply.FromString,
+            neorec_dot_protos_dot_store__pb2.StatusRequest.SerializeToString,
+            neorec_dot_protos_dot_store__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,

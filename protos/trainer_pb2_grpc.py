@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import trainer_pb2 as protos_dot_trainer__pb2
+from neorec.protos import trainer_pb2 as neorec_dot_protos_dot_trainer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/trainer_pb2_grpc.py depends on'
+        + ' but the generated code in neorec/protos/trainer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class TrainerStub:
         """
         self.Status = channel.unary_unary(
                 '/neorec.trainer.Trainer/Status',
-                request_serializer=protos_dot_trainer__pb2.StatusRequest.SerializeToString,
-                response_deserializer=protos_dot_trainer__pb2.StatusReply.FromString,
+                request_serializer=neorec_dot_protos_dot_trainer__pb2.StatusRequest.SerializeToString,
+                response_deserializer=neorec_dot_protos_dot_trainer__pb2.StatusReply.FromString,
                 _registered_method=True)
 
 
@@ -55,8 +55,8 @@ def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=protos_dot_trainer__pb2.StatusRequest.FromString,
-                    response_serializer=protos_dot_trainer__pb2.StatusReply.SerializeToString,
+                    request_deserializer=neorec_dot_protos_dot_trainer__pb2.StatusRequest.FromString,
+                    response_serializer=neorec_dot_protos_dot_trainer__pb2.StatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -84,8 +84,8 @@ class Trainer:
             request,
             target,
             '/neorec.trainer.Trainer/Status',
-            protos_dot_trainer__pb2.StatusRequest.SerializeToString,
-            protos_dot_trainer__pb2.StatusReply.FromString,
+            neorec_dot_protos_dot_trainer__pb2.StatusRequest.SerializeToString,
+            neorec_dot_protos_dot_trainer__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,

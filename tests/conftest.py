@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ingest.schema import Dataset
-from ingest.synth import SynthSpec, generate
+from neorec.ingest.schema import Dataset
+from neorec.ingest.synth import SynthSpec, generate
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ingest.batch import HostBatch, Provenance
+from neorec.ingest.batch import HostBatch, Provenance
 
 
 @dataclass
@@ -58,7 +58,7 @@ class KeyedJaggedTensor:
 @dataclass
 class DistributedSparse:
     """A rank's sparse input after the input all-to-all of a sharded collection
-    (:mod:`trainer.sharding`): the local module's input for the global batch, and the rank's
+    (:mod:`neorec.trainer.sharding`): the local module's input for the global batch, and the rank's
     own int32 ``[F, B]`` bag lengths (collection feature order)."""
 
     local: KeyedJaggedTensor

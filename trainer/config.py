@@ -7,16 +7,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ingest.client import COMPRESSIONS, check_address
-from ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
-from ingest.plan import REMAINDER_POLICIES, SHUFFLE_MODES
-from ingest.sections import build_section, to_dict
-from trainer.embedding_config import POOLINGS, SPARSE_OPTIMIZERS, WEIGHT_DTYPES
-from trainer.model import MLP_INITS
-from trainer.planner.enumerate import Constraint
-from trainer.planner.inputs import parse_bytes
-from trainer.sharding.comm_precision import CommPrecision
-from trainer.sharding.plan import PlanError
+from neorec.ingest.client import COMPRESSIONS, check_address
+from neorec.ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
+from neorec.ingest.plan import REMAINDER_POLICIES, SHUFFLE_MODES
+from neorec.ingest.sections import build_section, to_dict
+from neorec.trainer.embedding.config import POOLINGS, SPARSE_OPTIMIZERS, WEIGHT_DTYPES
+from neorec.trainer.model import MLP_INITS
+from neorec.trainer.planner.enumerate import Constraint
+from neorec.trainer.planner.inputs import parse_bytes
+from neorec.trainer.sharding.comm_precision import CommPrecision
+from neorec.trainer.sharding.plan import PlanError
 
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
 DEVICES = ("auto", "cpu", "cuda")
@@ -138,7 +138,7 @@ class TrainLoopConfig:
     threads: int = 0
     pin_cores: bool = True
     """When several ranks share a host, run each rank's threads on its own share of the
-    host's cores (see :mod:`trainer.affinity`)."""
+    host's cores (see :mod:`neorec.trainer.run.affinity`)."""
     prefetch: int = 16
     """Batches read ahead in a background thread (enough to cover decoding the next row
     group); 0: read in the training thread."""
@@ -213,7 +213,7 @@ DEFAULT_CACHE_FRACTION = 0.25
 @dataclass
 class EmbeddingStoreConfig:
     """Tables larger than memory: rows on a tier on local disk (segment files), a
-    set-associative cache of them in the trainer (see :mod:`trainer.store_backed`)."""
+    set-associative cache of them in the trainer (see :mod:`neorec.trainer.embedding.store_backed`)."""
 
     dir: str = ""
     """Where the tier's files go (local disk); empty: ``RUN_DIR/store``. A fresh run empties
@@ -299,7 +299,7 @@ class CheckpointConfig:
 
 @dataclass
 class LaunchConfig:
-    """How ``neorec launch`` runs the job on this host (see :mod:`orchestration.launch`)."""
+    """How ``neorec launch`` runs the job on this host (see :mod:`neorec.orchestration.launch`)."""
 
     ingest_workers: int = 2
     """Reader services to start (0: the trainers read in process)."""

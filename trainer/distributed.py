@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.sharding.collectives import start_sum
-from trainer.sharding.comm_precision import FULL, CommPrecision, sum_in
+from neorec.trainer.sharding.collectives import start_sum
+from neorec.trainer.sharding.comm_precision import FULL, CommPrecision, sum_in
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -187,8 +187,8 @@ def wrap_data_parallel(model: nn.Module, rank_local: str = "embeddings",
 
 def _sum_gradients(precision, bucket):  # DDP checks real annotations; these would be strings here
     """DDP communication hook: the future of ``bucket``'s (a ``dist.GradBucket``) buffer
-    summed over the ranks (:func:`~trainer.sharding.collectives.start_sum`; in reduced
-    precision, :func:`~trainer.sharding.comm_precision.sum_in`, at once)."""
+    summed over the ranks (:func:`~neorec.trainer.sharding.collectives.start_sum`; in reduced
+    precision, :func:`~neorec.trainer.sharding.comm_precision.sum_in`, at once)."""
     if precision == "fp32":
         return start_sum(bucket.buffer())
     future = torch.futures.Future()

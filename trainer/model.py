@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from trainer.batch import Batch
+from neorec.trainer.batch import Batch
 
 
 MLP_INITS = ("normal", "uniform")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.store_bench import ExactLru, set_associative_hit_rate
-from embedding_store.cache import SetAssociativeCache
+from neorec.benchmarks.store_bench import ExactLru, set_associative_hit_rate
+from neorec.embedding_store.cache import SetAssociativeCache
 
 
 def test_random_admissions_keep_every_row_in_one_slot_of_its_set():

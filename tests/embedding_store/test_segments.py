@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from embedding_store.segments import SegmentError, SegmentTier
+from neorec.embedding_store.segments import SegmentError, SegmentTier
 
 ROWS, WIDTH = 5000, 24
 

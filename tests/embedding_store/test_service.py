@@ -15,9 +15,9 @@ import grpc
 import numpy as np
 import pytest
 
-from embedding_store.client import StoreClient, StoreServiceError
-from embedding_store.service import MAX_REQUEST_BYTES, SERVICE_NAME, StoreServer
-from protos import store_pb2
+from neorec.embedding_store.client import StoreClient, StoreServiceError
+from neorec.embedding_store.service import MAX_REQUEST_BYTES, SERVICE_NAME, StoreServer
+from neorec.protos import store_pb2
 
 ROWS, WIDTH = 1000, 12
 
@@ -125,12 +125,12 @@ def test_a_corrupt_segment_is_named(tmp_path, service):
 
 
 def test_a_trainer_whose_store_service_is_killed_stops_with_its_name(criteo_dataset, tmp_path):
-    service = subprocess.Popen([sys.executable, "-m", "orchestration.cli", "store", "serve", "--dir",
+    service = subprocess.Popen([sys.executable, "-m", "neorec.orchestration.cli", "store", "serve", "--dir",
                                 str(tmp_path / "tiers")], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         address = service.stdout.readline().split()[-1]
         trainer = subprocess.Popen(
-            [sys.executable, "-m", "orchestration.cli", "train", "configs/demo.toml",
+            [sys.executable, "-m", "neorec.orchestration.cli", "train", "configs/demo.toml",
              "--set", f"data.path='{criteo_dataset.root}'", "--set", f"run.dir='{tmp_path / 'run'}'",
              "--set", "train.batch_size=64", "--set", "train.epochs=1000", "--set", "model.max_table_rows=5000",
              "--set", "train.log_every=5",

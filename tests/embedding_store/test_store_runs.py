@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from embedding_store.service import StoreServer
-from ingest.schema import Dataset
+from neorec.embedding_store.service import StoreServer
+from neorec.ingest.schema import Dataset
 from tests.trainer.spawn import run_ranks
-from trainer import checkpoint
-from trainer.build import build_model, store_settings
-from trainer.checkpoint.layout import CheckpointError
-from trainer.config import TrainConfig
-from trainer.distributed import SINGLE_PROCESS, DistributedContext
-from trainer.planner.from_config import job_plan
-from trainer.store_backed import store_of
-from trainer.train import train
+from neorec.trainer import checkpoint
+from neorec.trainer.run.build import build_model, store_settings
+from neorec.trainer.checkpoint.layout import CheckpointError
+from neorec.trainer.config import TrainConfig
+from neorec.trainer.distributed import SINGLE_PROCESS, DistributedContext
+from neorec.trainer.planner.from_config import job_plan
+from neorec.trainer.embedding.store_backed import store_of
+from neorec.trainer.run.train import train
 
 STORE = {"t_C1": 0.005, "t_C3": 0.02}
 """Caches of 32 and 100 rows (sets of 32), of tables of 5,000 rows: most lookups miss."""

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from embedding_store.segments import SegmentTier
+from neorec.embedding_store.segments import SegmentTier
 from tests.trainer.reference import random_kjt
-from trainer.embedding_config import SparseOptimizer, TableConfig
-from trainer.fused_embedding import FusedEmbeddingBagCollection
-from trainer.store_backed import StoreBackedEmbeddings, StoreSettings, StoreTable
+from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
+from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
+from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StoreSettings, StoreTable
 
 TABLES = [TableConfig("mem", 400, 8, ("a",)), TableConfig("big", 20_000, 8, ("b", "c")),
           TableConfig("wide", 5_000, 16, ("d",), pooling="mean")]

@@ -3,7 +3,7 @@
 import pyarrow as pa
 import pytest
 
-from ingest.arrow_memory import MEMORY_POOLS, use_memory_pool
+from neorec.ingest.arrow_memory import MEMORY_POOLS, use_memory_pool
 
 
 @pytest.fixture

@@ -8,12 +8,12 @@ import time
 import grpc
 import pytest
 
-from ingest import client as client_module
-from ingest import service as service_module
-from ingest.client import ClientOptions, IngestError, RemoteReader
-from ingest.decoder import DecodeOptions
-from ingest.reader import InProcessReader, ReaderConfig
-from ingest.service import ReaderServer
+from neorec.ingest import client as client_module
+from neorec.ingest import service as service_module
+from neorec.ingest.client import ClientOptions, IngestError, RemoteReader
+from neorec.ingest.decoder import DecodeOptions
+from neorec.ingest.reader import InProcessReader, ReaderConfig
+from neorec.ingest.service import ReaderServer
 from tests.ingest.workers import DATA_ROOTS, assert_same_batches, start_worker, stop_all
 
 

@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ingest.errors import DataError
-from ingest.import_spec import ImportSpec, SpecError
-from ingest.importer import import_dataset
+from neorec.ingest.errors import DataError
+from neorec.ingest.import_spec import ImportSpec, SpecError
+from neorec.ingest.importer import import_dataset
 
 ROWS = 3000
 

@@ -1,7 +1,7 @@
 import pytest
 
-from ingest.plan import plan_epoch
-from ingest.rows import RowGroupInfo
+from neorec.ingest.plan import plan_epoch
+from neorec.ingest.rows import RowGroupInfo
 
 GROUPS = [RowGroupInfo(f, g, n) for f, sizes in enumerate([[700, 700, 301], [650, 90]]) for g, n in enumerate(sizes)]
 TOTAL = sum(g.num_rows for g in GROUPS)
@@ -97,7 +97,7 @@ def test_row_group_shuffle_and_file_order_keep_rows_in_file_order():
 
 
 def test_auto_window_holds_a_few_hundred_thousand_rows():
-    from ingest.plan import WINDOW_ROWS, auto_window
+    from neorec.ingest.plan import WINDOW_ROWS, auto_window
 
     assert auto_window([RowGroupInfo(0, g, 65_536) for g in range(10)]) == 4
     assert auto_window([RowGroupInfo(0, 0, 1_000_000)]) == 1

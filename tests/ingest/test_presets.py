@@ -10,9 +10,9 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from ingest.importer import import_dataset
-from ingest.presets import PresetOptions, preset
-from ingest.schema import Dataset
+from neorec.ingest.importer import import_dataset
+from neorec.ingest.presets import PresetOptions, preset
+from neorec.ingest.schema import Dataset
 from tests.conftest import FIXTURES
 
 
@@ -63,12 +63,12 @@ def test_each_preset_trains(tmp_path):
              ("movielens", FIXTURES / "movielens-1m", ["--eval-fraction", "0.25"])]
     for name, path, flags in cases:
         out = tmp_path / name
-        done = subprocess.run([sys.executable, "-m", "orchestration.cli", "data", "convert", name, str(path), "--out",
+        done = subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", "data", "convert", name, str(path), "--out",
                                str(out), *flags], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["rows"] == Dataset.load(out).rows
         run = tmp_path / f"run-{name}"
-        done = subprocess.run([sys.executable, "-m", "orchestration.cli", "train", "configs/demo.toml",
+        done = subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", "train", "configs/demo.toml",
                                "--set", f"data.path='{out}'", "--set", f"run.dir='{run}'",
                                "--set", "train.batch_size=2", "--set", "data.remainder='pad'"],
                               capture_output=True, text=True, timeout=300)

@@ -3,11 +3,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ingest.batch import HostBatch
-from ingest.decoder import DecodeOptions, decode_table
-from ingest.errors import DataError
-from ingest.reader import InProcessReader, ReaderConfig
-from ingest.schema import Dataset
+from neorec.ingest.batch import HostBatch
+from neorec.ingest.decoder import DecodeOptions, decode_table
+from neorec.ingest.errors import DataError
+from neorec.ingest.reader import InProcessReader, ReaderConfig
+from neorec.ingest.schema import Dataset
 
 
 def _samples(batch: HostBatch) -> list[tuple]:
@@ -188,7 +188,7 @@ def test_split_then_concat_gives_back_the_batch(multihot_dataset):
 
 @pytest.mark.parametrize("shuffle", ["rows", "row_groups"])
 def test_decoding_in_small_chunks_changes_no_batch_and_no_provenance(criteo_dataset, shuffle, monkeypatch):
-    from ingest import chunks
+    from neorec.ingest import chunks
     from tests.ingest.workers import assert_same_batches
 
     options = DecodeOptions.for_schema(criteo_dataset.schema)

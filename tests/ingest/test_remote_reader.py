@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
-from ingest.client import ClientOptions, IngestError, RemoteReader
-from ingest.decoder import DecodeOptions
-from ingest.reader import InProcessReader, ReaderConfig
-from ingest.schema import Dataset
+from neorec.ingest.client import ClientOptions, IngestError, RemoteReader
+from neorec.ingest.decoder import DecodeOptions
+from neorec.ingest.reader import InProcessReader, ReaderConfig
+from neorec.ingest.schema import Dataset
 from tests.ingest.workers import assert_same_batches, scramble_data_pages, stop_all, start_worker
 
 SMALL_TASKS = ClientOptions(task_rows=200)  # a few batches per task: many tasks per epoch

@@ -7,7 +7,7 @@ import time
 import pyarrow as pa
 import pytest
 
-from ingest.row_group_cache import RowGroupCache
+from neorec.ingest.row_group_cache import RowGroupCache
 
 COLUMNS = ("a",)
 

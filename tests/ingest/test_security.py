@@ -8,17 +8,17 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ingest.client import ClientOptions, IngestError, RemoteReader
-from ingest.decoder import DecodeOptions
-from ingest.reader import ReaderConfig
-from ingest.transport import ClientSecurity
-from ingest.wire import SERVICE_NAME
-from orchestration.processes import start_reader_service
+from neorec.ingest.client import ClientOptions, IngestError, RemoteReader
+from neorec.ingest.decoder import DecodeOptions
+from neorec.ingest.reader import ReaderConfig
+from neorec.common.transport import ClientSecurity
+from neorec.ingest.wire import SERVICE_NAME
+from neorec.orchestration.processes import start_reader_service
 from tests.ingest.workers import DATA_ROOTS, start_worker, stop_all
 
 
 def _neorec(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "orchestration.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", *args], capture_output=True, text=True,
                           timeout=60, env=env)
 
 

@@ -11,13 +11,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ingest.client import RemoteReader
-from ingest.decoder import DecodeOptions
-from ingest.reader import ReaderConfig
-from ingest.schema import Dataset
-from ingest import service
-from ingest.service import SERVICE_NAME, ReaderServer
-from protos import ingest_pb2, ingest_pb2_grpc
+from neorec.ingest.client import RemoteReader
+from neorec.ingest.decoder import DecodeOptions
+from neorec.ingest.reader import ReaderConfig
+from neorec.ingest.schema import Dataset
+from neorec.ingest import service
+from neorec.ingest.service import SERVICE_NAME, ReaderServer
+from neorec.protos import ingest_pb2, ingest_pb2_grpc
 from tests.ingest.workers import DATA_ROOTS, scramble_data_pages, stop_all, start_worker
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -3,8 +3,8 @@ import hashlib
 import numpy as np
 import pyarrow.parquet as pq
 
-from ingest.schema import Dataset
-from ingest.synth import CRITEO_KAGGLE_CARDINALITIES, SynthSpec, generate
+from neorec.ingest.schema import Dataset
+from neorec.ingest.synth import CRITEO_KAGGLE_CARDINALITIES, SynthSpec, generate
 
 
 def _digest(dataset: Dataset) -> str:

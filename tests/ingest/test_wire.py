@@ -1,12 +1,12 @@
 import numpy as np
 import pytest
 
-from ingest.batch import HostBatch, Provenance
-from ingest.decoder import DecodeOptions
-from ingest.reader import InProcessReader, ReaderConfig
-from ingest.rows import RowGroupInfo, Segment, Window
-from ingest.wire import WireError, decode_batch, serialize_batch
-from protos import ingest_pb2
+from neorec.ingest.batch import HostBatch, Provenance
+from neorec.ingest.decoder import DecodeOptions
+from neorec.ingest.reader import InProcessReader, ReaderConfig
+from neorec.ingest.rows import RowGroupInfo, Segment, Window
+from neorec.ingest.wire import WireError, decode_batch, serialize_batch
+from neorec.protos import ingest_pb2
 from tests.ingest.workers import assert_same_batches
 
 COMPRESSIONS = [ingest_pb2.COMPRESSION_NONE, ingest_pb2.COMPRESSION_ZSTD]

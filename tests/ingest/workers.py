@@ -6,8 +6,8 @@ import tempfile
 
 import numpy as np
 
-from ingest.batch import HostBatch
-from orchestration.processes import ServiceProcess, start_reader_service
+from neorec.ingest.batch import HostBatch
+from neorec.orchestration.processes import ServiceProcess, start_reader_service
 
 DATA_ROOTS = (tempfile.gettempdir(),)
 """Where the tests' datasets are written (pytest's temporary directories): the services'

@@ -11,7 +11,7 @@ from tests.ingest.workers import start_worker, stop_all
 
 
 def _neorec(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "orchestration.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", *args], capture_output=True, text=True,
                           cwd=cwd, timeout=600)
 
 

@@ -1,7 +1,7 @@
 import pytest
 
-from orchestration.config import load_config
-from trainer.config import ConfigError
+from neorec.orchestration.config import load_config
+from neorec.trainer.config import ConfigError
 
 
 def _write(tmp_path, text):

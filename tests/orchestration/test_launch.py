@@ -17,14 +17,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ingest.service import ReaderServer
-from orchestration.k8s import manifests
-from orchestration.config import load_config
+from neorec.ingest.service import ReaderServer
+from neorec.orchestration.k8s import manifests
+from neorec.orchestration.config import load_config
 from tests.ingest.workers import DATA_ROOTS, start_worker, stop_all
 from tests.trainer.checkpoint.test_resume import metrics
 from tests.trainer.test_train import final_state, untimed
 
-PYTHON = [sys.executable, "-m", "orchestration.cli"]
+PYTHON = [sys.executable, "-m", "neorec.orchestration.cli"]
 
 
 def _neorec(*args, timeout=600):

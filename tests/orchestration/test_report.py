@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from orchestration.report import PLOTS, figures, read_run
-from trainer.checkpoint.layout import BEST, complete, read_manifest
-from trainer.config import TrainConfig
-from trainer.train import evaluate_checkpoint, train
+from neorec.orchestration.report import PLOTS, figures, read_run
+from neorec.trainer.checkpoint.layout import BEST, complete, read_manifest
+from neorec.trainer.config import TrainConfig
+from neorec.trainer.run.train import evaluate_checkpoint, train
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_the_plotted_lines_are_the_logged_metrics(runs):
 
 
 def test_report_writes_pngs_and_a_summary(runs, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "orchestration.cli", "report", *map(str, runs), "--out",
+    done = subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", "report", *map(str, runs), "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     for name in PLOTS:

@@ -14,11 +14,11 @@ import pytest
 from tests.ingest.workers import start_worker, stop_all
 from tests.trainer.checkpoint.test_resume import metrics
 from tests.trainer.test_train import final_state, untimed
-from trainer.checkpoint.layout import complete, read_manifest
+from neorec.trainer.checkpoint.layout import complete, read_manifest
 
 
 def _command(dataset, run, *more):
-    return [sys.executable, "-m", "orchestration.cli", "train", "configs/demo.toml",
+    return [sys.executable, "-m", "neorec.orchestration.cli", "train", "configs/demo.toml",
             "--set", f"data.path='{dataset.root}'", "--set", f"run.dir='{run}'", "--set", "train.batch_size=64",
             "--set", "model.max_table_rows=3000", "--set", "train.epochs=4", "--set", "train.log_every=10",
             "--set", "checkpoint.every_steps=7", *more]  # mostly between log lines: a cut interval resumes

@@ -101,7 +101,7 @@ def _rank_processes(parent: int) -> dict[int, int]:
 def test_a_frozen_rank_is_named_by_the_others_within_the_collective_timeout(criteo_dataset, tmp_path):
     run = tmp_path / "run"
     process = subprocess.Popen(
-        [sys.executable, "-m", "orchestration.cli", "train", "configs/demo.toml", "--nproc", "2",
+        [sys.executable, "-m", "neorec.orchestration.cli", "train", "configs/demo.toml", "--nproc", "2",
          "--set", "train.collective_timeout_s=8", "--set", "train.epochs=100", *_settings(criteo_dataset, run)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from trainer.run_dir import METRICS
+from neorec.trainer.run.run_dir import METRICS
 
 ERROR = 2
 
 
 def _neorec(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "orchestration.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -104,9 +104,9 @@ def test_a_full_disk_ends_training_with_the_file_named(criteo_dataset, tmp_path,
     import errno
 
     from tests.trainer.test_train import _config
-    from trainer.checkpoint import writer as writer_module
-    from trainer.run_dir import RunDirError
-    from trainer.train import train
+    from neorec.trainer.checkpoint import writer as writer_module
+    from neorec.trainer.run.run_dir import RunDirError
+    from neorec.trainer.run.train import train
 
     class Full:
         """A file on a full disk: opening works, writing does not."""
@@ -132,7 +132,7 @@ def test_ctrl_c_stops_training_with_one_line_and_status_130(tmp_path):
     data = tmp_path / "data"
     assert _neorec("data", "synth", "--rows", "60000", "--out", str(data)).returncode == 0
     process = subprocess.Popen(
-        [sys.executable, "-m", "orchestration.cli", "train", "configs/demo.toml", "--set", f"data.path='{data}'",
+        [sys.executable, "-m", "neorec.orchestration.cli", "train", "configs/demo.toml", "--set", f"data.path='{data}'",
          "--set", f"run.dir='{tmp_path / 'run'}'", "--set", "train.epochs=50", "--set", "train.batch_size=64"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import torch
 
-from trainer.batch import KeyedJaggedTensor
-from trainer.embedding_config import SparseOptimizer, TableConfig
+from neorec.trainer.batch import KeyedJaggedTensor
+from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 
 
 def random_kjt(tables: list[TableConfig], batch_size: int, rng: np.random.Generator,

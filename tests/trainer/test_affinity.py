@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.affinity import pin_process, pin_rank, rank_cores
+from neorec.trainer.run.affinity import pin_process, pin_rank, rank_cores
 
 linux_only = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux thread affinity")
 

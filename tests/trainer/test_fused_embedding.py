@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from tests.trainer.reference import ReferenceOptimizer, random_kjt, reference_pooled, touched_rows
-from trainer.batch import KeyedJaggedTensor
-from trainer.embedding_config import SparseOptimizer, TableConfig
-from trainer.fused_embedding import FusedEmbeddingBagCollection
+from neorec.trainer.batch import KeyedJaggedTensor
+from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
+from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 
 
 def _tables(rng: np.random.Generator, pooling: str) -> list[TableConfig]:

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.kernels.backward import RADIX_MIN_IDS, group_by_row
-from trainer.kernels.precision import BF16, FP16, decode, encode, encode_row, noise_bits_of
-from trainer.kernels.torch_ops import Rounding, _round
+from neorec.trainer.embedding.kernels.backward import RADIX_MIN_IDS, group_by_row
+from neorec.trainer.embedding.kernels.precision import BF16, FP16, decode, encode, encode_row, noise_bits_of
+from neorec.trainer.embedding.kernels.torch_ops import Rounding, _round
 
 DTYPES = {FP16: torch.float16, BF16: torch.bfloat16}
 

@@ -3,7 +3,7 @@ import itertools
 import numpy as np
 import pytest
 
-from ingest.metrics import auc, log_loss, normalized_entropy
+from neorec.ingest.metrics import auc, log_loss, normalized_entropy
 
 
 def _pairwise_auc(y, s):

@@ -3,11 +3,11 @@ import pytest
 import torch
 
 from tests.trainer.reference import random_kjt
-from trainer.batch import Batch
-from trainer.embedding_config import SparseOptimizer, TableConfig
-from benchmarks.baselines import EmbeddingBagCollectionReference
-from trainer.fused_embedding import FusedEmbeddingBagCollection
-from trainer.model import DLRM
+from neorec.trainer.batch import Batch
+from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
+from neorec.benchmarks.baselines import EmbeddingBagCollectionReference
+from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
+from neorec.trainer.model import DLRM
 
 
 def _models():
@@ -74,7 +74,7 @@ def test_mlp_sizes_are_the_whole_stack_as_torchrec_writes_them():
 
 
 def test_uniform_init_is_pytorchs_default_and_deterministic_from_the_seed():
-    from trainer.model import MLP
+    from neorec.trainer.model import MLP
 
     def build(init, seed):
         return MLP([200, 50, 1], torch.Generator().manual_seed(seed), last_relu=False, init=init)

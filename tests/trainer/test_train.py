@@ -4,12 +4,13 @@ import shutil
 import pytest
 import torch
 
-from ingest.errors import DataError
-from ingest.schema import Dataset
-from trainer import checkpoint
-from trainer.build import build_model
-from trainer.config import TrainConfig
-from trainer.train import eval_reader_config, evaluate_checkpoint, train, train_reader_config
+from neorec.ingest.errors import DataError
+from neorec.ingest.schema import Dataset
+from neorec.trainer import checkpoint
+from neorec.trainer.run.build import build_model
+from neorec.trainer.config import TrainConfig
+from neorec.trainer.run.readers import eval_reader_config, train_reader_config
+from neorec.trainer.run.train import evaluate_checkpoint, train
 
 
 def _config(dataset: Dataset, run_dir, **train_overrides) -> TrainConfig:
@@ -81,8 +82,8 @@ def test_a_checkpoint_without_a_manifest_is_refused(tmp_path):
 def test_default_config_reaches_the_oracle_on_200k_rows(tmp_path):
     """The quality bar: one epoch of the demo config on ~200k criteo-profile training rows
     ends within 0.02 AUC of the planted teacher's oracle."""
-    from ingest.synth import SynthSpec, generate
-    from orchestration.config import load_config
+    from neorec.ingest.synth import SynthSpec, generate
+    from neorec.orchestration.config import load_config
 
     dataset = generate(SynthSpec(rows=250_000), tmp_path / "data")
     config = load_config("configs/demo.toml", [f"data.path='{dataset.root}'", f"run.dir='{tmp_path / 'run'}'"])

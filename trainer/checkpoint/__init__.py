@@ -2,26 +2,26 @@
 background, incremental (only the rows modified since the last checkpoint), optionally
 quantized per row, committed by an atomic manifest, restorable into any world size.
 
-- :mod:`~trainer.checkpoint.layout`: the directory, manifest, commit, pruning;
-- :mod:`~trainer.checkpoint.records`: a shard's rows as bytes;
-- :mod:`~trainer.checkpoint.quantize`: per-row quantization with a range search;
-- :mod:`~trainer.checkpoint.snapshot`: the copy training waits for;
-- :mod:`~trainer.checkpoint.writer`: encoding, writing and committing in the background;
-- :mod:`~trainer.checkpoint.checkpointer`: when, and full or incremental;
-- :mod:`~trainer.checkpoint.restore`: resharding restore of a chain;
-- :mod:`~trainer.checkpoint.store`: the tables on the embedding store, linked not copied.
+- :mod:`~neorec.trainer.checkpoint.layout`: the directory, manifest, commit, pruning;
+- :mod:`~neorec.trainer.checkpoint.records`: a shard's rows as bytes;
+- :mod:`~neorec.trainer.checkpoint.quantize`: per-row quantization with a range search;
+- :mod:`~neorec.trainer.checkpoint.snapshot`: the copy training waits for;
+- :mod:`~neorec.trainer.checkpoint.writer`: encoding, writing and committing in the background;
+- :mod:`~neorec.trainer.checkpoint.checkpointer`: when, and full or incremental;
+- :mod:`~neorec.trainer.checkpoint.restore`: resharding restore of a chain;
+- :mod:`~neorec.trainer.checkpoint.store`: the tables on the embedding store, linked not copied.
 """
 
 from __future__ import annotations
 
 import torch
 
-from trainer.checkpoint.layout import CheckpointError, checkpoints_root
-from trainer.checkpoint.restore import Restorable, load_dense, open_checkpoint, restore_embeddings
-from trainer.checkpoint.store import check_store, restore_store
-from trainer.fused_embedding import ShardView
-from trainer.model import DLRM
-from trainer.store_backed import StoreBackedEmbeddings, store_of
+from neorec.trainer.checkpoint.layout import CheckpointError, checkpoints_root
+from neorec.trainer.checkpoint.restore import Restorable, load_dense, open_checkpoint, restore_embeddings
+from neorec.trainer.checkpoint.store import check_store, restore_store
+from neorec.trainer.embedding.fused import ShardView
+from neorec.trainer.model import DLRM
+from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, store_of
 
 __all__ = ["CheckpointError", "Restorable", "checkpoints_root", "open_checkpoint", "restore_model",
            "restore_store_tables"]

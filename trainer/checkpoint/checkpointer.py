@@ -15,13 +15,13 @@ from typing import Any, Callable
 
 import torch
 
-from trainer.checkpoint.layout import BEST, CheckpointError, best_checkpoint, read_manifest, step_name, write_durably
-from trainer.checkpoint.snapshot import take_snapshot
-from trainer.checkpoint.store import snapshot_store
-from trainer.checkpoint.writer import CheckpointJob, CheckpointWriter, manifest_fields
-from trainer.config import CheckpointConfig, TrainConfig
-from trainer.fused_embedding import ShardView
-from trainer.store_backed import StorePiece
+from neorec.trainer.checkpoint.layout import BEST, CheckpointError, best_checkpoint, read_manifest, step_name, write_durably
+from neorec.trainer.checkpoint.snapshot import take_snapshot
+from neorec.trainer.checkpoint.store import snapshot_store
+from neorec.trainer.checkpoint.writer import CheckpointJob, CheckpointWriter, manifest_fields
+from neorec.trainer.config import CheckpointConfig, TrainConfig
+from neorec.trainer.embedding.fused import ShardView
+from neorec.trainer.embedding.store_backed import StorePiece
 
 SumFn = Callable[[list[float]], list[float]]
 """Values summed over every rank (identity in a single process)."""
@@ -160,7 +160,7 @@ services, sharding, checkpoints) may."""
 
 
 def check_resumable(saved: dict[str, Any], config: TrainConfig) -> None:
-    """Raise :class:`~trainer.checkpoint.layout.CheckpointError` naming the first setting of
+    """Raise :class:`~neorec.trainer.checkpoint.layout.CheckpointError` naming the first setting of
     ``config`` that differs from the checkpoint's ``saved`` config where a resumed run must
     not differ."""
     current = config.to_dict()

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import layout
-from trainer.checkpoint.layout import LATEST, CheckpointError, checkpoints_root, complete, read_manifest
+from neorec.trainer.checkpoint import layout
+from neorec.trainer.checkpoint.layout import LATEST, CheckpointError, checkpoints_root, complete, read_manifest
 
 
 def describe(directory: str | Path, verify: bool = False) -> dict[str, Any]:

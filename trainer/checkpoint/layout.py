@@ -1,7 +1,7 @@
 """On-disk layout of a run's checkpoints, and the commit that makes one complete.
 
 ``CHECKPOINTS/step-000000120/`` holds one checkpoint: each rank's embedding file
-(``rank-00001.emb``, :mod:`trainer.checkpoint.records`), rank 0's ``dense.pt`` (MLPs, dense
+(``rank-00001.emb``, :mod:`neorec.trainer.checkpoint.records`), rank 0's ``dense.pt`` (MLPs, dense
 optimizer, RNG, position), each rank's ``rank-00001.json`` (its files with sizes and
 SHA-256, the records they hold, written once those files are durable), and
 ``manifest.json``, written by rank 0 once every rank's record is there: to a temporary name,
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from embedding_store.segments import SegmentError, read_segments
+from neorec.embedding_store.segments import SegmentError, read_segments
 
 FORMAT = "neorec-checkpoint/2"
 MANIFEST = "manifest.json"

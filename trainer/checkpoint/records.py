@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from trainer.checkpoint.quantize import QuantizedRows, quantize
+from neorec.trainer.checkpoint.quantize import QuantizedRows, quantize
 
 MAGIC = b"NRC1"
 ZSTD_LEVEL = 1

@@ -1,6 +1,6 @@
 """Restoring a checkpoint into a model of any world size and plan.
 
-Every rank restores only its own pieces of the tables (:class:`~trainer.fused_embedding.
+Every rank restores only its own pieces of the tables (:class:`~neorec.trainer.embedding.fused.
 ShardView`), from whichever records of the checkpoint's chain overlap them: the full
 checkpoint's, then each increment's, so a row ends with its newest value. No process ever
 reads the whole model, only the records that overlap its shards, one at a time.
@@ -13,7 +13,7 @@ its value exactly.
 
 Before anything is applied, every rank checks the records it will read (CRC-32, and each
 file's size) and rank 0's ``dense.pt`` (SHA-256); a corrupt or truncated file is a
-:class:`~trainer.checkpoint.layout.CheckpointError` naming it. With ``fallback`` the ranks
+:class:`~neorec.trainer.checkpoint.layout.CheckpointError` naming it. With ``fallback`` the ranks
 agree to restore the newest checkpoint that all of them found whole instead.
 """
 
@@ -27,10 +27,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from trainer.checkpoint import records
-from trainer.checkpoint.layout import (DENSE_FILE, CheckpointError, Manifest, RecordEntry, check_sizes, complete,
+from neorec.trainer.checkpoint import records
+from neorec.trainer.checkpoint.layout import (DENSE_FILE, CheckpointError, Manifest, RecordEntry, check_sizes, complete,
                                        read_manifest, read_record, sha256_of)
-from trainer.fused_embedding import ShardView
+from neorec.trainer.embedding.fused import ShardView
 
 AgreeFn = Callable[[bool], bool]
 """True when every rank passes True (a collective in a distributed run)."""

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.checkpoint.records import ShardRows
-from trainer.fused_embedding import ShardView
+from neorec.trainer.checkpoint.records import ShardRows
+from neorec.trainer.embedding.fused import ShardView
 
 RECORD_ROWS = 262_144
 """Most rows per record: a restoring rank decodes one record at a time, so its memory

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from embedding_store.segments import SegmentError
-from trainer.checkpoint.layout import CheckpointError, FileEntry, Manifest, StoreEntry, read_store_segments
-from trainer.store_backed import StorePiece
+from neorec.embedding_store.segments import SegmentError
+from neorec.trainer.checkpoint.layout import CheckpointError, FileEntry, Manifest, StoreEntry, read_store_segments
+from neorec.trainer.embedding.store_backed import StorePiece
 
 STORE_DIRECTORY = "store"
 

@@ -1,6 +1,6 @@
 """Writing a snapshot, off the training path: encode (quantize, compress), write and fsync
 this rank's files, record them; rank 0 then waits for every rank's record and commits the
-checkpoint (:func:`~trainer.checkpoint.layout.commit`) and prunes old ones.
+checkpoint (:func:`~neorec.trainer.checkpoint.layout.commit`) and prunes old ones.
 
 One checkpoint is in flight at a time: submitting the next waits for the last. An error in
 the background (a full disk, another rank that never recorded its files) is raised, naming
@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import records
-from trainer.checkpoint.layout import (BEST, DENSE_FILE, CheckpointError, FileEntry, Manifest, RankRecord, RecordEntry,
+from neorec.trainer.checkpoint import records
+from neorec.trainer.checkpoint.layout import (BEST, DENSE_FILE, CheckpointError, FileEntry, Manifest, RankRecord, RecordEntry,
                                        StoreEntry, commit, fsync_directory, prune, rank_file, rank_record,
                                        write_durably)
-from trainer.checkpoint.snapshot import ShardSnapshot, split
-from trainer.run_dir import RunDirError, describe
+from neorec.trainer.checkpoint.snapshot import ShardSnapshot, split
+from neorec.trainer.run.run_dir import RunDirError, describe
 
 log = logging.getLogger(__name__)
 RECORD_POLL_S = 0.05

@@ -11,8 +11,8 @@ from functools import cached_property
 
 import numpy as np
 
-from trainer.planner.enumerate import Option
-from trainer.planner.estimate import ShardCosts
+from neorec.trainer.planner.enumerate import Option
+from neorec.trainer.planner.estimate import ShardCosts
 
 REFINE_ROUNDS_PER_TABLE = 2
 """Local-search rounds allowed per table (each round moves one table off the slowest rank)."""

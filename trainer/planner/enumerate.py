@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from trainer.planner.inputs import TableSpec, Topology
-from trainer.sharding.plan import (COLUMN_WISE, DATA_PARALLEL, ROW_WISE, SHARDING_TYPES, STORE_TYPES,
+from neorec.trainer.planner.inputs import TableSpec, Topology
+from neorec.trainer.sharding.plan import (COLUMN_WISE, DATA_PARALLEL, ROW_WISE, SHARDING_TYPES, STORE_TYPES,
                                    TABLE_ROW_WISE, TABLE_WISE, PlanError, split_evenly)
 
 MIN_COLUMN_SHARD = 4

@@ -15,9 +15,9 @@ from functools import cached_property
 
 import numpy as np
 
-from trainer.planner.enumerate import Option
-from trainer.planner.inputs import TableSpec, Topology
-from trainer.sharding.plan import DATA_PARALLEL, ROW_SPLIT_TYPES
+from neorec.trainer.planner.enumerate import Option
+from neorec.trainer.planner.inputs import TableSpec, Topology
+from neorec.trainer.sharding.plan import DATA_PARALLEL, ROW_SPLIT_TYPES
 
 LOOKUP_PASSES = 3
 """Row traffic per looked-up id: read in the forward, read and written in the update."""

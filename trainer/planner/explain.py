@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainer.planner.inputs import TableSpec, Topology, format_bytes
+from neorec.trainer.planner.inputs import TableSpec, Topology, format_bytes
 
 
 def explain_unplaceable(table: TableSpec, topology: Topology, free_memory: np.ndarray,
                         constrained_to: str | None, placed_bytes: float) -> str:
-    """A sentence for :class:`~trainer.sharding.plan.PlanError`: what ``table`` needs, what
+    """A sentence for :class:`~neorec.trainer.sharding.plan.PlanError`: what ``table`` needs, what
     the ranks have left (``free_memory`` bytes per rank, after ``placed_bytes`` of other
     tables), and the changes that would fit it."""
     world = topology.world_size

@@ -7,16 +7,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch.distributed as dist
 
-from ingest.reader import InProcessReader, ReaderConfig
-from ingest.schema import Dataset
-from trainer.build import decode_options, table_configs
-from trainer.config import TrainConfig
-from trainer.distributed import DistributedContext
-from trainer.embedding_config import WEIGHT_DTYPES, TableConfig
-from trainer.planner.enumerate import Constraint
-from trainer.planner.inputs import TableSpec, Topology, parse_bytes
-from trainer.planner.planner import PlanResult, plan_tables
-from trainer.sharding.plan import ShardingPlan
+from neorec.ingest.reader import InProcessReader, ReaderConfig
+from neorec.ingest.schema import Dataset
+from neorec.trainer.run.build import decode_options, table_configs
+from neorec.trainer.config import TrainConfig
+from neorec.trainer.distributed import DistributedContext
+from neorec.trainer.embedding.config import WEIGHT_DTYPES, TableConfig
+from neorec.trainer.planner.enumerate import Constraint
+from neorec.trainer.planner.inputs import TableSpec, Topology, parse_bytes
+from neorec.trainer.planner.planner import PlanResult, plan_tables
+from neorec.trainer.sharding.plan import ShardingPlan
 
 POOLING_SAMPLE_ROWS = 4096
 """Rows of the train split read to measure each feature's mean ids per bag."""

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainer.planner.assign import Assignment, Candidate, Placement, Unplaceable
-from trainer.planner.enumerate import Constraint, Option, ShardShape, enumerate_options
-from trainer.planner.estimate import ShardCosts, estimate
-from trainer.planner.explain import explain_total, explain_unplaceable
-from trainer.planner.inputs import TableSpec, Topology
-from trainer.sharding.plan import TABLE_WISE, PlanError, Shard, ShardingPlan, TableSharding
+from neorec.trainer.planner.assign import Assignment, Candidate, Placement, Unplaceable
+from neorec.trainer.planner.enumerate import Constraint, Option, ShardShape, enumerate_options
+from neorec.trainer.planner.estimate import ShardCosts, estimate
+from neorec.trainer.planner.explain import explain_total, explain_unplaceable
+from neorec.trainer.planner.inputs import TableSpec, Topology
+from neorec.trainer.sharding.plan import TABLE_WISE, PlanError, Shard, ShardingPlan, TableSharding
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from trainer.planner.estimate import miss_rate
-from trainer.planner.inputs import format_bytes
-from trainer.planner.planner import PlanResult
+from neorec.trainer.planner.estimate import miss_rate
+from neorec.trainer.planner.inputs import format_bytes
+from neorec.trainer.planner.planner import PlanResult
 
 
 def render(result: PlanResult, baseline: PlanResult | None = None) -> str:

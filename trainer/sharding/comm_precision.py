@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer.sharding.collectives import all_to_all
+from neorec.trainer.sharding.collectives import all_to_all
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -50,7 +50,7 @@ def decode(tensor: torch.Tensor) -> torch.Tensor:
 
 def all_to_all_in(values: torch.Tensor, send_sizes: list[int], receive_sizes: list[int], precision: str,
                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """:func:`~trainer.sharding.collectives.all_to_all` of float32 ``values`` sent as ``precision``."""
+    """:func:`~neorec.trainer.sharding.collectives.all_to_all` of float32 ``values`` sent as ``precision``."""
     return decode(all_to_all(encode(values, precision), send_sizes, receive_sizes, group))
 
 
@@ -69,7 +69,7 @@ def sum_in(tensor: torch.Tensor, precision: str, group: dist.ProcessGroup | None
 
 
 class AllToAllIn(torch.autograd.Function):
-    """:class:`~trainer.sharding.collectives.AllToAll` with its forward sent in one
+    """:class:`~neorec.trainer.sharding.collectives.AllToAll` with its forward sent in one
     precision and its gradient in another."""
 
     @staticmethod

@@ -9,11 +9,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.batch import KeyedJaggedTensor
-from trainer.kernels.routing import route_ids
-from trainer.offsets import exclusive_cumsum
-from trainer.sharding.collectives import PendingTensor, start_all_to_all
-from trainer.sharding.layout import ShardedLayout
+from neorec.trainer.batch import KeyedJaggedTensor
+from neorec.trainer.embedding.kernels.routing import route_ids
+from neorec.common.offsets import exclusive_cumsum
+from neorec.trainer.sharding.collectives import PendingTensor, start_all_to_all
+from neorec.trainer.sharding.layout import ShardedLayout
 
 
 @dataclass

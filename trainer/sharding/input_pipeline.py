@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterable, Iterator, TypeVar
 
-from trainer.sharding.input_dist import LengthsInFlight, ValuesInFlight
-from trainer.batch import DistributedSparse
-from trainer.sharding.sharded_embedding import PreparedSparse, ShardedEmbeddingBagCollection
+from neorec.trainer.sharding.input_dist import LengthsInFlight, ValuesInFlight
+from neorec.trainer.batch import DistributedSparse
+from neorec.trainer.sharding.sharded_embedding import PreparedSparse, ShardedEmbeddingBagCollection
 
 T = TypeVar("T")
 

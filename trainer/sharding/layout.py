@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.embedding_config import TableConfig
-from trainer.offsets import exclusive_cumsum
-from trainer.sharding.plan import DATA_PARALLEL, ROW_SPLIT_TYPES, Shard, ShardingPlan
+from neorec.trainer.embedding.config import TableConfig
+from neorec.common.offsets import exclusive_cumsum
+from neorec.trainer.sharding.plan import DATA_PARALLEL, ROW_SPLIT_TYPES, Shard, ShardingPlan
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class ShardedLayout:
 
     # ---------------------------------------------------------------- input distribution
     def _build_input_index(self) -> None:
-        """Units and routes for :func:`trainer.kernels.routing.route_ids`: a row-split
+        """Units and routes for :func:`neorec.trainer.embedding.kernels.routing.route_ids`: a row-split
         table's feature is one unit routed over all its shards by row; other tables'
         features give one unit per shard, which every id goes to."""
         slot_of = {(s.table, s.shard, s.feature): i for i, s in enumerate(self.slots)}

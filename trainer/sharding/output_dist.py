@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trainer.sharding.collectives import RankSlice
-from trainer.sharding.comm_precision import FULL, AllToAllIn, CommPrecision
-from trainer.sharding.layout import ShardedLayout
+from neorec.trainer.sharding.collectives import RankSlice
+from neorec.trainer.sharding.comm_precision import FULL, AllToAllIn, CommPrecision
+from neorec.trainer.sharding.layout import ShardedLayout
 
 
 class PooledAllToAll:

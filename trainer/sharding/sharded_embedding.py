@@ -10,15 +10,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.batch import DistributedSparse, KeyedJaggedTensor
-from trainer.embedding_config import SparseOptimizer, TableConfig
-from trainer.fused_embedding import FusedEmbeddingBagCollection, ShardView, initial_table_weight
-from trainer.store_backed import StoreBackedEmbeddings, StoreSettings
-from trainer.sharding.input_dist import RoutedSparse, SparseAllToAll
-from trainer.sharding.layout import ShardedLayout
-from trainer.sharding.comm_precision import FULL, CommPrecision
-from trainer.sharding.output_dist import PooledAllToAll
-from trainer.sharding.plan import DATA_PARALLEL, ShardingPlan
+from neorec.trainer.batch import DistributedSparse, KeyedJaggedTensor
+from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
+from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection, ShardView, initial_table_weight
+from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StoreSettings
+from neorec.trainer.sharding.input_dist import RoutedSparse, SparseAllToAll
+from neorec.trainer.sharding.layout import ShardedLayout
+from neorec.trainer.sharding.comm_precision import FULL, CommPrecision
+from neorec.trainer.sharding.output_dist import PooledAllToAll
+from neorec.trainer.sharding.plan import DATA_PARALLEL, ShardingPlan
 
 
 @dataclass
@@ -47,7 +47,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     The input all-to-all of a batch can run ahead, on its own process group: routing in the
     thread that reads batches (:meth:`prepare`), the collectives asynchronously a step or
-    two ahead (:class:`~trainer.sharding.input_pipeline.InputPipeline`), so they overlap
+    two ahead (:class:`~neorec.trainer.sharding.input_pipeline.InputPipeline`), so they overlap
     the steps before.
 
     Constructing it is a collective (it creates that process group). Column-wise shards
@@ -69,7 +69,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         ``timeout``: how long the input all-to-alls' process group waits for a silent rank
         (``torch.distributed``'s default for a new group otherwise, half an hour).
         ``store``: where the shards of the plan's store tables keep their rows (the local
-        module is then a :class:`~trainer.store_backed.StoreBackedEmbeddings`).
+        module is then a :class:`~neorec.trainer.embedding.store_backed.StoreBackedEmbeddings`).
         ``comm_precision``: the wire type of the pooled embeddings' all-to-all and its gradient."""
         super().__init__()
         if dist.get_world_size(group) != plan.world_size:
@@ -138,7 +138,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return self.output_dist(pooled, sparse.lengths, sparse.batch_size)
 
     def shard_views(self) -> list[ShardView]:
-        """This rank's shards as :class:`~trainer.fused_embedding.ShardView` s of their tables."""
+        """This rank's shards as :class:`~neorec.trainer.embedding.fused.ShardView` s of their tables."""
         if self.local is None:
             return []
         views = {v.table: v for v in self.local.shard_views()}

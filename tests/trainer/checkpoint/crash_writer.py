@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.layout import complete
-from trainer.checkpoint.restore import open_checkpoint, restore_embeddings
-from trainer.config import CheckpointConfig
-from trainer.embedding_config import SparseOptimizer, TableConfig
-from trainer.fused_embedding import FusedEmbeddingBagCollection
+from neorec.trainer.checkpoint.checkpointer import Checkpointer
+from neorec.trainer.checkpoint.layout import complete
+from neorec.trainer.checkpoint.restore import open_checkpoint, restore_embeddings
+from neorec.trainer.config import CheckpointConfig
+from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
+from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 
 TABLES = [TableConfig("big", 60_000, 16, ("a",)), TableConfig("small", 5_000, 8, ("b",))]
 

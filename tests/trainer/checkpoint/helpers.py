@@ -8,10 +8,10 @@ import numpy as np
 import torch
 
 from tests.trainer.reference import random_kjt
-from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.config import CheckpointConfig
-from trainer.embedding_config import SparseOptimizer, TableConfig
-from trainer.fused_embedding import FusedEmbeddingBagCollection
+from neorec.trainer.checkpoint.checkpointer import Checkpointer
+from neorec.trainer.config import CheckpointConfig
+from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
+from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 
 TABLES = [TableConfig("t0", 300, 8, ("a",)), TableConfig("t1", 1000, 4, ("b", "c"))]
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.trainer.checkpoint.helpers import assert_same_state, checkpointer, module, state, train_steps
-from trainer.checkpoint.layout import CheckpointError, complete, read_manifest
-from trainer.checkpoint.restore import choose, open_checkpoint, restore_embeddings
+from neorec.trainer.checkpoint.layout import CheckpointError, complete, read_manifest
+from neorec.trainer.checkpoint.restore import choose, open_checkpoint, restore_embeddings
 
 
 def _restored(root, **module_kwargs):
@@ -66,7 +66,7 @@ def test_a_full_checkpoint_follows_when_increments_would_cost_more_to_restore(tm
 
 
 def test_the_writer_writes_the_snapshot_not_what_training_does_next(tmp_path, monkeypatch):
-    from trainer.checkpoint import writer as writer_module
+    from neorec.trainer.checkpoint import writer as writer_module
 
     embeddings = module()
     train_steps(embeddings, 2, seed=1)

@@ -4,7 +4,7 @@ rows with outliers; codes pack and unpack losslessly."""
 import numpy as np
 import pytest
 
-from trainer.checkpoint.quantize import pack, quantize, unpack
+from neorec.trainer.checkpoint.quantize import pack, quantize, unpack
 
 
 def _error(x: np.ndarray, bits: int, search: bool) -> np.ndarray:

@@ -12,13 +12,13 @@ import torch.distributed as dist
 
 from tests.trainer.sharding.test_sharded_embedding import TABLES, make_steps, plan_of
 from tests.trainer.spawn import run_ranks
-from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.restore import choose, restore_embeddings
-from trainer.config import CheckpointConfig
-from trainer.embedding_config import SparseOptimizer
-from trainer.fused_embedding import FusedEmbeddingBagCollection
-from trainer.sharding.plan import COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_WISE
-from trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection
+from neorec.trainer.checkpoint.checkpointer import Checkpointer
+from neorec.trainer.checkpoint.restore import choose, restore_embeddings
+from neorec.trainer.config import CheckpointConfig
+from neorec.trainer.embedding.config import SparseOptimizer
+from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
+from neorec.trainer.sharding.plan import COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_WISE
+from neorec.trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 
 CASES = {
     # element-wise state: exact between any plans, column-wise included

@@ -9,10 +9,11 @@ import torch.distributed as dist
 
 from tests.trainer.spawn import run_ranks
 from tests.trainer.test_train import final_state, untimed
-from trainer.config import TrainConfig
-from trainer.distributed import SINGLE_PROCESS, DistributedContext
-from trainer.loop import LoopState, _Interval
-from trainer.train import StepReport, train
+from neorec.trainer.config import TrainConfig
+from neorec.trainer.distributed import SINGLE_PROCESS, DistributedContext
+from neorec.trainer.run.loop import LoopState, _Interval
+from neorec.trainer.run.step import StepReport
+from neorec.trainer.run.train import train
 
 
 def config_for(dataset, run_dir, **checkpoint) -> TrainConfig:
@@ -57,8 +58,8 @@ def test_resuming_a_stopped_run_ends_bit_identical(criteo_dataset, tmp_path, sto
 
 
 def test_resuming_refuses_another_model_and_a_directory_without_a_run(criteo_dataset, tmp_path):
-    from trainer.checkpoint.layout import CheckpointError
-    from trainer.run_dir import RunDirError
+    from neorec.trainer.checkpoint.layout import CheckpointError
+    from neorec.trainer.run.run_dir import RunDirError
 
     config = config_for(criteo_dataset, tmp_path / "run")
     with pytest.raises(Crash):

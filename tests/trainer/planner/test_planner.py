@@ -7,12 +7,12 @@ import time
 import numpy as np
 import pytest
 
-from trainer.planner.enumerate import Constraint, enumerate_options
-from trainer.planner.estimate import estimate
-from trainer.planner.inputs import TableSpec, Topology, parse_bytes
-from trainer.planner.planner import plan_tables, round_robin
-from trainer.planner.render import render
-from trainer.sharding.plan import (COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE, PlanError,
+from neorec.trainer.planner.enumerate import Constraint, enumerate_options
+from neorec.trainer.planner.estimate import estimate
+from neorec.trainer.planner.inputs import TableSpec, Topology, parse_bytes
+from neorec.trainer.planner.planner import plan_tables, round_robin
+from neorec.trainer.planner.render import render
+from neorec.trainer.sharding.plan import (COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE, PlanError,
                                    Shard, ShardingPlan, TableSharding)
 
 GIB = 2**30

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.trainer.spawn import run_ranks
-from trainer.sharding.collectives import WHOLE_TENSOR_ALL_TO_ALL_BYTES, all_gather, start_sum
+from neorec.trainer.sharding.collectives import WHOLE_TENSOR_ALL_TO_ALL_BYTES, all_gather, start_sum
 
 SMALL = (3, 5)
 LARGE = (WHOLE_TENSOR_ALL_TO_ALL_BYTES // 4 // 2 + 1,)  # over the limit even for 2 ranks

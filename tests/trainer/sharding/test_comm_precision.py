@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ingest.schema import Dataset
+from neorec.ingest.schema import Dataset
 from tests.trainer.sharding.test_sharded_training import BATCH, STEPS, config_for, run_sharded_steps
 from tests.trainer.spawn import run_ranks
-from trainer.config import ConfigError, TrainConfig
-from trainer.sharding.comm_precision import CommPrecision, decode, encode, sum_in
+from neorec.trainer.config import ConfigError, TrainConfig
+from neorec.trainer.sharding.comm_precision import CommPrecision, decode, encode, sum_in
 
 RELATIVE = {"fp16": 5e-3, "bf16": 1e-2}
 

@@ -3,7 +3,7 @@
 import numpy as np
 
 from tests.trainer.spawn import run_ranks
-from trainer.distributed import DistributedContext, check_same_steps, gather_arrays, global_sum
+from neorec.trainer.distributed import DistributedContext, check_same_steps, gather_arrays, global_sum
 
 
 def collectives(rank: int, world: int) -> dict:

@@ -10,10 +10,10 @@ import torch
 from tests.trainer.reference import random_kjt
 from tests.trainer.sharding.test_sharded_embedding import BATCH, TABLES, plan_of
 from tests.trainer.spawn import run_ranks
-from trainer.embedding_config import SparseOptimizer
-from trainer.sharding.input_pipeline import InputPipeline
-from trainer.sharding.plan import COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE
-from trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection
+from neorec.trainer.embedding.config import SparseOptimizer
+from neorec.trainer.sharding.input_pipeline import InputPipeline
+from neorec.trainer.sharding.plan import COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE
+from neorec.trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 
 
 def _module(world: int) -> ShardedEmbeddingBagCollection:

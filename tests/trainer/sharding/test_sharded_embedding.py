@@ -15,12 +15,12 @@ import torch
 
 from tests.trainer.reference import concat_kjts, random_kjt
 from tests.trainer.spawn import run_ranks
-from trainer.batch import KeyedJaggedTensor
-from trainer.embedding_config import SparseOptimizer, TableConfig
-from trainer.fused_embedding import FusedEmbeddingBagCollection
-from trainer.sharding.plan import (COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE, Shard,
+from neorec.trainer.batch import KeyedJaggedTensor
+from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
+from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
+from neorec.trainer.sharding.plan import (COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE, Shard,
                                    ShardingPlan, TableSharding, split_evenly)
-from trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection
+from neorec.trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 
 TABLES = [
     TableConfig("a", 50, 8, ("a1", "a2")),

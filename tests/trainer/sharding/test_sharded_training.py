@@ -8,17 +8,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ingest.reader import InProcessReader, ReaderConfig
-from ingest.schema import Dataset
+from neorec.ingest.reader import InProcessReader, ReaderConfig
+from neorec.ingest.schema import Dataset
 from tests.trainer.reference import concat_kjts
 from tests.trainer.spawn import run_ranks
-from trainer.batch import Batch
-from trainer.build import build_model, decode_options, dense_optimizer
-from trainer.config import TrainConfig
-from trainer.distributed import DistributedContext, wrap_data_parallel
-from trainer.model import DLRM
-from trainer.planner.from_config import plan_for_config
-from trainer.train import train_step
+from neorec.trainer.batch import Batch
+from neorec.trainer.run.build import build_model, decode_options, dense_optimizer
+from neorec.trainer.config import TrainConfig
+from neorec.trainer.distributed import DistributedContext, wrap_data_parallel
+from neorec.trainer.model import DLRM
+from neorec.trainer.planner.from_config import plan_for_config
+from neorec.trainer.run.step import train_step
 
 BATCH = 64
 STEPS = 4

@@ -24,27 +24,28 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from ingest.schema import Dataset
-from trainer import run_dir as run_directory
-from trainer.affinity import pin_rank
-from trainer.batch import Batch, DistributedSparse
-from trainer.build import (build_model, decode_options, dense_optimizer, sparse_optimizer, store_settings,
+from neorec.ingest.schema import Dataset
+from neorec.trainer.run import run_dir as run_directory
+from neorec.trainer.run.affinity import pin_rank
+from neorec.trainer.batch import Batch, DistributedSparse
+from neorec.trainer.run.build import (build_model, decode_options, dense_optimizer, sparse_optimizer, store_settings,
                            table_configs)
-from trainer.checkpoint import restore_store_tables
-from trainer.checkpoint.checkpointer import Checkpointer, check_resumable
-from trainer.checkpoint.restore import choose, load_dense, restore_embeddings
-from trainer.config import TrainConfig
-from trainer.distributed import DistributedContext, check_same_steps, gather_arrays, global_sum, wrap_data_parallel
-from trainer.metrics import MetricsLog, evaluate
-from trainer.model import DLRM
-from trainer.planner.from_config import job_plan
-from trainer.prefetch import Prefetcher
-from trainer.sharding.input_pipeline import InputPipeline
-from trainer.sharding.sharded_embedding import PreparedSparse
-from trainer.train import (ProgressFn, StepReport, batches, check_dense_transform, check_splits, eval_reader_config, make_reader,
-                           set_threads, train_reader_config, train_step)
-from trainer.store_backed import StoreBackedEmbeddings, StorePiece, store_of
-from trainer.warmup import compile_kernels
+from neorec.trainer.checkpoint import restore_store_tables
+from neorec.trainer.checkpoint.checkpointer import Checkpointer, check_resumable
+from neorec.trainer.checkpoint.restore import choose, load_dense, restore_embeddings
+from neorec.trainer.config import TrainConfig
+from neorec.trainer.distributed import DistributedContext, check_same_steps, gather_arrays, global_sum, wrap_data_parallel
+from neorec.trainer.run.metrics import MetricsLog, evaluate
+from neorec.trainer.model import DLRM
+from neorec.trainer.planner.from_config import job_plan
+from neorec.trainer.run.background import Prefetcher
+from neorec.trainer.sharding.input_pipeline import InputPipeline
+from neorec.trainer.sharding.sharded_embedding import PreparedSparse
+from neorec.trainer.run.readers import (batches, check_dense_transform, check_splits, eval_reader_config, make_reader,
+                                         train_reader_config)
+from neorec.trainer.run.step import ProgressFn, StepReport, set_threads, train_step
+from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StorePiece, store_of
+from neorec.trainer.run.warmup import compile_kernels
 
 
 @dataclass
@@ -74,7 +75,7 @@ class LoopState:
 
 
 class TrainingRun:
-    """A training run of ``config`` on this rank (see :func:`trainer.train.train`)."""
+    """A training run of ``config`` on this rank (see :func:`neorec.trainer.run.train.train`)."""
 
     def __init__(self, config: TrainConfig, context: DistributedContext, overwrite: bool = False,
                  resume: bool = False) -> None:

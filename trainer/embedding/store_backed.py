@@ -27,17 +27,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from embedding_store.cache import SetAssociativeCache
-from embedding_store.segments import TierStats
-from embedding_store.initial import initial_rows
-from trainer.batch import KeyedJaggedTensor
-from trainer.embedding_config import SparseOptimizer, TableConfig
-from trainer.fused_embedding import FusedEmbeddingBagCollection, ShardView, initial_table_weight
+from neorec.embedding_store.cache import SetAssociativeCache
+from neorec.embedding_store.segments import TierStats
+from neorec.embedding_store.initial import initial_rows
+from neorec.trainer.batch import KeyedJaggedTensor
+from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
+from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection, ShardView, initial_table_weight
 
 
 class Tier(Protocol):
     """Where a store table's rows live below the cache: the SSD tier in this process
-    (:class:`embedding_store.segments.SegmentTier`) or a store service's (its client)."""
+    (:class:`neorec.embedding_store.segments.SegmentTier`) or a store service's (its client)."""
 
     def read(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
 

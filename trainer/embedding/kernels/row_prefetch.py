@@ -1,11 +1,11 @@
-"""Prefetching an embedding row for the fused kernels (see :mod:`ingest.prefetch`)."""
+"""Prefetching an embedding row for the fused kernels (see :mod:`neorec.common.cache_prefetch`)."""
 
 from __future__ import annotations
 
 import numba
 
-from ingest.prefetch import prefetch
-from trainer.kernels.precision import FP32
+from neorec.common.cache_prefetch import prefetch
+from neorec.trainer.embedding.kernels.precision import FP32
 
 
 @numba.njit(inline="always")

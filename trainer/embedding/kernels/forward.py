@@ -10,8 +10,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from trainer.kernels.precision import FP32, decode
-from trainer.kernels.prefetch import prefetch_row
+from neorec.trainer.embedding.kernels.precision import FP32, decode
+from neorec.trainer.embedding.kernels.row_prefetch import prefetch_row
 
 PREFETCH_IDS = 16
 """How many ids ahead the forward prefetches rows."""

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from trainer.batch import KeyedJaggedTensor
-from trainer.embedding_config import SparseOptimizer, TableConfig
-from trainer.fused_embedding import FusedEmbeddingBagCollection
-from trainer.sharding.input_dist import SparseAllToAll
-from trainer.sharding.layout import ShardedLayout
-from trainer.sharding.plan import ROW_WISE, Shard, ShardingPlan, TableSharding
+from neorec.trainer.batch import KeyedJaggedTensor
+from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
+from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
+from neorec.trainer.sharding.input_dist import SparseAllToAll
+from neorec.trainer.sharding.layout import ShardedLayout
+from neorec.trainer.sharding.plan import ROW_WISE, Shard, ShardingPlan, TableSharding
 
 
 def compile_kernels() -> None:

@@ -18,9 +18,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from trainer.kernels.precision import FP32, decode, encode_row
-from ingest.prefetch import prefetch
-from trainer.kernels.prefetch import prefetch_row
+from neorec.trainer.embedding.kernels.precision import FP32, decode, encode_row
+from neorec.common.cache_prefetch import prefetch
+from neorec.trainer.embedding.kernels.row_prefetch import prefetch_row
 
 SGD = 0
 ADAGRAD = 1

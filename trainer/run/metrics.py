@@ -9,9 +9,9 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from ingest.metrics import binary_metrics
-from trainer.batch import Batch
-from trainer.run_dir import RunDirError, describe
+from neorec.ingest.metrics import binary_metrics
+from neorec.trainer.batch import Batch
+from neorec.trainer.run.run_dir import RunDirError, describe
 
 
 class MetricsLog:

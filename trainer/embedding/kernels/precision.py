@@ -8,7 +8,7 @@ stochastic: away from zero with probability equal to the remainder's fraction of
 between the two half values around it, from a hash of ``(seed, step, element)`` so the
 result does not depend on the thread count. A value whose nearest half is infinite stays
 infinite, and stochastic rounding never rounds up to infinity, as
-:func:`trainer.kernels.torch_ops._round` does.
+:func:`neorec.trainer.embedding.kernels.torch_ops._round` does.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ingest.hashing import GOLDEN, MIX1, MIX2, SALT, mix64_jit
+from neorec.common.hashing import GOLDEN, MIX1, MIX2, SALT, mix64_jit
 
 FP32 = 0
 FP16 = 1
@@ -150,7 +150,7 @@ def encode_row(row, bits, dim, precision, seed, step, first_element, noise_bits)
 
 @numba.njit(inline="always")
 def noise_bits_of(seed: int, step: int, element: int) -> np.uint64:
-    """53 uniform random bits from ``(seed, step, element)``: :func:`ingest.hashing.mix64`
+    """53 uniform random bits from ``(seed, step, element)``: :func:`neorec.common.hashing.mix64`
     of a linear combination of the three."""
     z = np.uint64(seed) * np.uint64(GOLDEN) + np.uint64(step) * np.uint64(MIX1)
     z = z + np.uint64(element) * np.uint64(MIX2) + np.uint64(SALT)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ingest.hashing import GOLDEN, MIX1, MIX2, SALT, mix64_int64, signed
-from trainer.embedding_config import SparseOptimizer
+from neorec.common.hashing import GOLDEN, MIX1, MIX2, SALT, mix64_int64, signed
+from neorec.trainer.embedding.config import SparseOptimizer
 
 @dataclass
 class TorchLookup:
@@ -163,6 +163,6 @@ def _from_bits(magnitude: torch.Tensor, sign_of: torch.Tensor, dtype: torch.dtyp
 
 def _uniform_noise(seed: int, step: int, element: torch.Tensor) -> torch.Tensor:
     """float64 uniform [0, 1): splitmix64 of ``(seed, step, element)`` as
-    :func:`trainer.kernels.precision.noise_bits_of` over 2**53, in int64 (wrapping) arithmetic."""
+    :func:`neorec.trainer.embedding.kernels.precision.noise_bits_of` over 2**53, in int64 (wrapping) arithmetic."""
     z = mix64_int64(signed(seed * GOLDEN + step * MIX1 + SALT) + element * signed(MIX2))
     return ((z >> 11) & ((1 << 53) - 1)).double() * (1.0 / 9007199254740992.0)

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import torch
 
-from embedding_store.segments import SegmentTier
-from ingest.decoder import DecodeOptions
-from ingest.schema import Dataset, DatasetSchema
-from trainer.config import TrainConfig
-from trainer.embedding_config import SparseOptimizer, TableConfig
-from trainer.fused_embedding import FusedEmbeddingBagCollection
-from trainer.model import DLRM
-from trainer.sharding.plan import ShardingPlan
-from trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection
-from trainer.store_backed import StoreBackedEmbeddings, StoreSettings
+from neorec.embedding_store.segments import SegmentTier
+from neorec.ingest.decoder import DecodeOptions
+from neorec.ingest.schema import Dataset, DatasetSchema
+from neorec.trainer.config import TrainConfig
+from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
+from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
+from neorec.trainer.model import DLRM
+from neorec.trainer.sharding.plan import ShardingPlan
+from neorec.trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection
+from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StoreSettings
 
 
 def table_configs(schema: DatasetSchema, config: TrainConfig) -> list[TableConfig]:
@@ -62,7 +62,7 @@ def store_settings(config: TrainConfig, directory: Path, reset: bool) -> StoreSe
     service it names), emptied first when ``reset`` (a fresh run)."""
     store = config.embedding_store
     if store.service:
-        from embedding_store.client import StoreClient
+        from neorec.embedding_store.client import StoreClient
 
         client = StoreClient(store.service, tls_ca=config.security.tls_ca, token_file=config.security.token_file)
         open_tier = partial(client.open_tier, reset=reset)

@@ -17,15 +17,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from embedding_store.initial import initial_block
-from trainer.batch import KeyedJaggedTensor
-from trainer.embedding_config import SparseOptimizer, TableConfig
-from trainer.kernels import backward as backward_kernels
-from trainer.kernels import torch_ops
-from trainer.kernels.forward import bags_per_job, pooled_forward
-from trainer.kernels.precision import FP32, PRECISIONS
-from trainer.memory import huge_page_empty
-from trainer.offsets import exclusive_cumsum
+from neorec.embedding_store.initial import initial_block
+from neorec.trainer.batch import KeyedJaggedTensor
+from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
+from neorec.trainer.embedding.kernels import backward as backward_kernels
+from neorec.trainer.embedding.kernels import torch_ops
+from neorec.trainer.embedding.kernels.forward import bags_per_job, pooled_forward
+from neorec.trainer.embedding.kernels.precision import FP32, PRECISIONS
+from neorec.trainer.embedding.memory import huge_page_empty
+from neorec.common.offsets import exclusive_cumsum
 
 _STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -389,7 +389,7 @@ def initial_table_weight(table_index: int, rows: int, dim: int, seed: int, row_o
     """float32 ``[shard_rows, cols]``: rows ``[row_offset, row_offset + shard_rows)`` (default:
     all ``rows``) and ``columns`` of table number ``table_index`` as they start, uniform in
     ``±sqrt(1 / rows)`` (DLRM's init), each element a pure function of (seed, table, row,
-    column) (:func:`embedding_store.initial.initial_rows`): a shard, or a row a store tier
+    column) (:func:`neorec.embedding_store.initial.initial_rows`): a shard, or a row a store tier
     reads for the first time, starts where the whole table in memory would."""
     count = rows - row_offset if shard_rows is None else shard_rows
     return torch.from_numpy(initial_block(seed, table_index, row_offset, count, rows, dim, columns))

@@ -1,0 +1,1 @@
+"""Helpers every package uses: hashing, offsets, the CPU prefetch intrinsic, transport security."""

@@ -1,0 +1,74 @@
+"""One training step, the report handed to the progress callback after it, and the thread
+settings the step runs with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numba
+import pyarrow
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from neorec.trainer.batch import Batch
+from neorec.trainer.distributed import SINGLE_PROCESS, DistributedContext, global_sum
+from neorec.trainer.model import DLRM
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """Handed to the progress callback after every step."""
+
+    global_step: int
+    epoch: int
+    loss: float
+    """The step's mean loss (sharded runs: estimated from rank 0's samples alone)."""
+    qps: float
+    total_steps: int
+    input_wait_frac: float = 0.0
+    """Of the training time so far (completed epochs), the share spent waiting for batches."""
+    last_checkpoint: str = ""
+    """The newest checkpoint committed ("" before the first)."""
+
+
+ProgressFn = Callable[[StepReport], None]
+
+
+def set_threads(threads: int, ranks_on_host: int = 1) -> int:
+    """Use ``threads`` threads in torch, the Numba kernels and Arrow's decoding (0: the
+    host's cores shared by its ``ranks_on_host`` ranks); returns it."""
+    cores = numba.config.NUMBA_NUM_THREADS
+    count = max(1, cores // ranks_on_host) if threads == 0 else min(threads, cores)
+    torch.set_num_threads(count)
+    numba.set_num_threads(count)
+    pyarrow.set_cpu_count(count)
+    return count
+
+
+def train_step(model: DLRM | DistributedDataParallel, optimizer: torch.optim.Optimizer, batch: Batch,
+               context: DistributedContext = SINGLE_PROCESS, full_batches: bool = False) -> torch.Tensor:
+    """One step: forward, BCE loss, backward (which also updates the embeddings), dense
+    optimizer step. Returns this rank's share of the loss (a scalar tensor; the shares of
+    all ranks sum to the mean loss over the valid samples of the global batch).
+
+    ``full_batches``: every rank's batch is known to be all valid samples (no padding), so a
+    sharded step needs no all-reduce of the valid count.
+    """
+    logits = model(batch)
+    valid = batch.num_valid
+    if context.distributed:
+        loss = F.binary_cross_entropy_with_logits(logits[:valid], batch.labels[:valid], reduction="sum")
+        if full_batches:
+            if valid != batch.batch_size:
+                raise AssertionError(f"a padded batch ({valid} of {batch.batch_size} valid) where none was planned")
+            loss = loss / (batch.batch_size * context.world_size)
+        else:
+            loss = loss / global_sum(context, [float(valid)])[0]
+    else:
+        loss = F.binary_cross_entropy_with_logits(logits[:valid], batch.labels[:valid])
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()

@@ -1,0 +1,80 @@
+"""The training and evaluation entry points."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from neorec.ingest.schema import Dataset
+from neorec.trainer import checkpoint
+from neorec.trainer.checkpoint.layout import best_checkpoint
+from neorec.trainer.config import DEFAULT_CACHE_FRACTION, TrainConfig
+from neorec.trainer.distributed import SINGLE_PROCESS, DistributedContext, explain_collective_failure
+from neorec.trainer.embedding.store_backed import store_of
+from neorec.trainer.planner.from_config import plan_for_config
+from neorec.trainer.run.build import build_model, decode_options, store_settings
+from neorec.trainer.run.loop import TrainingRun
+from neorec.trainer.run.metrics import evaluate
+from neorec.trainer.run.readers import batches, eval_reader_config, make_reader
+from neorec.trainer.run.step import ProgressFn, set_threads
+
+
+def train(config: TrainConfig, progress: ProgressFn | None = None, context: DistributedContext = SINGLE_PROCESS,
+          overwrite: bool = False, resume: bool = False) -> dict[str, Any]:
+    """Train as ``config`` says and write the run directory; returns the summary.
+
+    With a distributed ``context`` every rank calls this: the tables are sharded as the
+    planner (and ``config.sharding``) says, the MLPs are data parallel, each rank reads its
+    share of every epoch, and rank 0 writes the run directory. Its summary's counts and
+    rates are global. A run directory that holds another run is refused unless
+    ``overwrite``; ``resume`` continues the run in it from its newest complete checkpoint
+    (same epoch, step, next batch and RNG). A collective that fails because a rank went
+    silent raises :class:`~neorec.trainer.distributed.RankSilentError` naming it.
+    """
+    try:
+        run = TrainingRun(config, context, overwrite=overwrite, resume=resume)
+        return run.run(progress)
+    except RuntimeError as err:
+        if context.distributed:
+            raise explain_collective_failure(context, err) from err.__cause__
+        raise
+
+
+def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None = None,
+                        best: bool = False) -> dict[str, float]:
+    """Metrics of a saved model on the eval split: the config saved with the checkpoint
+    unless ``config`` is given. ``checkpoint_dir``: a run directory, its checkpoints
+    directory, or one checkpoint; ``best``: the run's best checkpoint (``keep_best``)."""
+    root, named = checkpoint.checkpoints_root(checkpoint_dir)
+    name = None if named is None else named.name
+    if best:
+        name = best_checkpoint(root)
+        if name is None:
+            raise checkpoint.CheckpointError(f"{root} has no best checkpoint (train with checkpoint.keep_best = true)")
+    restorable = checkpoint.open_checkpoint(root, name)
+    if config is None:
+        config = TrainConfig.from_dict(restorable.manifest.config)
+    set_threads(config.train.threads)
+    dataset = Dataset.load(config.data.path)
+    on_store = {entry.table for entry in restorable.manifest.store}
+    with tempfile.TemporaryDirectory(prefix="neorec-eval-store-") as store_dir:
+        plan = None
+        if on_store:  # the same tables on the store, their tiers here, linked from the checkpoint
+            fraction = config.embedding_store.cache_fraction or DEFAULT_CACHE_FRACTION
+            config = replace(config, embedding_store=replace(
+                config.embedding_store, tables={t: config.embedding_store.tables.get(t, fraction) for t in on_store},
+                service=""))
+            plan = plan_for_config(dataset, config, 1).plan
+        model = build_model(dataset, config, plan, store=store_settings(config, Path(store_dir), reset=True))
+        checkpoint.restore_model(restorable, model)
+        reader = make_reader(dataset, config.data.eval_split, decode_options(dataset.schema, config),
+                             eval_reader_config(config), config)
+        try:
+            return evaluate(model, batches(reader, 0))
+        finally:
+            reader.close()
+            store = store_of(model.embeddings)
+            if store is not None:
+                store.close(write_back=False)
