@@ -28,6 +28,8 @@ from typing import Any, Callable, Protocol, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from neorec.common.errors import UserError
+
 log = logging.getLogger(__name__)
 
 SIGNAL_POLL_S = 0.2
@@ -44,7 +46,7 @@ HEALTH_SERVICE_PREFIX = "/grpc.health.v1.Health/"
 _AUTHORIZATION = "authorization"
 
 
-class EndpointError(OSError):
+class EndpointError(UserError, OSError):
     """A service cannot bind where it was asked to, or is configured unsafely."""
 
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from neorec.common.errors import UserError
+
 MAGIC = b"NSG1"
 HEADER = struct.Struct("<4sIQI")
 """magic, row bytes, row count, CRC-32 of ids and rows."""
@@ -43,7 +45,7 @@ NEVER = 0
 SEGMENT_NAME = re.compile(r"\d{8,}\.seg")
 
 
-class SegmentError(RuntimeError):
+class SegmentError(UserError, RuntimeError):
     """A segment file is corrupt or truncated; the message names it."""
 
 

@@ -33,6 +33,7 @@ from typing import Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from neorec.common.errors import UserError
 from neorec.ingest.batch import HostBatch
 from neorec.ingest.decoder import DecodeOptions
 from neorec.ingest.fingerprint import fingerprint
@@ -62,7 +63,7 @@ _TICK_S = 0.1
 """How often the watchdog looks at the open streams."""
 
 
-class IngestError(RuntimeError):
+class IngestError(UserError, RuntimeError):
     """The reader services cannot deliver the planned batches."""
 
 

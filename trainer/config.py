@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from neorec.common.errors import UserError
 from neorec.ingest.client import COMPRESSIONS, check_address
 from neorec.ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
 from neorec.ingest.plan import REMAINDER_POLICIES, SHUFFLE_MODES
@@ -23,7 +24,7 @@ DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "numba", "torch")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value is missing, unknown or invalid; the message names the key."""
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from neorec.common.errors import UserError
 from neorec.embedding_store.segments import SegmentError, read_segments
 
 FORMAT = "neorec-checkpoint/2"
@@ -37,7 +38,7 @@ DENSE_FILE = "dense.pt"
 PREFIX = "step-"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint cannot be restored: missing, incomplete, corrupt (the message names the
     file), or made for another model."""
 
@@ -230,8 +231,11 @@ def complete(root: Path) -> list[Path]:
 
 def checkpoints_root(path: str | Path) -> tuple[Path, Path | None]:
     """``(root, checkpoint)`` for a run directory, a checkpoints directory or one
-    checkpoint's directory (``checkpoint`` is None unless one was named)."""
+    checkpoint's directory (``checkpoint`` is None unless one was named);
+    :class:`CheckpointError` when ``path`` is not a directory."""
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory (a run directory, its checkpoint directory or a checkpoint)")
     if (path / MANIFEST).is_file() or path.name.startswith(PREFIX):
         return path.parent, path
     if (path / "checkpoint").is_dir():

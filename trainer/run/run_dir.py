@@ -19,6 +19,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from neorec.common.errors import UserError
+
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
@@ -30,7 +32,7 @@ RUN_FILES = (CONFIG, METRICS, SUMMARY, PLAN, CHECKPOINTS, STORE)
 """What a run writes; ``overwrite`` removes these and nothing else."""
 
 
-class RunDirError(OSError):
+class RunDirError(UserError, OSError):
     """The run directory cannot be used as asked."""
 
 
