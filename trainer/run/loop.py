@@ -13,6 +13,7 @@ never stopped.
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -232,8 +233,10 @@ class TrainingRun:
 
     def _improved(self, metrics: dict[str, float]) -> bool:
         """Whether ``metrics`` beat the best eval AUC so far, when ``checkpoint.keep_best``
-        asks for its checkpoint (every rank has the same global metrics)."""
-        if not self.config.checkpoint.keep_best or metrics["auc"] <= self.state.best_auc:
+        asks for its checkpoint (every rank has the same global metrics). A NaN AUC (an
+        eval split of one class) is never the best."""
+        auc = metrics["auc"]
+        if not self.config.checkpoint.keep_best or not math.isfinite(auc) or auc <= self.state.best_auc:
             return False
         self.state.best_auc = metrics["auc"]
         return True
