@@ -60,7 +60,13 @@ class LoopState:
     global_step: int = 0
     samples: int = 0
     train_seconds: float = 0.0
+    """Time spent training (the logged intervals' time, less evaluations and checkpoint
+    stalls in them)."""
     wait_seconds: float = 0.0
+    eval_seconds: float = 0.0
+    checkpoint_seconds: float = 0.0
+    """Time the loop stood still for checkpoints (snapshot, write-back; a synchronous
+    save's write)."""
     interval_loss_shares: float = 0.0
     """This rank's loss shares of the steps since the last log line."""
     interval_steps: int = 0
@@ -172,8 +178,9 @@ class TrainingRun:
     def _epoch(self, progress: ProgressFn | None) -> None:
         state, context = self.state, self.context
         steps = min(self.steps_per_epoch - state.step_in_epoch, self.total_steps - state.global_step)
-        if steps <= 0:
-            return  # resumed at the end of the epoch: only its evaluation is left
+        if steps <= 0:  # resumed at the end of the epoch: its last interval's line and evaluation are left
+            self._log_interval(_Interval(context, state))
+            return
         source: Prefetcher | None
         if self.early is not None:  # the first epoch of a fresh run, already being read
             source, self.early = self.early, None
@@ -204,8 +211,7 @@ class TrainingRun:
                                         committed.name if committed else ""))
                 time_due = False
                 if state.global_step % self.config.train.log_every == 0 or state.global_step == self.total_steps:
-                    report, time_due = interval.close(self.checkpointer.due_by_time())
-                    self.log.write({"split": "train", "step": state.global_step, "epoch": state.epoch, **report})
+                    time_due = self._log_interval(interval, self.checkpointer.due_by_time())
                     interval = _Interval(context, state)
                 best = False
                 if self.config.train.eval_every and state.global_step % self.config.train.eval_every == 0:
@@ -216,17 +222,26 @@ class TrainingRun:
                     self._checkpoint(interval, best=best)
                 if last:
                     break
-            interval.close(False)
+            self._log_interval(interval)  # the epoch's last, partial interval
         finally:
             if source is not None:
                 state.wait_seconds += source.wait_seconds
                 source.close()
+
+    def _log_interval(self, interval: "_Interval", checkpoint_due: bool = False) -> bool:
+        """Close ``interval`` and write its line (none for an interval without steps, the
+        same on every rank); returns whether any rank's checkpoint is due by time."""
+        report, due = interval.close(checkpoint_due)
+        if report["steps"]:
+            self.log.write({"split": "train", "step": self.state.global_step, "epoch": self.state.epoch, **report})
+        return due
 
     def _evaluate(self) -> dict[str, float]:
         started = time.perf_counter()
         metrics = evaluate(self.model, batches(self.eval_reader, 0, device=self.context.device),
                            partial(gather_arrays, self.context))
         seconds = time.perf_counter() - started
+        self.state.eval_seconds += seconds
         self.log.write({"split": "eval", "step": self.state.global_step, "epoch": self.state.epoch,
                         "loss": metrics["logloss"], "qps": metrics["rows"] / seconds if seconds else 0.0, **metrics})
         return metrics
@@ -248,6 +263,8 @@ class TrainingRun:
             "train_samples": state.samples,
             "train_qps": state.samples / state.train_seconds if state.train_seconds else 0.0,
             "input_wait_frac": state.wait_seconds / state.train_seconds if state.train_seconds else 0.0,
+            "train_s": state.train_seconds,
+            "eval_s": state.eval_seconds,
             **{f"eval_{k}": v for k, v in state.eval_metrics.items()},
         }
         oracle = self.dataset.oracle
@@ -256,8 +273,8 @@ class TrainingRun:
                            oracle_ne=oracle.get("eval_ne"))
         if self.plan is not None:
             summary["world_size"] = self.context.world_size
-        if self.checkpointer.stall_seconds:
-            summary["checkpoint_stall_s"] = sum(self.checkpointer.stall_seconds)
+        if state.checkpoint_seconds:
+            summary["checkpoint_stall_s"] = state.checkpoint_seconds
         if self.store is not None:
             summary["store"] = self.store_report
         if self.context.is_main:
@@ -291,6 +308,7 @@ class TrainingRun:
 
     def _checkpoint(self, interval: "_Interval | None" = None, wait: bool = False, best: bool = False) -> None:
         state = self.state
+        started = time.perf_counter()
         if interval is not None:
             interval.store()
         dense = None
@@ -301,6 +319,7 @@ class TrainingRun:
                      "state": asdict(state), "metrics_bytes": self.log.size()}
         self.checkpointer.save(global_step=state.global_step, epoch=state.epoch, step_in_epoch=state.step_in_epoch,
                                dense=dense, wait=wait, best=best)
+        state.checkpoint_seconds += time.perf_counter() - started
 
     def _restore(self) -> None:
         """Continue from the newest complete checkpoint of the run directory."""
@@ -338,6 +357,8 @@ class _Interval:
         self.context = context
         self.state = state
         self.started = time.perf_counter()
+        self.eval_before = state.eval_seconds
+        self.checkpoint_before = state.checkpoint_seconds
         self.loss_shares = state.interval_loss_shares
         self.steps = state.interval_steps
         self.samples = state.interval_samples
@@ -348,10 +369,19 @@ class _Interval:
         self.steps += 1
         self.samples += samples
 
+    def paused(self) -> tuple[float, float]:
+        """Seconds of evaluation and of checkpoint stalls since the interval began."""
+        return self.state.eval_seconds - self.eval_before, self.state.checkpoint_seconds - self.checkpoint_before
+
+    def seconds(self) -> float:
+        """Training time since the interval began: its evaluations and checkpoint stalls
+        are not counted."""
+        return max(time.perf_counter() - self.started - sum(self.paused()), 0.0)
+
     def qps(self) -> float:
-        """This rank's samples per second times the world size (a rank's view, no
-        communication)."""
-        elapsed = time.perf_counter() - self.started
+        """This rank's samples per second of training time times the world size (a rank's
+        view, no communication)."""
+        elapsed = self.seconds()
         return self.samples * self.context.world_size / elapsed if elapsed else 0.0
 
     def store(self) -> None:
@@ -382,19 +412,24 @@ class _Interval:
         state.interval_loss_shares, state.interval_samples = shares, int(samples)
 
     def close(self, checkpoint_due: bool) -> tuple[dict[str, float], bool]:
-        """``loss`` (mean over the steps of the global batch's mean loss), global ``samples``,
-        ``qps`` and ``seconds`` (added to the loop state, whose accumulators are reset), and
-        whether any rank's ``checkpoint_due``: one all-reduce over the ranks."""
-        seconds = time.perf_counter() - self.started
+        """``loss`` (mean over the steps of the global batch's mean loss), ``steps``, global
+        ``samples``, ``qps`` and ``seconds`` of training (added to the loop state, whose
+        accumulators are reset), ``eval_seconds`` and ``checkpoint_seconds`` the interval
+        stood still for, and whether any rank's ``checkpoint_due``: one all-reduce over the
+        ranks."""
+        seconds = self.seconds()
+        eval_seconds, checkpoint_seconds = self.paused()
         loss_sum, samples, due = global_sum(self.context, [self.loss_shares, float(self.samples),
                                                            float(checkpoint_due)])
         state = self.state
-        state.train_seconds += seconds
+        if self.steps:  # an interval without steps (after the last log line) trained nothing
+            state.train_seconds += seconds
         state.samples += int(samples)
         state.interval_loss_shares, state.interval_steps, state.interval_samples = 0.0, 0, 0
         state.interval_by_rank = []
-        return ({"loss": loss_sum / max(self.steps, 1), "qps": samples / seconds if seconds else 0.0,
-                 "samples": int(samples), "seconds": seconds}, due > 0)
+        return ({"loss": loss_sum / max(self.steps, 1), "steps": self.steps,
+                 "qps": samples / seconds if seconds else 0.0, "samples": int(samples), "seconds": seconds,
+                 "eval_seconds": eval_seconds, "checkpoint_seconds": checkpoint_seconds}, due > 0)
 
 
 def _prepared(model: DLRM, epoch_batches: Iterator[Batch], steps: int) -> Iterator[tuple[Batch, PreparedSparse]]:
