@@ -107,6 +107,7 @@ class SegmentTier:
         """Row → (buffer piece, position in it) of rows written since the last flush."""
         self._buffer_bytes = 0
         self.segments: dict[int, Segment] = {}
+        self.closed = False
         for leftover in self.directory.glob("*.seg.tmp"):  # a flush a crash cut short
             leftover.unlink()
         if reset:
@@ -311,13 +312,19 @@ class SegmentTier:
             return TierStats(**vars(self.stats))
 
     def close(self) -> None:
+        """Flush and release the segments' and the index's mappings (a second close does
+        nothing)."""
         with self.lock:
+            if self.closed:
+                return
+            self.closed = True
             self.flush(sync=True)
             for segment in self.segments.values():
                 segment.payload = None
             if self._pool is not None:
                 self._pool.shutdown()
             self.index.flush()
+            del self.index  # the mapping, and the descriptor it holds, go with the last reference
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

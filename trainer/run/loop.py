@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from itertools import islice
@@ -86,6 +87,17 @@ class TrainingRun:
 
     def __init__(self, config: TrainConfig, context: DistributedContext, overwrite: bool = False,
                  resume: bool = False) -> None:
+        self.acquired = ExitStack()
+        """What setting up acquired (reader threads and channels, prefetch threads, store tiers,
+        the metrics file): released in reverse order when setting up fails half-way (a run
+        that starts releases them as it ends)."""
+        try:
+            self._set_up(config, context, overwrite, resume)
+        except BaseException:
+            self.acquired.close()
+            raise
+
+    def _set_up(self, config: TrainConfig, context: DistributedContext, overwrite: bool, resume: bool) -> None:
         loop = config.train
         self.config = config
         self.context = context
@@ -98,8 +110,10 @@ class TrainingRun:
         options = decode_options(self.dataset.schema, config)
         self.train_reader = make_reader(self.dataset, config.data.train_split, options,
                                         train_reader_config(config, context), config)
+        self.acquired.callback(self.train_reader.close)
         self.eval_reader = make_reader(self.dataset, config.data.eval_split, options,
                                        eval_reader_config(config, context), config)
+        self.acquired.callback(self.eval_reader.close)
         check_splits(self.train_reader.plan(0), self.eval_reader.plan(0), config)
         self.run_dir = Path(config.run.dir)
         if context.is_main:
@@ -112,11 +126,14 @@ class TrainingRun:
         """The first epoch's batches, read from before the model exists (a fresh run's)."""
         if loop.prefetch and not context.distributed and not resume:
             self.early = Prefetcher(batches(self.train_reader, 0, 0, context.device), loop.prefetch)
+            self.acquired.callback(self._stop_reading)
         self.plan = job_plan(self.dataset, config, context)
         store_dir = Path(config.embedding_store.dir or self.run_dir / run_directory.STORE)
         self.dlrm = build_model(self.dataset, config, self.plan, store=store_settings(config, store_dir, not resume))
         self.dlrm = self.dlrm.to(context.device)
         self.store = store_of(self.dlrm.embeddings)
+        if self.store is not None:
+            self.acquired.callback(self.store.close, write_back=False)
         self.store_report: dict[str, float] = {}
         """The store's counters once training ended (for the summary)."""
         self.optimizer = dense_optimizer(self.dlrm, config)
@@ -129,6 +146,7 @@ class TrainingRun:
             steps = min(self.steps_per_epoch, self.total_steps)
             self.early = Prefetcher(_prepared(self.dlrm, batches(self.train_reader, 0, 0, context.device), steps),
                                     loop.prefetch)
+            self.acquired.callback(self._stop_reading)
         compile_kernels()  # load the Numba kernels now, not in the first steps
         self.model = wrap_data_parallel(self.dlrm, precision=config.sharding.precision()) \
             if context.distributed else self.dlrm
@@ -138,6 +156,7 @@ class TrainingRun:
                 run_directory.write_json(self.run_dir / run_directory.PLAN, self.plan.to_dict())
         self.log = MetricsLog(self.run_dir / run_directory.METRICS if context.is_main else None,
                               keep_bytes=self.metrics_bytes)
+        self.acquired.callback(self.log.close)
         check_same_steps(context, self.steps_per_epoch, "train")
         check_same_steps(context, self.eval_reader.plan(0).num_batches, "eval")
 
@@ -168,11 +187,8 @@ class TrainingRun:
                 self.store.close(write_back=False)
             raise
         finally:
-            if self.early is not None:
-                self.early.close()
             self.log.close()
-            self.train_reader.close()
-            self.eval_reader.close()
+            self._stop_reading()
         return self._summary()
 
     def _epoch(self, progress: ProgressFn | None) -> None:
@@ -223,10 +239,22 @@ class TrainingRun:
                 if last:
                     break
             self._log_interval(interval)  # the epoch's last, partial interval
+        except BaseException:
+            self.train_reader.close()  # first: the prefetch thread may wait in the reader's stream
+            raise
         finally:
             if source is not None:
                 state.wait_seconds += source.wait_seconds
                 source.close()
+
+    def _stop_reading(self) -> None:
+        """Close the readers, then stop the first epoch's prefetch thread if it still runs (in
+        that order: a thread waiting in a reader's stream returns once the reader is closed)."""
+        self.train_reader.close()
+        self.eval_reader.close()
+        if self.early is not None:
+            self.early.close()
+            self.early = None
 
     def _log_interval(self, interval: "_Interval", checkpoint_due: bool = False) -> bool:
         """Close ``interval`` and write its line (none for an interval without steps, the
