@@ -263,7 +263,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc > 1 and not launched_by_torchrun():
         from neorec.trainer.run.warmup import compile_kernels
 
-        compile_kernels()  # the ranks then load Numba's cache instead of racing to write it
+        compile_kernels(config)  # the ranks then load Numba's cache instead of racing to write it
         flags = (["--overwrite"] if args.overwrite else []) + (["--resume", args.resume] if args.resume else [])
         if args.status_port is not None:
             flags += ["--status-port", str(args.status_port), "--status-host", args.status_host]

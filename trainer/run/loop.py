@@ -147,7 +147,7 @@ class TrainingRun:
             self.early = Prefetcher(_prepared(self.dlrm, batches(self.train_reader, 0, 0, context.device), steps),
                                     loop.prefetch)
             self.acquired.callback(self._stop_reading)
-        compile_kernels()  # load the Numba kernels now, not in the first steps
+        compile_kernels(config)  # load the Numba kernels now, not in the first steps
         self.model = wrap_data_parallel(self.dlrm, precision=config.sharding.precision()) \
             if context.distributed else self.dlrm
         if context.is_main:
