@@ -40,3 +40,25 @@ def test_every_public_name_is_documented_and_resolves():
     for name in neorec.__all__:
         assert f"`{name}`" in page, f"docs/api.md does not document neorec.{name}"
         assert getattr(neorec, name) is not None
+
+
+def _config_rows(page: str, section: str) -> dict[str, str]:
+    """Key → default cell of the table of ``section`` in docs/configuration.md."""
+    block = re.search(rf"<!-- config:{section} -->\n(.*?)<!-- /config:{section} -->", page, flags=re.S)
+    assert block, f"docs/configuration.md has no table of [{section}]"
+    rows = re.findall(r"^\| `([^`]+)` \| [^|]+ \| `([^`]*)` \|", block.group(1), flags=re.M)
+    return dict(rows)
+
+
+def test_the_configuration_page_names_every_key_with_its_default():
+    import tomllib
+
+    from neorec.trainer.config import TrainConfig
+
+    page = (DOCS / "configuration.md").read_text()
+    for section, defaults in TrainConfig().to_dict().items():
+        rows = _config_rows(page, section)
+        assert sorted(rows) == sorted(defaults), f"[{section}]: the page's keys differ from the config's " \
+                                                 f"(python scripts/config_reference.py rewrites the tables)"
+        for key, default in defaults.items():
+            assert tomllib.loads(f"v = {rows[key]}")["v"] == default, f"{section}.{key}: the page says {rows[key]}"
