@@ -62,3 +62,49 @@ def test_the_configuration_page_names_every_key_with_its_default():
                                                  f"(python scripts/config_reference.py rewrites the tables)"
         for key, default in defaults.items():
             assert tomllib.loads(f"v = {rows[key]}")["v"] == default, f"{section}.{key}: the page says {rows[key]}"
+
+
+PACKAGE_FOLDERS = ("common", "protos", "ingest", "trainer", "embedding_store", "orchestration", "benchmarks", "neorec")
+
+
+def _links(page: Path) -> list[str]:
+    """The targets of a Markdown page's inline links."""
+    return re.findall(r"\]\(([^)\s]+)\)", page.read_text())
+
+
+def test_the_architecture_page_links_every_module():
+    """A reader finds any part of the code from the architecture page in one hop."""
+    page = DOCS / "architecture.md"
+    linked = {(page.parent / target).resolve() for target in _links(page) if not target.startswith(("http", "#"))}
+    modules = [p for folder in PACKAGE_FOLDERS for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts
+               and (p.name != "__init__.py" or folder in ("benchmarks", "neorec"))]
+    assert len(modules) > 100
+    unlisted = sorted(str(p.relative_to(ROOT)) for p in modules if p.resolve() not in linked)
+    assert unlisted == [], "modules the architecture page does not link (add a row to docs/architecture.md)"
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+# pages written alongside these; a link to one of them is checked once it exists
+PAGES_IN_PROGRESS = {"guarantees.md", "multinode.md", "continuous.md", "dynamic-tables.md"}
+
+
+def test_the_links_of_the_readme_and_docs_resolve():
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in _links(page):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
+            if not resolved.exists():
+                if not (resolved.parent == DOCS and resolved.name in PAGES_IN_PROGRESS):
+                    broken.append(f"{page.relative_to(ROOT)}: {target}")
+            elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert broken == []
