@@ -3,6 +3,7 @@ every key with its default, its architecture page reaches every module, its link
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -20,7 +21,9 @@ def test_the_api_example_runs(tmp_path: Path):
     (example,) = _python_blocks(DOCS / "api.md")
     script = tmp_path / "example.py"
     script.write_text(example)
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the example's files go where the test's do
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr
     assert re.search(r"^8 steps, eval AUC 0\.\d+ \(oracle 0\.\d+\)$", done.stdout, flags=re.M), done.stdout
     assert re.search(r"^t_user \w+ on ranks \(", done.stdout, flags=re.M), done.stdout
