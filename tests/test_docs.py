@@ -13,12 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
 
-def _python_blocks(page: Path) -> list[str]:
+def python_blocks(page: Path) -> list[str]:
+    """The code of a Markdown page's ```python blocks."""
     return re.findall(r"^```python\n(.*?)^```$", page.read_text(), flags=re.S | re.M)
 
 
 def test_the_api_example_runs(tmp_path: Path):
-    (example,) = _python_blocks(DOCS / "api.md")
+    (example,) = python_blocks(DOCS / "api.md")
     script = tmp_path / "example.py"
     script.write_text(example)
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the example's files go where the test's do

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_docs import python_blocks
+
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PACKAGE_DIRS: dict[str, str] = PYPROJECT["tool"]["setuptools"]["package-dir"]
@@ -187,3 +189,8 @@ def test_the_installed_wheel_runs_beside_a_users_own_trainer_protos_and_benchmar
     run(python, "-m", "neorec", "train", "config.toml")
     assert json.loads((project / "runs" / "wheel" / "summary.json").read_text())["steps"] == 4
     assert "public API ok" in run(python, "check.py", str(venv))
+    # and the library example of docs/api.md, as a user would run it
+    (example,) = python_blocks(ROOT / "docs" / "api.md")
+    (project / "example.py").write_text(example)
+    env["TMPDIR"] = str(tmp_path)
+    assert "8 steps, eval AUC" in run(python, "example.py")
