@@ -72,7 +72,7 @@ class Failed(Exception):
 @pytest.mark.parametrize("through_services", [False, True])
 def test_a_late_failure_releases_the_prefetch_thread_and_the_store(criteo_dataset, tmp_path, monkeypatch,
                                                                    through_services):
-    def fail() -> None:
+    def fail(config) -> None:
         raise Failed()
 
     monkeypatch.setattr(loop_module, "compile_kernels", fail)
