@@ -119,8 +119,9 @@ def test_in_process(criteo_dataset, tmp_path):
 
 
 def test_through_a_reader_service_that_stopped_sending(criteo_dataset, tmp_path):
-    """A stopped service sends nothing: the prefetch thread waits in its stream (no timeout
-    near). Ctrl-C closes the reader first, so the exit does not wait for the stream."""
+    """A stopped service sends nothing: the prefetch thread waits in its stream (no stall
+    or progress timeout near) and the exit must not wait on it (the order of the closes is
+    tested in tests/trainer/test_interrupted_run.py)."""
     worker = start_worker()
     try:
         process = _train(criteo_dataset, tmp_path / "run", "--ingest", worker.address,
