@@ -125,6 +125,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--status-port", type=port,
                        help="rank 0 serves grpc.health.v1 and its progress (neorec status) on this port (0: any)")
     train.add_argument("--status-host", default="127.0.0.1", help="where --status-port binds")
+    train.add_argument("--follow", action="store_true",
+                       help="follow the dataset's partitions as they land (data.follow; see docs/continuous.md)")
+    train.add_argument("--idle-exit", type=seconds, metavar="SECONDS",
+                       help="following: stop after this long without a new partition (data.idle_exit_s)")
     train.set_defaults(run=_train)
 
     launch = commands.add_parser("launch", help="run a whole job on this host: reader services, trainers, supervised")
@@ -258,6 +262,8 @@ def _train(args: argparse.Namespace) -> int:
     from neorec.orchestration.processes import run_torchrun
     from neorec.trainer.distributed import init_from_torchrun, launched_by_torchrun, shutdown, single_process
 
+    args.set = args.set + (["data.follow=true"] if args.follow else []) + (
+        [f"data.idle_exit_s={args.idle_exit}"] if args.idle_exit is not None else [])
     overrides = list(args.set)
     if args.ingest:
         overrides.append(f"data.ingest={json.dumps(args.ingest.split(','))}")
@@ -294,9 +300,11 @@ def _train(args: argparse.Namespace) -> int:
         shutdown(context)
     if context.is_main:
         print(json.dumps(summary, indent=2, sort_keys=True))
-        line = f"eval AUC {summary['eval_auc']:.4f}"
+        line = f"eval AUC {summary['eval_auc']:.4f}" if "eval_auc" in summary else "no evaluation"
         if summary.get("oracle_auc") is not None:
             line += f" (oracle {summary['oracle_auc']:.4f}, gap {summary['oracle_auc'] - summary['eval_auc']:.4f})"
+        if config.data.follow:
+            line += f" (progressive, partition {summary['last_partition'] or '-'})"
         print(f"{line}; run directory {config.run.dir}")
     return 0
 
@@ -312,12 +320,16 @@ def _train_rank(config: "TrainConfig", context: "DistributedContext", overwrite:
     bar = tqdm(unit="step", desc="train")
 
     def progress(report: StepReport) -> None:
+        if status is not None:
+            status.update(report)
+        if report.phase != "training":
+            bar.set_postfix(waiting=f"after {report.partition or '-'}")
+            return
         if bar.total != report.total_steps:
             bar.total = report.total_steps
         bar.update(1)
-        bar.set_postfix(epoch=report.epoch, loss=f"{report.loss:.4f}", qps=f"{report.qps:,.0f}", refresh=False)
-        if status is not None:
-            status.update(report)
+        bar.set_postfix(epoch=report.epoch, loss=f"{report.loss:.4f}", qps=f"{report.qps:,.0f}",
+                        **({"partition": report.partition} if report.partition else {}), refresh=False)
 
     try:
         summary = train(config, progress=progress, context=context, overwrite=overwrite, resume=resume)
