@@ -76,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--out", required=True)
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--eval-fraction", type=float, default=0.2)
+    synth.add_argument("--partitions", type=at_least(0), default=0,
+                       help="write the rows as this many time partitions (partitions/NAME/ + _SUCCESS) instead of "
+                            "train/eval splits")
+    synth.add_argument("--drift", type=float, default=0.0,
+                       help="with --partitions: quarter turns the planted teacher's id vectors rotate per partition")
     synth.set_defaults(run=_synth)
     importer = data.add_parser("import", help="import CSV/TSV/Parquet click logs (an import spec, or flags)")
     importer.add_argument("spec", nargs="?", help="import spec (TOML; see ingest/import_spec.py)")
@@ -198,9 +203,16 @@ def _parser() -> argparse.ArgumentParser:
 def _synth(args: argparse.Namespace) -> int:
     from neorec.ingest.synth import SynthSpec, generate
 
-    spec = SynthSpec(profile=args.profile, rows=args.rows, seed=args.seed, eval_fraction=args.eval_fraction)
+    spec = SynthSpec(profile=args.profile, rows=args.rows, seed=args.seed, eval_fraction=args.eval_fraction,
+                     partitions=args.partitions, drift=args.drift)
     with tqdm(total=spec.rows, unit="rows", desc=f"synth {spec.profile}") as bar:
         dataset = generate(spec, args.out, progress=bar.update)
+    if spec.partitions:
+        from neorec.ingest.partitions import open_partition, partition_names
+
+        described = {name: open_partition(dataset.root, name).info for name in partition_names(dataset.root)}
+        print(json.dumps({"out": str(dataset.root), "partitions": described}, indent=2))
+        return 0
     print(json.dumps({"out": str(dataset.root), "rows": dataset.rows, "oracle": dataset.oracle}, indent=2))
     return 0
 
