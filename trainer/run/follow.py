@@ -15,9 +15,9 @@ partition ``k`` (in name order) is epoch ``k`` of the loop state, its rows shuff
    asks;
 4. waits for the next partition's marker, polling every ``data.poll_interval_s``.
 
-It stops after ``data.idle_exit_s`` without a new partition, or on SIGINT/SIGTERM (a
-second Ctrl-C interrupts at once): a signal during training ends it after the current
-step with a checkpoint, so the run resumes exactly there. The loop state names the
+It stops after ``data.idle_exit_s`` without a new partition, or on SIGINT/SIGTERM: a
+signal during training ends it after the current step (sharded: the next step that logs)
+with a checkpoint, so the run resumes exactly there. The loop state names the
 partition being trained and the partitions done, so ``--resume`` continues the same
 sequence bit for bit, and picks up partitions that landed meanwhile.
 
@@ -68,8 +68,6 @@ class StopSignal:
         self.signal_name = ""
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: now
         self.requested = True
         self.signal_name = signal.Signals(signum).name
 
