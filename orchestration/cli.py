@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     importer.add_argument("--vocab-from", metavar="DATASET",
                           help="encode with the vocabularies of this imported dataset (new data, same ids)")
     importer.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec key")
+    importer.add_argument("--partition", metavar="NAME",
+                          help="add the rows as time partition NAME of the dataset in --out, encoded with its "
+                               "vocabularies (see docs/continuous.md)")
     importer.set_defaults(run=_import)
     convert = data.add_parser("convert", help="convert public dataset files you downloaded (importer presets)")
     convert.add_argument("format", choices=PRESETS)
@@ -246,7 +249,25 @@ def _import(args: argparse.Namespace) -> int:
         spec = ImportSpec.from_dict(raw)
     except ValueError as err:
         raise ConfigError(f"{args.spec or 'import flags'}: {err}") from None
+    if args.partition is not None:
+        return _import_partition(spec, args)
     return _write_import(spec, None, args.out, args.vocab_from, "import")
+
+
+def _import_partition(spec, args: argparse.Namespace) -> int:
+    from neorec.ingest.partition_import import import_partition
+
+    if args.vocab_from:
+        raise ConfigError("--vocab-from and --partition: a partition is encoded with the vocabularies of the dataset "
+                          "in --out")
+    with tqdm(unit="rows", desc=f"partition {args.partition} → {args.out}", unit_scale=True) as bar:
+        info = import_partition(spec, args.out, args.partition, progress=bar.update)
+    print(json.dumps({"out": args.out, "partition": args.partition, **info}, indent=2))
+    for column, unseen in info["oov"].items():
+        if unseen:
+            print(f"neorec: {unseen:,} of {info['values'][column]:,} values of column {column!r} are not in its "
+                  f"vocabulary: out-of-vocabulary id 0", file=sys.stderr)
+    return 0
 
 
 def _convert(args: argparse.Namespace) -> int:
