@@ -191,7 +191,8 @@ def _parser() -> argparse.ArgumentParser:
     inspect.set_defaults(run=_checkpoint_inspect)
 
     bench = commands.add_parser("bench", help="benchmarks: ours against a baseline, side by side")
-    bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives", "checkpoint", "store", "import"))
+    bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives", "checkpoint", "store", "import",
+                                                "follow"))
     bench.add_argument("--json", help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (for smoke tests)")
     bench.add_argument("--threads", type=at_least(0), default=0,
@@ -478,6 +479,8 @@ def _bench(args: argparse.Namespace) -> int:
     results = run_benchmark(args.name, quick=args.quick, nproc=args.nproc, threads=args.threads)
     text = json.dumps(results, indent=2, sort_keys=True)
     print(text)
+    if results.get("table"):  # a table of per-partition curves (bench follow)
+        print("\n".join(results["table"]))
     if args.json:
         Path(args.json).write_text(text + "\n")
     return 0

@@ -108,3 +108,19 @@ def test_sigterm_stops_with_a_final_checkpoint_and_the_run_resumes_to_the_same_e
     assert [r["partition"] for r in records(stopped, "partition")] == [r["partition"] for r in
                                                                        records(tmp_path / "whole", "partition")]
     assert_same_run(tmp_path / "whole", stopped)
+
+
+@pytest.mark.slow
+def test_bench_follow_quick_prints_the_follow_and_frozen_curves(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", "bench", "follow", "--quick", "--json",
+                             str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["throughput_ratio"] == report["follow_qps"] / report["fixed_qps"]
+    rows = report["per_partition"]
+    assert len(rows) == report["partitions"] == 3
+    # until the first partition is trained the frozen model is the following one: the same AUC
+    assert [r["frozen_auc"] for r in rows[:2]] == [r["follow_auc"] for r in rows[:2]]
+    assert rows[2]["frozen_auc"] != rows[2]["follow_auc"] and all(r["lag_s"] >= r["train_s"] for r in rows)
+    assert "\n".join(report["table"]) in result.stdout

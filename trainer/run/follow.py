@@ -10,7 +10,8 @@ partition ``k`` (in name order) is epoch ``k`` of the loop state, its rows shuff
 2. trains on it (the run's ordinary epoch: ``train`` records carry the partition);
 3. calls ``on_partition_end(name)`` on the model's embedding collection when it has one
    (the hook for per-partition state such as a time-to-live counted in partitions), logs
-   a ``partition`` record (rows, seconds, lag from the marker to the end of training), and
+   a ``partition`` record (rows, training seconds, lag from the marker to the end of
+   training), and
    checkpoints when ``checkpoint.every_partitions``, ``every_steps`` or ``every_minutes``
    asks;
 4. waits for the next partition's marker, polling every ``data.poll_interval_s``.
@@ -105,6 +106,9 @@ class Follower:
         self.stopped_by = ""
         """Why following ended: ``idle``, a signal's name, or "" (not yet)."""
         self.marker_time = 0.0
+        self.train_started = 0.0
+        """When training on the current partition began (this process: a resumed partition
+        counts from the resume)."""
 
     # ----------------------------------------------------------------- the loop
     def follow(self, progress: ProgressFn | None) -> None:
@@ -197,6 +201,7 @@ class Follower:
             return False  # stop requested while evaluating: nothing of the partition trained yet
         reader = run.train_reader = self._reader(partition, train=True)
         self.marker_time = partition.marker_time
+        self.train_started = time.perf_counter()
         try:
             run.steps_per_epoch = reader.plan(state.epoch).num_batches
             run.total_steps = state.global_step + run.steps_per_epoch - state.step_in_epoch
@@ -220,7 +225,7 @@ class Follower:
         run.log.write({"split": "partition", "partition": partition.name, "step": state.global_step,
                        "epoch": state.epoch - 1, "steps": run.steps_per_epoch,
                        "rows": run.steps_per_epoch * run.config.train.batch_size * run.context.world_size,
-                       "lag_s": lag})
+                       "seconds": time.perf_counter() - self.train_started, "lag_s": lag})
         every = run.config.checkpoint.every_partitions
         due = (every and len(state.partitions_done) % every == 0) or run.checkpointer.due(state.global_step)
         by_time = run.checkpointer.due_by_time()
