@@ -85,6 +85,12 @@ def partition_names(root: str | Path) -> list[str]:
     return sorted(e.name for e in os.scandir(directory) if e.is_dir() and _visible(e.name))
 
 
+def first_ready(root: str | Path) -> Partition | None:
+    """The first partition in name order that is ready, or None while none is."""
+    name = next((n for n in partition_names(root) if is_ready(root, n)), None)
+    return None if name is None else open_partition(root, name)
+
+
 def is_ready(root: str | Path, name: str) -> bool:
     return (partitions_dir(root) / name / MARKER).is_file()
 

@@ -4,11 +4,13 @@ killed and resumed at random points ending bit for bit as one never stopped."""
 import os
 import random
 import signal
+import sys
 import time
 
 import pytest
+import torch
 
-from neorec.ingest.partitions import PartitionOrderError, PartitionSchemaError, open_partition
+from neorec.ingest.partitions import PartitionError, PartitionOrderError, PartitionSchemaError, open_partition
 from neorec.ingest.schema import Dataset
 from neorec.ingest.synth import partition_name, write_partition
 from neorec.trainer.config import ConfigError, TrainConfig
@@ -154,5 +156,60 @@ def test_follow_settings_that_cannot_apply_are_refused(tmp_path):
     data = partitioned(tmp_path / "data", 0)
     with pytest.raises(ConfigError, match="train.eval_every"):
         train(follow_config(data, tmp_path / "a", train={"eval_every": 3}))
-    with pytest.raises(ConfigError, match="tensorboard"):
-        train(follow_config(data, tmp_path / "b", train={"tensorboard": True}))
+    with pytest.raises(ConfigError, match="checkpoint.keep_best"):
+        train(follow_config(data, tmp_path / "b", checkpoint={"keep_best": True}))
+
+
+def test_store_tables_follow_and_resume_as_tables_in_memory(tmp_path):
+    from tests.embedding_store.test_store_runs import final_model
+
+    data = partitioned(tmp_path / "data", 2)
+    train(follow_config(data, tmp_path / "memory", embedding_store={"cache_fraction": 0.0}))
+    stopped = follow_config(data, tmp_path / "store", embedding_store={"tables": {"t_C1": 0.01, "t_C3": 0.02}})
+    with pytest.raises(Crash):
+        train(stopped, progress=crash_at(step=STEPS + 3))
+    summary = train(stopped, resume=True)
+    assert summary["partitions"] == 2 and summary["store"]
+    assert records(tmp_path / "memory") == records(tmp_path / "store")
+    (tables, dense), (tables_store, dense_store) = (final_model(tmp_path / run, tmp_path / f"{run}-tier")
+                                                    for run in ("memory", "store"))
+    assert all(torch.equal(a, b) for name in tables for a, b in zip(tables[name], tables_store[name]))
+    assert all(torch.equal(dense[k], dense_store[k]) for k in dense)
+
+
+def test_tensorboard_gets_every_number_of_every_record(tmp_path, monkeypatch):
+    from neorec.trainer.run.tensorboard import Board, open_board
+
+    class Writer:
+        def __init__(self):
+            self.scalars, self.flushes = [], 0
+
+        def add_scalar(self, tag, value, step):
+            self.scalars.append((tag, value, step))
+
+        def flush(self):
+            self.flushes += 1
+
+    writer = Writer()
+    Board(writer).record({"split": "progressive", "partition": "p", "step": 9, "epoch": 1, "auc": 0.75, "rows": 10,
+                          "ok": True})
+    assert writer.scalars == [("progressive/auc", 0.75, 9), ("progressive/rows", 10.0, 9)] and writer.flushes == 1
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as when tensorboard is not installed
+    with pytest.raises(ConfigError, match=r"neorec\[tensorboard\]"):
+        open_board(tmp_path)
+
+
+def test_a_run_started_before_any_partition_waits_for_the_first(tmp_path):
+    import threading
+
+    data = partitioned(tmp_path / "data", 0)
+    with pytest.raises(PartitionError, match="no partition .* became ready within data.idle_exit_s"):
+        train(follow_config(data, tmp_path / "none"))
+    lands = threading.Timer(0.5, write_partition, (SPEC, data, 0))
+    lands.start()
+    try:
+        summary = train(follow_config(data, tmp_path / "run", data={"idle_exit_s": 1.5},
+                                      embedding_store={"tables": {"t_C1": 0.01}}))  # its plan samples the partition
+    finally:
+        lands.join()
+    assert summary["partitions"] == 1 and summary["steps"] == STEPS

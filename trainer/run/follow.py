@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch.distributed as dist
 
 from neorec.ingest.partitions import (Partition, PartitionError, PartitionOrderError, check_partition_schema,
-                                      next_partition, open_partition, partition_view)
+                                      first_ready, next_partition, open_partition, partition_view)
 from neorec.ingest.reader import BatchReader
 from neorec.trainer.config import ConfigError
 from neorec.trainer.distributed import gather_arrays, global_sum
@@ -109,6 +109,17 @@ class Follower:
         self.train_started = 0.0
         """When training on the current partition began (this process: a resumed partition
         counts from the resume)."""
+
+    def wait_for_first_partition(self) -> None:
+        """Return once a partition is ready (the planner samples the tables' lookups from
+        the first); :class:`PartitionError` when none lands within ``data.idle_exit_s``."""
+        data = self.run.config.data
+        started = time.monotonic()
+        while first_ready(self.root) is None:
+            if data.idle_exit_s and time.monotonic() - started >= data.idle_exit_s:
+                raise PartitionError(f"no partition of {self.root} became ready within data.idle_exit_s = "
+                                     f"{data.idle_exit_s:g} s: nothing to follow")
+            time.sleep(data.poll_interval_s)
 
     # ----------------------------------------------------------------- the loop
     def follow(self, progress: ProgressFn | None) -> None:

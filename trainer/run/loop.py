@@ -120,6 +120,8 @@ class TrainingRun:
         """The first epoch's batches, read from before the model exists (a fresh run's)."""
         if loop.prefetch and not context.distributed and not resume and self.follower is None:
             self.early = Prefetcher(batches(self.train_reader, 0, 0, context.device), loop.prefetch)
+        if self.follower is not None:
+            self.follower.wait_for_first_partition()  # the planner samples lookups from it
         self.plan = job_plan(self.dataset, config, context)
         store_dir = Path(config.embedding_store.dir or self.run_dir / run_directory.STORE)
         self.dlrm = build_model(self.dataset, config, self.plan, store=store_settings(config, store_dir, not resume))
