@@ -124,3 +124,46 @@ def test_bench_follow_quick_prints_the_follow_and_frozen_curves(tmp_path):
     assert [r["frozen_auc"] for r in rows[:2]] == [r["follow_auc"] for r in rows[:2]]
     assert rows[2]["frozen_auc"] != rows[2]["follow_auc"] and all(r["lag_s"] >= r["train_s"] for r in rows)
     assert "\n".join(report["table"]) in result.stdout
+
+
+def _trainer_status(run) -> dict:
+    done = subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", "status", str(run), "--json"],
+                          capture_output=True, text=True, timeout=60)
+    return next((s["status"] for s in json.loads(done.stdout) if s["role"] == "trainer"), {}) if done.stdout else {}
+
+
+@pytest.mark.slow
+def test_a_launched_job_follows_shows_partition_and_lag_and_stops_on_sigterm_after_a_checkpoint(tmp_path):
+    from types import SimpleNamespace
+
+    from tests.orchestration.test_launch import job_file
+
+    data = partitioned(tmp_path / "data", 1)
+    job = job_file(tmp_path, SimpleNamespace(root=data), workers=1, data__follow="true",
+                   data__poll_interval_s="0.1", train__batch_size="128", train__log_every="4",
+                   checkpoint__every_steps="5", model__embedding_dim="8", model__bottom_mlp="[16, 8]",
+                   model__top_mlp="[16, 1]")
+    run = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "neorec.orchestration.cli", "launch", str(job)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for trained in (1, 2):
+            _wait_for(lambda: _trained(run) >= trained, process, f"partition {trained} trained")
+            name = records(run, "partition")[-1]["partition"]
+            _wait_for(lambda: _trainer_status(run).get("phase") == "waiting", process, "the trainer waiting")
+            status = _trainer_status(run)
+            assert status["partition"] == name and status["partitionLagSeconds"] > 0
+            if trained == 1:
+                write_partition(SPEC, data, 1)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 143
+    finally:
+        if process.poll() is None:
+            process.kill()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and summary["partitions"] == 2
+    assert read_manifest(complete(run / "checkpoint")[-1]).step == summary["steps"] == 2 * STEPS
+    plain = subprocess.run([*_command(data, tmp_path / "plain"), "--idle-exit", "1"], capture_output=True, text=True,
+                           timeout=600)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert records(run) == records(tmp_path / "plain")
