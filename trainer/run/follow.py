@@ -16,7 +16,9 @@ partition ``k`` (in name order) is epoch ``k`` of the loop state, its rows shuff
    asks;
 4. waits for the next partition's marker, polling every ``data.poll_interval_s``.
 
-It stops after ``data.idle_exit_s`` without a new partition, or on SIGINT/SIGTERM: a
+The run starts once a partition is ready (the planner samples the tables' lookups from the
+first, :func:`~neorec.trainer.planner.from_config.sampled_split`). It stops after
+``data.idle_exit_s`` without a new partition, or on SIGINT/SIGTERM: a
 signal during training ends it after the current step (sharded: the next step that logs)
 with a checkpoint, so the run resumes exactly there. The loop state names the
 partition being trained and the partitions done, so ``--resume`` continues the same
