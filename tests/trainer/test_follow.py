@@ -158,6 +158,8 @@ def test_follow_settings_that_cannot_apply_are_refused(tmp_path):
         train(follow_config(data, tmp_path / "a", train={"eval_every": 3}))
     with pytest.raises(ConfigError, match="checkpoint.keep_best"):
         train(follow_config(data, tmp_path / "b", checkpoint={"keep_best": True}))
+    with pytest.raises(ConfigError, match="train.max_steps"):
+        train(follow_config(data, tmp_path / "c", train={"max_steps": 5}))
 
 
 def test_store_tables_follow_and_resume_as_tables_in_memory(tmp_path):

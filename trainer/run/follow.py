@@ -99,6 +99,9 @@ class Follower:
         if config.train.eval_every:
             raise ConfigError("train.eval_every: following partitions evaluates each partition before training on "
                               "it (progressive validation); set train.eval_every = 0")
+        if config.train.max_steps:
+            raise ConfigError("train.max_steps: following partitions trains each partition whole; stop with "
+                              "data.idle_exit_s or a signal, or set train.max_steps = 0")
         if config.checkpoint.keep_best:
             raise ConfigError("checkpoint.keep_best compares evaluations of one eval split; following partitions "
                               "evaluates each partition once: set checkpoint.keep_best = false")
