@@ -43,9 +43,12 @@ from neorec.trainer.planner.from_config import job_plan
 from neorec.trainer.run.background import Prefetcher
 from neorec.trainer.sharding.input_pipeline import InputPipeline
 from neorec.trainer.sharding.sharded_embedding import PreparedSparse
+from neorec.ingest.reader import BatchReader
+from neorec.trainer.run.follow import Follower
 from neorec.trainer.run.readers import (batches, check_dense_transform, check_splits, eval_reader_config, make_reader,
                                          train_reader_config)
 from neorec.trainer.run.step import ProgressFn, StepReport, set_threads, train_step
+from neorec.trainer.run.tensorboard import open_board
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StorePiece, store_of
 from neorec.trainer.run.warmup import compile_kernels
 
@@ -80,6 +83,11 @@ class LoopState:
     eval_metrics: dict[str, float] = field(default_factory=dict)
     best_auc: float = -1.0
     """The best eval AUC so far (``checkpoint.keep_best``)."""
+    partition: str = ""
+    """Following partitions: the one being trained (``epoch`` counts those before it; its
+    progressive metrics are logged), "" between partitions."""
+    partitions_done: list[str] = field(default_factory=list)
+    """Following partitions: those trained, in order."""
 
 
 class TrainingRun:
@@ -107,26 +115,35 @@ class TrainingRun:
         torch.manual_seed(loop.seed)
         self.dataset = Dataset.load(config.data.path)
         check_dense_transform(self.dataset, config)
-        options = decode_options(self.dataset.schema, config)
-        self.train_reader = make_reader(self.dataset, config.data.train_split, options,
-                                        train_reader_config(config, context), config)
-        self.acquired.callback(self.train_reader.close)
-        self.eval_reader = make_reader(self.dataset, config.data.eval_split, options,
-                                       eval_reader_config(config, context), config)
-        self.acquired.callback(self.eval_reader.close)
-        check_splits(self.train_reader.plan(0), self.eval_reader.plan(0), config)
+        self.options = decode_options(self.dataset.schema, config)
+        self.follower = Follower(self) if config.data.follow else None
+        """Following partitions: it sets the readers, ``steps_per_epoch`` and ``total_steps``
+        of each partition."""
+        self.train_reader: BatchReader | None = None
+        self.eval_reader: BatchReader | None = None
+        self.steps_per_epoch = self.total_steps = 0
+        if self.follower is None:
+            self.train_reader = make_reader(self.dataset, config.data.train_split, self.options,
+                                            train_reader_config(config, context), config)
+            self.acquired.callback(self.train_reader.close)
+            self.eval_reader = make_reader(self.dataset, config.data.eval_split, self.options,
+                                           eval_reader_config(config, context), config)
+            self.acquired.callback(self.eval_reader.close)
+            check_splits(self.train_reader.plan(0), self.eval_reader.plan(0), config)
+            self.steps_per_epoch = self.train_reader.plan(0).num_batches
+            self.total_steps = self.steps_per_epoch * loop.epochs
+            if loop.max_steps:
+                self.total_steps = min(self.total_steps, loop.max_steps)
         self.run_dir = Path(config.run.dir)
         if context.is_main:
             run_directory.claim(self.run_dir, overwrite=overwrite, resume=resume)
-        self.steps_per_epoch = self.train_reader.plan(0).num_batches
-        self.total_steps = self.steps_per_epoch * loop.epochs
-        if loop.max_steps:
-            self.total_steps = min(self.total_steps, loop.max_steps)
         self.early: Prefetcher | None = None
         """The first epoch's batches, read from before the model exists (a fresh run's)."""
-        if loop.prefetch and not context.distributed and not resume:
+        if loop.prefetch and not context.distributed and not resume and self.follower is None:
             self.early = Prefetcher(batches(self.train_reader, 0, 0, context.device), loop.prefetch)
             self.acquired.callback(self._stop_reading)
+        if self.follower is not None:
+            self.follower.wait_for_first_partition()  # the planner samples lookups from it
         self.plan = job_plan(self.dataset, config, context)
         store_dir = Path(config.embedding_store.dir or self.run_dir / run_directory.STORE)
         self.dlrm = build_model(self.dataset, config, self.plan, store=store_settings(config, store_dir, not resume))
@@ -142,7 +159,7 @@ class TrainingRun:
         self.checkpointer = self._checkpointer()
         if resume:
             self._restore()
-        if loop.prefetch and context.distributed and not resume:
+        if loop.prefetch and context.distributed and not resume and self.follower is None:
             steps = min(self.steps_per_epoch, self.total_steps)
             self.early = Prefetcher(_prepared(self.dlrm, batches(self.train_reader, 0, 0, context.device), steps),
                                     loop.prefetch)
@@ -157,23 +174,20 @@ class TrainingRun:
         self.log = MetricsLog(self.run_dir / run_directory.METRICS if context.is_main else None,
                               keep_bytes=self.metrics_bytes)
         self.acquired.callback(self.log.close)
-        check_same_steps(context, self.steps_per_epoch, "train")
-        check_same_steps(context, self.eval_reader.plan(0).num_batches, "eval")
+        if loop.tensorboard and context.is_main:
+            self.log.listeners.append(open_board(self.run_dir).record)
+        if self.follower is None:
+            check_same_steps(context, self.steps_per_epoch, "train")
+            check_same_steps(context, self.eval_reader.plan(0).num_batches, "eval")
 
     # ------------------------------------------------------------------- the loop
     def run(self, progress: ProgressFn | None = None) -> dict[str, Any]:
         """Train to the end, evaluating and checkpointing on the way; returns the summary."""
-        state, loop = self.state, self.config.train
         try:
-            while state.epoch < loop.epochs and state.global_step < self.total_steps:
-                self._epoch(progress)
-                state.eval_metrics = self._evaluate()
-                if self._improved(state.eval_metrics):
-                    self._checkpoint(best=True)
-                state.epoch += 1
-                state.step_in_epoch = 0
-            if not state.eval_metrics:
-                state.eval_metrics = self._evaluate()
+            if self.follower is not None:
+                self.follower.follow(progress)
+            else:
+                self._epochs(progress)
             if self.config.checkpoint.final:
                 self._checkpoint(wait=True)
             self.checkpointer.close()
@@ -190,6 +204,19 @@ class TrainingRun:
             self.log.close()
             self._stop_reading()
         return self._summary()
+
+    def _epochs(self, progress: ProgressFn | None) -> None:
+        """Train the epochs left, evaluating after each."""
+        state, loop = self.state, self.config.train
+        while state.epoch < loop.epochs and state.global_step < self.total_steps:
+            self._epoch(progress)
+            state.eval_metrics = self._evaluate()
+            if self._improved(state.eval_metrics):
+                self._checkpoint(best=True)
+            state.epoch += 1
+            state.step_in_epoch = 0
+        if not state.eval_metrics:
+            state.eval_metrics = self._evaluate()
 
     def _epoch(self, progress: ProgressFn | None) -> None:
         state, context = self.state, self.context
@@ -233,14 +260,16 @@ class TrainingRun:
                 if self.config.train.eval_every and state.global_step % self.config.train.eval_every == 0:
                     best = self._improved(self._evaluate())
                 last = state.global_step >= self.total_steps
-                if best or ((self.checkpointer.due(state.global_step) or time_due)
-                            and not (last and self.config.checkpoint.final)):
+                stop = self.follower is not None and self.follower.stop_due(state.global_step)
+                if stop or best or ((self.checkpointer.due(state.global_step) or time_due)
+                                    and not (last and self.config.checkpoint.final)):
                     self._checkpoint(interval, best=best)
-                if last:
+                if last or stop:
                     break
             self._log_interval(interval)  # the epoch's last, partial interval
         except BaseException:
-            self.train_reader.close()  # first: the prefetch thread may wait in the reader's stream
+            if self.train_reader is not None:  # first: the prefetch thread may wait in its stream
+                self.train_reader.close()
             raise
         finally:
             if source is not None:
@@ -250,8 +279,9 @@ class TrainingRun:
     def _stop_reading(self) -> None:
         """Close the readers, then stop the first epoch's prefetch thread if it still runs (in
         that order: a thread waiting in a reader's stream returns once the reader is closed)."""
-        self.train_reader.close()
-        self.eval_reader.close()
+        for reader in (self.train_reader, self.eval_reader):
+            if reader is not None:  # a following run's are its partitions', closed by the follower
+                reader.close()
         if self.early is not None:
             self.early.close()
             self.early = None
@@ -261,7 +291,9 @@ class TrainingRun:
         same on every rank); returns whether any rank's checkpoint is due by time."""
         report, due = interval.close(checkpoint_due)
         if report["steps"]:
-            self.log.write({"split": "train", "step": self.state.global_step, "epoch": self.state.epoch, **report})
+            state = self.state
+            self.log.write({"split": "train", "step": state.global_step, "epoch": state.epoch,
+                            **({"partition": state.partition} if state.partition else {}), **report})
         return due
 
     def _evaluate(self) -> dict[str, float]:
@@ -305,6 +337,8 @@ class TrainingRun:
             summary["checkpoint_stall_s"] = state.checkpoint_seconds
         if self.store is not None:
             summary["store"] = self.store_report
+        if self.follower is not None:
+            summary.update(self.follower.summary())
         if self.context.is_main:
             run_directory.write_json(self.run_dir / run_directory.SUMMARY, summary)
         return summary
