@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from neorec.ingest.batch import HostBatch
 from neorec.ingest.decoder import DecodeOptions, decode_table
-from neorec.ingest.rows import RowGroupInfo, Segment
+from neorec.ingest.rows import RowGroupInfo, RowSpan
 from neorec.ingest.schema import DatasetSchema
 
 CHUNK_ROWS = 65_536
@@ -44,23 +44,23 @@ class ChunkDecoder:
         self.options = options
         self.executor = executor
 
-    def chunks(self, segment: Segment) -> Iterator[tuple[Segment, HostBatch]]:
-        """``segment``'s rows decoded, as ``(piece, rows)`` pairs in read order."""
-        window = segment.window
+    def chunks(self, span: RowSpan) -> Iterator[tuple[RowSpan, HostBatch]]:
+        """``span``'s rows decoded, as ``(piece, rows)`` pairs in read order."""
+        window = span.window
         if not window.permuted and len(window.groups) == 1:
             group = window.groups[0]
             table = self.load(group)
-            for piece in segment.pieces(CHUNK_ROWS):
+            for piece in span.pieces(CHUNK_ROWS):
                 yield piece, decode_table(table.slice(piece.start, piece.num_rows), self.schema, self.options,
                                           file=self.paths[group.file_index], row_group=group.row_group,
                                           first_row=piece.start)
             return
-        positions = window.order()[segment.start : segment.stop]
+        positions = window.order()[span.start : span.stop]
         starts = window.group_starts()
         taken = self._take(pa.concat_tables([self.load(g) for g in window.groups]), pa.array(positions))
         first = window.groups[0]
-        for lo in range(0, segment.num_rows, CHUNK_ROWS):
-            hi = min(lo + CHUNK_ROWS, segment.num_rows)
+        for lo in range(0, span.num_rows, CHUNK_ROWS):
+            hi = min(lo + CHUNK_ROWS, span.num_rows)
 
             def locate(i: int, lo: int = lo) -> tuple[str, int, int]:
                 p = int(positions[lo + i])
@@ -68,7 +68,7 @@ class ChunkDecoder:
                 group = window.groups[g]
                 return self.paths[group.file_index], group.row_group, p - int(starts[g])
 
-            yield segment.sub(lo, hi), decode_table(taken.slice(lo, hi - lo), self.schema, self.options,
+            yield span.sub(lo, hi), decode_table(taken.slice(lo, hi - lo), self.schema, self.options,
                                                     file=self.paths[first.file_index], row_group=first.row_group,
                                                     locate=locate)
 
