@@ -47,5 +47,5 @@ def test_32_way_lru_is_within_a_point_of_exact_lru_on_zipf_ids(fraction):
     for batch, row in enumerate(ids.tolist(), 1):  # one id per batch: nothing pinned past its access
         cache.admit(np.array([row], dtype=np.int64), batch)
     ours = cache.counters.hits / ids.size
-    assert exact > 0.3  # skewed enough that the comparison says something
+    assert exact > fraction + 0.1  # far above uniform ids' hit rate: the comparison says something
     assert abs(ours - exact) <= 0.01, (ours, exact)
