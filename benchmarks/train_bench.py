@@ -118,7 +118,9 @@ def _baseline_model(dataset: Dataset, config: TrainConfig, fused: DLRM) -> tuple
 
 def _max_table_difference(fused: DLRM, baseline: DLRM, tables: list[TableConfig]) -> float:
     """The largest difference between the two sides' embedding weights: both took the same
-    steps on the same batches, so they agree (to float rounding) when the comparison is fair."""
+    steps on the same batches, so they agree when the comparison is fair: to float rounding,
+    which Adagrad's first update of a row (about lr * sign(gradient), eps 1e-10) magnifies for
+    tiny gradients, against about lr for a side that trained otherwise."""
     return max(float((fused.embeddings.table_weight(t.name) - baseline.embeddings.bags[t.name].weight).abs().max())
                for t in tables)
 

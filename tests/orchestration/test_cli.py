@@ -52,7 +52,10 @@ def test_bench_quick_times_both_sides_training_the_same_model(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["fused_qps"] > 0 and report["baseline_qps"] > 0
-    assert report["max_table_difference"] < 1e-5  # same steps, same batches: the same tables
+    # same steps on the same batches: the same tables, but for rounding, which Adagrad's first
+    # update of a row (about lr * sign(gradient) with eps 1e-10) lets show for tiny gradients;
+    # a side that trained otherwise would be off by about lr (0.05)
+    assert report["max_table_difference"] < 1e-3
 
 
 def test_bench_collectives_quick_times_two_sums_that_agree_at_every_size(tmp_path):
