@@ -285,6 +285,15 @@ class HostedServer:
         self.host.start()
 
 
+class RequestError(UserError, ValueError):
+    """A request a service refuses, with the gRPC status code to answer with (its message
+    names the field or value at fault)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
     """End a call with ``code`` and ``message`` (shortened to :data:`MAX_DETAILS_CHARS`)."""
     if len(message) > MAX_DETAILS_CHARS:

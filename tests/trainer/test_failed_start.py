@@ -19,7 +19,7 @@ def _config(dataset, run_dir, **data) -> TrainConfig:
     return TrainConfig.from_dict({
         "data": {"path": str(dataset.root), **data},
         "model": {"max_table_rows": 5000, "embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [32, 1]},
-        "train": {"batch_size": 256, "eval_batch_size": 1000, "prefetch": 2},
+        "train": {"batch_size": 256, "eval_batch_size": 1000, "background_batches": 2},
         "embedding_store": {"tables": {"t_C1": 0.005, "t_C3": 0.02}},
         "run": {"dir": str(run_dir)},
     })

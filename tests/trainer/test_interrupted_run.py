@@ -64,8 +64,8 @@ def test_an_interrupt_while_the_prefetch_thread_waits_in_the_reader_ends_at_once
 
     monkeypatch.setattr(loop_module, "make_reader", reader)
     with pytest.raises(KeyboardInterrupt):
-        train(_config(criteo_dataset, tmp_path / "run", epochs=1, prefetch=4), progress=interrupt_at_step_5)
+        train(_config(criteo_dataset, tmp_path / "run", epochs=1, background_batches=4), progress=interrupt_at_step_5)
     assert time.monotonic() - interrupted_at[0] < 10  # not the stuck stream's 60 s
     assert stuck[0].closed.is_set()
     assert not [t for t in threading.enumerate() if t.name != "MainThread" and t.is_alive()
-                and "Prefetcher" in repr(getattr(t, "_target", None))]
+                and "BackgroundIterator" in repr(getattr(t, "_target", None))]
