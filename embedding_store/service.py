@@ -22,6 +22,7 @@ from typing import Callable
 import grpc
 import numpy as np
 
+from neorec.embedding_store.dir_lock import DirectoryLock
 from neorec.embedding_store.segments import SEGMENT_NAME, SegmentError, SegmentTier
 from neorec.common.transport import MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, ServerSecurity, ServiceHost, abort
 from neorec.protos import store_pb2
@@ -51,7 +52,7 @@ class StoreServicer:
 
     def __init__(self, directory: str | Path, direct_io: bool = False) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self._owner = DirectoryLock(self.directory)  # the service owns its directory while it runs
         self.direct_io = direct_io
         self._tiers: dict[str, SegmentTier] = {}
         self._lock = threading.Lock()
@@ -151,6 +152,7 @@ class StoreServicer:
             tiers, self._tiers = list(self._tiers.values()), {}
         for tier in tiers:
             tier.close()
+        self._owner.release()
 
     # ------------------------------------------------------------------ helpers
     def _serve(self, context: grpc.ServicerContext, handle: Callable):

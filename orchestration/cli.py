@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from tqdm import tqdm
 
+from neorec.common.errors import UserError
 from neorec.embedding_store.client import StoreServiceError
 from neorec.embedding_store.segments import SegmentError
 from neorec.ingest.client import IngestError
@@ -53,8 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("neorec: interrupted", file=sys.stderr)
         return INTERRUPTED
-    except (ConfigError, DataError, IngestError, PlanError, RankSilentError, CheckpointError, StoreServiceError,
-            SegmentError, StoreError, ValueError, OSError) as err:
+    except (UserError, ConfigError, DataError, IngestError, PlanError, RankSilentError, CheckpointError,
+            StoreServiceError, SegmentError, StoreError, ValueError, OSError) as err:
         print(f"neorec: error: {_one_line(err)}", file=sys.stderr)
         return USER_ERROR
 

@@ -73,7 +73,7 @@ def store_settings(config: TrainConfig, directory: Path, reset: bool) -> StoreSe
 
 
 def _segment_tier(directory: Path, direct_io: bool, reset: bool, key: str, rows: int, row_bytes: int) -> SegmentTier:
-    return SegmentTier(directory / key, rows, row_bytes, direct_io=direct_io, reset=reset)
+    return SegmentTier(directory / key, rows, row_bytes, direct_io=direct_io, reset=reset, store_root=directory)
 
 
 def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None = None,
