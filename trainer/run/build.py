@@ -87,7 +87,7 @@ def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None
     seed = config.train.seed
     tables = table_configs(schema, config)
     storage = {"weight_dtype": config.model.weight_dtype, "stochastic_rounding": config.model.stochastic_rounding,
-               "kernels": config.train.kernels}
+               "kernels": config.train.kernels, "bounds_check": config.train.bounds_check}
     on_store = {} if plan is None else plan.on_store()
     if plan is not None and plan.world_size > 1:
         embeddings = ShardedEmbeddingBagCollection(
