@@ -32,6 +32,14 @@ class StepReport:
     """Of the training time so far (completed epochs), the share spent waiting for batches."""
     last_checkpoint: str = ""
     """The newest checkpoint committed ("" before the first)."""
+    partition: str = ""
+    """Following partitions: the partition being trained, or the last one trained while
+    ``phase`` is ``waiting``."""
+    marker_time: float = 0.0
+    """Following partitions: when that partition's ``_SUCCESS`` marker was written
+    (wall-clock seconds; the lag is measured from it)."""
+    phase: str = "training"
+    """``training`` (a step was taken) or ``waiting`` (for the next partition; no step)."""
 
 
 ProgressFn = Callable[[StepReport], None]
