@@ -12,6 +12,7 @@ from neorec.ingest.client import COMPRESSIONS
 from neorec.ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
 from neorec.ingest.plan import REMAINDER_POLICIES, SHUFFLE_MODES
 from neorec.ingest.sections import build_section, to_dict
+from neorec.trainer.embedding.bounds import BOUNDS_CHECK_MODES
 from neorec.trainer.embedding.config import POOLINGS, SPARSE_OPTIMIZERS, WEIGHT_DTYPES
 from neorec.trainer.model import MLP_INITS
 from neorec.trainer.planner.enumerate import Constraint
@@ -187,6 +188,9 @@ class TrainLoopConfig:
     kernels: str = "auto"
     """Embedding kernels: ``numba`` (CPU), ``torch`` (torch ops, any device: the code a GPU
     runs) or ``auto`` (Numba on CPU, torch ops on CUDA)."""
+    bounds_check: str = "fatal"
+    """``fatal``: a batch with an id outside its table is refused, naming it, before any
+    embedding kernel runs; ``none``: trust the ids (see docs/guarantees.md)."""
     collective_timeout_s: float = 300.0
     """A collective that waits longer than this for another rank fails, naming the ranks
     that went silent (stopped or hung), instead of hanging the job."""
@@ -199,6 +203,7 @@ class TrainLoopConfig:
             _positive(f"train.{key}", getattr(self, key))
         _one_of("train.device", self.device, DEVICES)
         _one_of("train.kernels", self.kernels, KERNELS)
+        _one_of("train.bounds_check", self.bounds_check, BOUNDS_CHECK_MODES)
         for key in ("max_steps", "eval_every", "threads", "background_batches"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key}: must be >= 0, got {getattr(self, key)}")

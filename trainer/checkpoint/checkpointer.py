@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from neorec.trainer.checkpoint.layout import BEST, CheckpointError, best_checkpoint, read_manifest, step_name, write_durably
+from neorec.common.durable import write_durably
+from neorec.trainer.checkpoint.layout import BEST, CheckpointError, best_checkpoint, read_manifest, step_name
 from neorec.trainer.checkpoint.snapshot import take_snapshot
 from neorec.trainer.checkpoint.store import snapshot_store
 from neorec.trainer.checkpoint.writer import CheckpointJob, CheckpointWriter, manifest_fields

@@ -73,7 +73,7 @@ def store_settings(config: TrainConfig, directory: Path, reset: bool) -> StoreSe
 
 
 def _segment_tier(directory: Path, direct_io: bool, reset: bool, key: str, rows: int, row_bytes: int) -> SegmentTier:
-    return SegmentTier(directory / key, rows, row_bytes, direct_io=direct_io, reset=reset)
+    return SegmentTier(directory / key, rows, row_bytes, direct_io=direct_io, reset=reset, store_root=directory)
 
 
 def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None = None,
@@ -87,7 +87,7 @@ def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None
     seed = config.train.seed
     tables = table_configs(schema, config)
     storage = {"weight_dtype": config.model.weight_dtype, "stochastic_rounding": config.model.stochastic_rounding,
-               "kernels": config.train.kernels}
+               "kernels": config.train.kernels, "bounds_check": config.train.bounds_check}
     on_store = {} if plan is None else plan.on_store()
     if plan is not None and plan.world_size > 1:
         embeddings = ShardedEmbeddingBagCollection(

@@ -13,6 +13,7 @@ never stopped.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -49,6 +50,8 @@ from neorec.trainer.run.step import ProgressFn, StepReport, set_threads, train_s
 from neorec.trainer.run.tensorboard import open_board
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StorePiece, store_of
 from neorec.trainer.run.warmup import compile_kernels
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -133,6 +136,8 @@ class TrainingRun:
         self.state = LoopState()
         self.metrics_bytes: int | None = None
         self.checkpointer = self._checkpointer()
+        self.resume_skipped: list[dict[str, str]] = []
+        """Newer checkpoints a resume skipped (``checkpoint.fallback``), with the reason."""
         if resume:
             self._restore()
         if loop.background_batches and context.distributed and not resume and self.follower is None:
@@ -148,6 +153,8 @@ class TrainingRun:
                 run_directory.write_json(self.run_dir / run_directory.PLAN, self.plan.to_dict())
         self.log = MetricsLog(self.run_dir / run_directory.METRICS if context.is_main else None,
                               keep_bytes=self.metrics_bytes)
+        for skipped in self.resume_skipped:
+            self.log.write({"event": "resume_skipped", "step": self.state.global_step, **skipped})
         if loop.tensorboard and context.is_main:
             self.log.listeners.append(open_board(self.run_dir).record)
         if self.follower is None:
@@ -288,6 +295,8 @@ class TrainingRun:
             summary["checkpoint_stall_s"] = sum(self.checkpointer.stall_seconds)
         if self.store is not None:
             summary["store"] = self.store_report
+        if self.resume_skipped:
+            summary["resume_skipped"] = self.resume_skipped
         if self.follower is not None:
             summary.update(self.follower.summary())
         if self.context.is_main:
@@ -342,6 +351,11 @@ class TrainingRun:
             return global_sum(context, [0.0 if ok else 1.0])[0] == 0.0
 
         restorable = choose(root, views, agree, config.checkpoint.fallback, need_dense=True)
+        self.resume_skipped = [{"checkpoint": name, "reason": reason} for name, reason in restorable.skipped]
+        if context.is_main:
+            for name, reason in restorable.skipped:
+                log.warning("--resume: skipped checkpoint %s (%s); resuming from %s, the steps after it are trained "
+                            "again", name, reason, restorable.manifest.name)
         check_resumable(restorable.manifest.config, config)
         dense = restore_model(restorable, self.dlrm)
         self.optimizer.load_state_dict(dense["optimizer"])
