@@ -32,7 +32,7 @@ from neorec.trainer.run.build import (build_model, decode_options, dense_optimiz
                            table_configs)
 from neorec.trainer.checkpoint import restore_store_tables
 from neorec.trainer.checkpoint.checkpointer import Checkpointer, check_resumable
-from neorec.trainer.checkpoint.restore import choose, load_dense, restore_embeddings
+from neorec.trainer.checkpoint.restore import choose, load_dense, load_dense_chain, restore_embeddings
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.distributed import DistributedContext, check_same_steps, gather_arrays, global_sum, wrap_data_parallel
 from neorec.trainer.run.metrics import MetricsLog, evaluate
@@ -44,6 +44,7 @@ from neorec.trainer.sharding.sharded_embedding import PreparedSparse
 from neorec.trainer.run.readers import (batches, check_dense_transform, check_splits, eval_reader_config, make_reader,
                                          train_reader_config)
 from neorec.trainer.run.step import ProgressFn, StepReport, set_threads, train_step
+from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StorePiece, store_of
 from neorec.trainer.run.warmup import compile_kernels
 
@@ -185,8 +186,8 @@ class TrainingRun:
             stream = source or stream
         if context.distributed:
             stream = _distributed(self.dlrm, stream)
-        if self.store is not None:
-            stream = _announced(stream, self.store)
+        if self.store is not None and not isinstance(self.dlrm.embeddings, DynamicEmbeddings):
+            stream = _announced(stream, self.store)  # (a dynamic table's slots are known only at its step)
         interval = _Interval(context, state)
         full_batches = self.config.data.remainder == "drop"
         try:
@@ -204,7 +205,8 @@ class TrainingRun:
                 time_due = False
                 if state.global_step % self.config.train.log_every == 0 or state.global_step == self.total_steps:
                     report, time_due = interval.close(self.checkpointer.due_by_time())
-                    self.log.write({"split": "train", "step": state.global_step, "epoch": state.epoch, **report})
+                    self.log.write({"split": "train", "step": state.global_step, "epoch": state.epoch, **report,
+                                    **_dynamic_counters(self.dlrm)})
                     interval = _Interval(context, state)
                 best = False
                 if self.config.train.eval_every and state.global_step % self.config.train.eval_every == 0:
@@ -257,6 +259,7 @@ class TrainingRun:
             summary["checkpoint_stall_s"] = sum(self.checkpointer.stall_seconds)
         if self.store is not None:
             summary["store"] = self.store_report
+        summary.update(_dynamic_counters(self.dlrm))
         if self.context.is_main:
             run_directory.write_json(self.run_dir / run_directory.SUMMARY, summary)
         return summary
@@ -277,7 +280,8 @@ class TrainingRun:
             world_size=context.world_size, attempt=attempt[0], views=embeddings.shard_views, store=self._store_pieces,
             local_optimizer_steps=embeddings.local_optimizer_steps, tables=tables, run_config=config.to_dict(),
             plan=None if self.plan is None else self.plan.to_dict(),
-            sum_over_ranks=partial(global_sum, context), commit_timeout_s=config.train.collective_timeout_s)
+            sum_over_ranks=partial(global_sum, context), commit_timeout_s=config.train.collective_timeout_s,
+            incremental_state=embeddings.dynamic_state if isinstance(embeddings, DynamicEmbeddings) else None)
 
     def _store_pieces(self) -> list[StorePiece]:
         """This rank's store pieces, every changed row written back to their tiers."""
@@ -315,6 +319,8 @@ class TrainingRun:
             restore_store_tables(restorable, self.store, views)
         self.dlrm.embeddings.set_optimizer_steps(restorable.manifest.sparse_steps)
         dense = load_dense(restorable)
+        if isinstance(self.dlrm.embeddings, DynamicEmbeddings):
+            self.dlrm.embeddings.restore_dynamic([d["incremental"] for d in load_dense_chain(restorable)])
         with torch.no_grad():
             self.dlrm.bottom.load_state_dict(dense["bottom"])
             self.dlrm.top.load_state_dict(dense["top"])
@@ -392,6 +398,13 @@ class _Interval:
         state.interval_by_rank = []
         return ({"loss": loss_sum / max(self.steps, 1), "qps": samples / seconds if seconds else 0.0,
                  "samples": int(samples), "seconds": seconds}, due > 0)
+
+
+def _dynamic_counters(model: DLRM) -> dict[str, Any]:
+    """``{"dynamic": per dynamic table its admitted, rejected, evicted and live counts}``, or
+    nothing without dynamic tables."""
+    embeddings = model.embeddings
+    return {"dynamic": embeddings.counters()} if isinstance(embeddings, DynamicEmbeddings) else {}
 
 
 def _prepared(model: DLRM, epoch_batches: Iterator[Batch], steps: int) -> Iterator[tuple[Batch, PreparedSparse]]:
