@@ -63,4 +63,6 @@ class TrainerStatusServer(HostedServer, trainer_pb2_grpc.TrainerServicer):
             reply.loss = report.loss
             reply.input_wait_frac = report.input_wait_frac
             reply.last_checkpoint = report.last_checkpoint
+            for table, counts in report.dynamic.items():
+                reply.dynamic[table].CopyFrom(trainer_pb2.DynamicTableCounters(**counts))
         return reply

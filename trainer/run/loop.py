@@ -201,7 +201,8 @@ class TrainingRun:
                     progress(StepReport(state.global_step, state.epoch, share * context.world_size, interval.qps(),
                                         self.total_steps,
                                         state.wait_seconds / state.train_seconds if state.train_seconds else 0.0,
-                                        committed.name if committed else ""))
+                                        committed.name if committed else "",
+                                        _dynamic_counters(self.dlrm).get("dynamic", {})))
                 time_due = False
                 if state.global_step % self.config.train.log_every == 0 or state.global_step == self.total_steps:
                     report, time_due = interval.close(self.checkpointer.due_by_time())

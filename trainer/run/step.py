@@ -3,7 +3,7 @@ settings the step runs with."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numba
@@ -31,6 +31,8 @@ class StepReport:
     """Of the training time so far (completed epochs), the share spent waiting for batches."""
     last_checkpoint: str = ""
     """The newest checkpoint committed ("" before the first)."""
+    dynamic: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per dynamic table its ``admitted``, ``rejected``, ``evicted`` and ``live`` counts."""
 
 
 ProgressFn = Callable[[StepReport], None]
