@@ -47,3 +47,8 @@ class DynamicTableConfig:
     def sketch_bytes(self) -> int:
         """Bytes of the admission sketch (0 when every id is admitted at once)."""
         return 0 if self.min_count == 1 else 4 * self.sketch_width * self.sketch_depth
+
+    def describe(self) -> str:
+        """The settings in words (``neorec plan``)."""
+        ttl = f"ttl {self.ttl} {self.ttl_unit}" if self.ttl else "no ttl"
+        return f"capacity {self.capacity:,} rows, min_count {self.min_count}, {ttl}, LRU when full"

@@ -208,13 +208,26 @@ def _rebuild(entries, meta, links, live, ends, order):
             _push_back(links, ends, FREE_HEAD, s)
 
 
+def index_positions(capacity: int) -> int:
+    """Positions of the hash index of a ``capacity``-slot map: a power of two, at least twice it."""
+    return 1 << max(1, (2 * capacity - 1).bit_length())
+
+
+SLOT_BYTES = 4 * 8 + 2 * 4 + 1 + 1
+"""Bytes per slot beside the index: ``meta``, ``links``, ``live``, ``dirty``."""
+
+
+def map_bytes(capacity: int) -> int:
+    """Bytes of a ``capacity``-slot :class:`IdMap` (index and per-slot arrays)."""
+    return 16 * index_positions(capacity) + SLOT_BYTES * capacity
+
+
 class IdMap:
     """The map of one dynamic table of ``capacity`` slots (see the module docstring)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        positions = 1 << max(1, (2 * capacity - 1).bit_length())
-        self.entries = np.full(2 * positions, -1, dtype=np.int64)
+        self.entries = np.full(2 * index_positions(capacity), -1, dtype=np.int64)
         self.meta = np.zeros((capacity, 4), dtype=np.int64)
         self.meta[:, TICK] = np.arange(capacity, dtype=np.int64) - capacity  # never used: oldest, slot 0 first
         self.links = np.empty((capacity, 2), dtype=np.int32)
