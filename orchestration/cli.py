@@ -179,7 +179,8 @@ def _parser() -> argparse.ArgumentParser:
     inspect.set_defaults(run=_checkpoint_inspect)
 
     bench = commands.add_parser("bench", help="benchmarks: ours against a baseline, side by side")
-    bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives", "checkpoint", "store", "import"))
+    bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives", "checkpoint", "store", "import",
+                                        "dynamic"))
     bench.add_argument("--json", help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (for smoke tests)")
     bench.add_argument("--threads", type=at_least(0), default=0,
