@@ -106,3 +106,11 @@ class DynamicEmbeddings(nn.Module):
 
     def table_weight(self, name: str) -> torch.Tensor:
         return self.inner.table_weight(name)
+
+
+def advance_partition(embeddings: nn.Module) -> None:
+    """Tell a model's embeddings that a partition of a continuous-training run ended (the
+    follow loop calls it after training on each partition): with dynamic tables,
+    :meth:`DynamicEmbeddings.advance_partition`; otherwise nothing to do."""
+    if isinstance(embeddings, DynamicEmbeddings):
+        embeddings.advance_partition()
