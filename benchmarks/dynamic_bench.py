@@ -91,8 +91,7 @@ def _distinct_ids(dataset: Dataset) -> int:
 
 
 def _dynamic_config(dataset: Dataset, capacity: int, min_count: int) -> dict[str, Any]:
-    width = 1 << max(10, capacity.bit_length())  # a sketch of 1 to 2 counters per slot and row
-    return {"dynamic": {f.table: {"capacity": capacity, "min_count": min_count, "sketch_width": width}
+    return {"dynamic": {f.table: {"capacity": capacity, "min_count": min_count}
                         for f in dataset.schema.sparse}}
 
 

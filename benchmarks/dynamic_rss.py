@@ -42,7 +42,7 @@ def measure(distinct: int, capacity: int, dim: int) -> dict[str, int]:
     before = rss_bytes("VmRSS")
     optimizer = SparseOptimizer("rowwise_adagrad", 0.05)
     fused = FusedEmbeddingBagCollection([TableConfig("t", capacity, dim, ("f",))], optimizer, seed=0)
-    config = DynamicTableConfig(capacity=capacity, min_count=2, sketch_width=1 << capacity.bit_length())
+    config = DynamicTableConfig(capacity=capacity, min_count=2)
     table = DynamicTable("t", 0, dim, config)
     module = DynamicEmbeddings(fused, [table], seed=0).train()
     rows_bytes = sum(v.weight.numel() * v.weight.element_size() + sum(s.numel() * 4 for s in v.states)

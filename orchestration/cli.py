@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--out", required=True)
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--eval-fraction", type=float, default=0.2)
+    synth.add_argument("--raw-ids", action="store_true", help="raw 64-bit ids, for dynamic tables")
+    synth.add_argument("--id-space", type=at_least(0), default=0,
+                       help="ids each feature draws from (Zipf; default: the profile's cardinalities)")
     synth.set_defaults(run=_synth)
     importer = data.add_parser("import", help="import CSV/TSV/Parquet click logs (an import spec, or flags)")
     importer.add_argument("spec", nargs="?", help="import spec (TOML; see ingest/import_spec.py)")
@@ -195,7 +198,8 @@ def _parser() -> argparse.ArgumentParser:
 def _synth(args: argparse.Namespace) -> int:
     from neorec.ingest.synth import SynthSpec, generate
 
-    spec = SynthSpec(profile=args.profile, rows=args.rows, seed=args.seed, eval_fraction=args.eval_fraction)
+    spec = SynthSpec(profile=args.profile, rows=args.rows, seed=args.seed, eval_fraction=args.eval_fraction,
+                     raw_ids=args.raw_ids, id_space=args.id_space)
     with tqdm(total=spec.rows, unit="rows", desc=f"synth {spec.profile}") as bar:
         dataset = generate(spec, args.out, progress=bar.update)
     print(json.dumps({"out": str(dataset.root), "rows": dataset.rows, "oracle": dataset.oracle}, indent=2))

@@ -42,7 +42,7 @@ class DynamicTable:
         self.dim = dim
         self.config = config
         self.map = IdMap(config.capacity)
-        self.sketch = CountMinSketch(config.sketch_width if config.min_count > 1 else 1,
+        self.sketch = CountMinSketch(config.sketch_columns() if config.min_count > 1 else 1,
                                      config.sketch_depth if config.min_count > 1 else 1, index)
         self.clock = 0
         """The TTL clock: steps trained, or partitions ended (``ttl_unit``)."""
