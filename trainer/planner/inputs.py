@@ -35,8 +35,8 @@ class TableSpec:
     """How often each distinct row appeared in a sample of the train split, most frequent
     first (what the planner estimates a store cache's hit rate from); empty: no sample."""
     dynamic: DynamicTableConfig | None = None
-    """A dynamic table's settings: its ``rows`` are its capacity, and its id map and
-    admission sketch take :attr:`index_bytes` beside them."""
+    """A dynamic table's settings: its ``rows`` are its capacity and the default row, and
+    its id map and admission sketch take :attr:`index_bytes` beside them."""
 
     def __post_init__(self) -> None:
         if self.rows <= 0 or self.dim <= 0 or self.num_features <= 0:
@@ -58,7 +58,7 @@ class TableSpec:
     @property
     def index_bytes(self) -> int:
         """Bytes of a dynamic table's id map and admission sketch (0 for a static table)."""
-        return 0 if self.dynamic is None else map_bytes(self.rows) + self.dynamic.sketch_bytes()
+        return 0 if self.dynamic is None else map_bytes(self.dynamic.capacity) + self.dynamic.sketch_bytes()
 
     def bytes(self) -> int:
         return self.rows * self.row_bytes(self.dim) + self.index_bytes

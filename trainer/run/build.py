@@ -24,7 +24,8 @@ from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StoreSe
 
 def table_configs(schema: DatasetSchema, config: TrainConfig) -> list[TableConfig]:
     """One table per distinct ``table`` of the schema, in first-use order, holding
-    ``min(cardinality, model.max_table_rows)`` rows (a dynamic table: its capacity)."""
+    ``min(cardinality, model.max_table_rows)`` rows (a dynamic table: its capacity and the
+    default row that ids without a slot read)."""
     model = config.model
     features: dict[str, list[str]] = {}
     for feature in schema.sparse:
@@ -34,7 +35,7 @@ def table_configs(schema: DatasetSchema, config: TrainConfig) -> list[TableConfi
     return [
         TableConfig(
             name=table,
-            num_embeddings=model.dynamic[table].capacity if table in model.dynamic
+            num_embeddings=model.dynamic[table].capacity + 1 if table in model.dynamic
             else min(cardinality[table], model.max_table_rows),
             embedding_dim=model.embedding_dim,
             feature_names=tuple(names),

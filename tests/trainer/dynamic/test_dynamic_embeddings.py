@@ -1,10 +1,11 @@
 """The module in front of the embeddings against plain PyTorch: the reference map picks the
 slots, ``F.embedding_bag`` pools them, SGD updates them, re-used slots start again from
-their generation's initial row."""
+their generation's initial row; ids without a slot read the zero default row."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +19,8 @@ from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection, initial_
 from tests.trainer.dynamic.reference_map import ReferenceMap
 
 CAPACITY, DIM, SEED, LR, B = 6, 4, 1, 0.5, 8
+ROWS = CAPACITY + 1
+"""The dynamic table's rows: its slots and the default row."""
 
 
 def batches(steps: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -38,18 +41,19 @@ def kjt(lengths: np.ndarray, f_ids: np.ndarray, g_ids: np.ndarray) -> KeyedJagge
                              torch.from_numpy(np.concatenate([f_ids, g_ids]).astype(np.int64)))
 
 
-def pooled(weight: torch.Tensor, ids: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
+def pooled(weight: torch.Tensor, ids: np.ndarray, lengths: np.ndarray, mode: str = "sum") -> torch.Tensor:
     offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64))
-    return F.embedding_bag(torch.from_numpy(ids.astype(np.int64)), weight, offsets, mode="sum")
+    return F.embedding_bag(torch.from_numpy(ids.astype(np.int64)), weight, offsets, mode=mode)
 
 
-def test_training_and_evaluation_match_plain_pytorch() -> None:
-    tables = [TableConfig("a", CAPACITY, DIM, ("f",)), TableConfig("b", 10, DIM, ("g",))]
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_training_and_evaluation_match_plain_pytorch(pooling: str) -> None:
+    tables = [TableConfig("a", ROWS, DIM, ("f",), pooling=pooling), TableConfig("b", 10, DIM, ("g",))]
     fused = FusedEmbeddingBagCollection(tables, SparseOptimizer("sgd", LR), seed=SEED)
     config = DynamicTableConfig(capacity=CAPACITY, min_count=2, ttl=2, sketch_width=64, sketch_depth=2)
     module = DynamicEmbeddings(fused, [DynamicTable("a", 0, DIM, config)], SEED)
     reference = ReferenceMap(CAPACITY, 2, 2, 64, 2, table=0)
-    wa = initial_table_weight(0, CAPACITY, DIM, SEED).clone().requires_grad_()
+    wa = initial_table_weight(0, ROWS, DIM, SEED).clone().requires_grad_()
     wb = initial_table_weight(1, 10, DIM, SEED).clone().requires_grad_()
     reinitialised = 0
     for lengths, f_ids, g_ids in batches(30):
@@ -60,20 +64,20 @@ def test_training_and_evaluation_match_plain_pytorch() -> None:
         slots, reinit = reference.train(f_ids.tolist())
         with torch.no_grad():
             for slot, generation in reinit:
-                wa[slot] = torch.from_numpy(initial_rows(SEED, 0, np.array([generation * CAPACITY + slot]),
-                                                         CAPACITY, DIM))[0]
+                wa[slot] = torch.from_numpy(initial_rows(SEED, 0, np.array([generation * ROWS + slot]),
+                                                         ROWS, DIM))[0]
+            if min(slots, default=0) < 0:  # the default row is read: zero again
+                wa[CAPACITY] = 0.0
         reinitialised += len(reinit)
-        slots = np.array(slots, dtype=np.int64)
-        bag = np.repeat(np.arange(B), lengths)
-        kept = np.bincount(bag[slots >= 0], minlength=B)
-        expected = torch.cat([pooled(wa, slots[slots >= 0], kept), pooled(wb, g_ids, np.ones(B, np.int64))], dim=1)
+        slots = np.where(np.array(slots, dtype=np.int64) < 0, CAPACITY, slots)
+        expected = torch.cat([pooled(wa, slots, lengths, pooling), pooled(wb, g_ids, np.ones(B, np.int64))], dim=1)
         torch.testing.assert_close(out.detach(), expected.detach(), rtol=0, atol=1e-6)
         (expected * target).sum().backward()
         with torch.no_grad():
             for w in (wa, wb):
                 w -= LR * w.grad
                 w.grad = None
-        torch.testing.assert_close(fused.table_weight("a"), wa.detach(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(fused.table_weight("a"), wa.detach(), rtol=0, atol=1e-5)  # default row too
         torch.testing.assert_close(fused.table_weight("b"), wb.detach(), rtol=0, atol=1e-5)
     assert reinitialised > 0 and module.counters()["a"]["evicted"] > 0
 
@@ -81,15 +85,16 @@ def test_training_and_evaluation_match_plain_pytorch() -> None:
     before = module.dynamic_state(full=True)
     with torch.no_grad():
         out = module.eval()(kjt(lengths, f_ids, g_ids))
-    known = np.array([reference.slot_of.get(i, -1) for i in f_ids.tolist()], dtype=np.int64)
-    kept = np.bincount(np.repeat(np.arange(B), lengths)[known >= 0], minlength=B)
-    torch.testing.assert_close(out[:, :DIM], pooled(wa.detach(), known[known >= 0], kept), rtol=0, atol=1e-6)
+    known = np.array([reference.slot_of.get(i, CAPACITY) for i in f_ids.tolist()], dtype=np.int64)
+    with torch.no_grad():
+        wa[CAPACITY] = 0.0 if (known == CAPACITY).any() else wa[CAPACITY]
+    torch.testing.assert_close(out[:, :DIM], pooled(wa.detach(), known, lengths, pooling), rtol=0, atol=1e-6)
     after = module.dynamic_state(full=True)
     assert np.array_equal(before["a"]["map"]["meta"], after["a"]["map"]["meta"])  # evaluation changes no map
 
 
 def test_advance_partition_expires_partition_ttl_tables_only() -> None:
-    tables = [TableConfig("a", CAPACITY, DIM, ("f",)), TableConfig("b", 10, DIM, ("g",))]
+    tables = [TableConfig("a", ROWS, DIM, ("f",)), TableConfig("b", 10, DIM, ("g",))]
     fused = FusedEmbeddingBagCollection(tables, SparseOptimizer("sgd", LR), seed=SEED)
     advance_partition(fused)  # no dynamic tables: nothing to do
     config = DynamicTableConfig(capacity=CAPACITY, ttl=1, ttl_unit="partitions")

@@ -26,7 +26,7 @@ def test_dynamic_tables_are_planned_by_capacity_with_their_map(raw_dataset: Data
                                     "model": {"embedding_dim": 8, "bottom_mlp": [16, 8], "dynamic": dynamic}})
     result = plan_for_config(raw_dataset, config, 2)
     specs = {t.name: t for t in result.tables}
-    assert {name: spec.rows for name, spec in specs.items()} == {name: d["capacity"] for name, d in dynamic.items()}
+    assert {name: spec.rows for name, spec in specs.items()} == {name: d["capacity"] + 1 for name, d in dynamic.items()}
     table = DynamicTable("t_C1", 0, 8, config.model.dynamic["t_C1"])
     assert specs["t_C1"].index_bytes == table.map.nbytes + table.sketch.counts.nbytes
     total_rows_bytes = sum(t.rows * t.row_bytes(t.dim) for t in result.tables)

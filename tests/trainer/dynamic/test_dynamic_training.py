@@ -44,6 +44,7 @@ def map_state(run_dir) -> list[dict]:
     return [d["incremental"] for d in load_dense_chain(checkpoint.open_checkpoint(run_dir / "checkpoint"))]
 
 
+@pytest.mark.slow
 def test_resume_with_evictions_in_flight_is_bit_identical(raw_dataset, tmp_path):
     whole = train(config_for(raw_dataset, tmp_path / "whole"))
     assert all(c["evicted"] > 0 and c["rejected"] > 0 for c in whole["dynamic"].values())
@@ -58,6 +59,7 @@ def test_resume_with_evictions_in_flight_is_bit_identical(raw_dataset, tmp_path)
     assert len(map_state(tmp_path / "whole")) > 1  # the maps restored from a full checkpoint and increments
 
 
+@pytest.mark.slow
 def test_same_data_and_seed_give_the_same_map_and_weights(raw_dataset, tmp_path):
     runs = [train(config_for(raw_dataset, tmp_path / f"run{i}", checkpoint={"mode": "full", "every_steps": 0},
                              train={"batch_size": 128, "eval_batch_size": 500, "epochs": 1, "log_every": 4,
@@ -85,6 +87,7 @@ def test_counters_are_in_the_metrics(raw_dataset, tmp_path):
     assert last["live"] == min(64, last["admitted"] - last["evicted"])
 
 
+@pytest.mark.slow
 def test_a_store_backed_dynamic_table_trains_as_in_memory(raw_dataset, tmp_path):
     memory = train(config_for(raw_dataset, tmp_path / "memory", checkpoint={"every_steps": 0}))
     store = train(config_for(raw_dataset, tmp_path / "store", checkpoint={"every_steps": 0},

@@ -20,7 +20,7 @@ from neorec.trainer.embedding.fused import ShardView
 
 
 class DynamicEmbeddings(nn.Module):
-    """``inner`` (a module over all tables, whose dynamic ones hold ``capacity`` rows) behind
+    """``inner`` (a module over all tables, whose dynamic ones hold ``capacity + 1`` rows) behind
     the id → slot step of ``tables``; ``seed`` keys the rows of re-initialised slots.
 
     The output is the inner module's: float32 ``[B, sum of the feature dims]``."""
@@ -44,8 +44,9 @@ class DynamicEmbeddings(nn.Module):
         return self.inner(self.remap(sparse))
 
     def remap(self, sparse: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """``sparse`` with the dynamic tables' ids replaced by their slots (ids without a slot
-        left out); a training batch first updates the maps and re-initialises reused slots."""
+        """``sparse`` with the dynamic tables' ids replaced by their slots (ids without a slot:
+        the default row, zeroed first); a training batch first updates the maps and
+        re-initialises reused slots."""
         training = self.training and torch.is_grad_enabled()
         values = sparse.values.numpy()
         slots = values.copy()
@@ -58,6 +59,10 @@ class DynamicEmbeddings(nn.Module):
                     self._reinitialise(table, reinit)
             else:
                 found = table.map.lookup(ids)
+            missing = found < 0
+            if missing.any():
+                found[missing] = table.default_row
+                self._zero_default(table)
             start = 0
             for span in spans:
                 slots[span] = found[start : start + span.stop - span.start]
@@ -68,6 +73,13 @@ class DynamicEmbeddings(nn.Module):
         rows = torch.from_numpy(reinit.slots)
         _, states = self.inner.read_rows(table.name, rows)
         self.inner.write_rows(table.name, rows, table.initial_rows(reinit, self.seed),
+                              [torch.zeros_like(s) for s in states])
+
+    def _zero_default(self, table: DynamicTable) -> None:
+        """Zero the default row and its optimizer state (a step may have updated them)."""
+        rows = torch.tensor([table.default_row], dtype=torch.int64)
+        weights, states = self.inner.read_rows(table.name, rows)
+        self.inner.write_rows(table.name, rows, torch.zeros_like(weights, dtype=torch.float32),
                               [torch.zeros_like(s) for s in states])
 
     def advance_partition(self) -> None:

@@ -1,8 +1,12 @@
 """A dynamic table's state (map, admission sketch, clock) and the step that turns a batch's
 raw ids into slots before the fused kernel runs.
 
+The table holds ``capacity + 1`` rows: a slot per admitted id, and the last row, the
+*default* row, which every id without a slot reads; it is zero whenever a batch reads it
+(its update is discarded: it is zeroed again before the next lookup that reads it).
+
 A slot that held another id before is re-initialised before its new id reads it: its row
-becomes the initial row of "virtual row" ``generation * capacity + slot`` of the table
+becomes the initial row of "virtual row" ``generation * (capacity + 1) + slot`` of the table
 (:func:`neorec.embedding_store.initial.initial_rows`, a pure function of seed, table and that
 row; generation 0 is the table's initial weights) and its optimizer state zeros.
 """
@@ -48,6 +52,16 @@ class DynamicTable:
         """The TTL clock: steps trained, or partitions ended (``ttl_unit``)."""
 
     @property
+    def rows(self) -> int:
+        """Rows of the table: a slot per id, and the default row."""
+        return self.config.capacity + 1
+
+    @property
+    def default_row(self) -> int:
+        """The row ids without a slot read (zeros)."""
+        return self.config.capacity
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the map and the sketch."""
         return self.map.nbytes + self.sketch.nbytes
@@ -79,8 +93,8 @@ class DynamicTable:
 
     def initial_rows(self, reinit: Reinit, seed: int) -> torch.Tensor:
         """float32 ``[k, dim]``: the rows ``reinit``'s slots start their generation with."""
-        virtual = reinit.generations * self.config.capacity + reinit.slots
-        return torch.from_numpy(initial_rows(seed, self.index, virtual, self.config.capacity, self.dim))
+        virtual = reinit.generations * self.rows + reinit.slots
+        return torch.from_numpy(initial_rows(seed, self.index, virtual, self.rows, self.dim))
 
     def counters(self) -> dict[str, int]:
         return self.map.counters()
@@ -108,13 +122,5 @@ def table_spans(sparse: KeyedJaggedTensor, features: tuple[str, ...]) -> list[sl
 
 
 def with_slots(sparse: KeyedJaggedTensor, slots: np.ndarray) -> KeyedJaggedTensor:
-    """``sparse`` with its values replaced by ``slots`` (int64 ``[n]``) and the ids whose slot
-    is -1 left out of their bags (they add zeros to a sum)."""
-    keep = slots >= 0
-    if keep.all():
-        return KeyedJaggedTensor(sparse.keys, sparse.lengths, torch.from_numpy(slots), sparse.weights)
-    lengths = sparse.lengths.numpy()
-    bag = np.repeat(np.arange(lengths.size), lengths)
-    dropped = np.bincount(bag[~keep], minlength=lengths.size).astype(np.int32)
-    weights = None if sparse.weights is None else sparse.weights[torch.from_numpy(keep)]
-    return KeyedJaggedTensor(sparse.keys, torch.from_numpy(lengths - dropped), torch.from_numpy(slots[keep]), weights)
+    """``sparse`` with its values replaced by ``slots`` (int64 ``[n]``)."""
+    return KeyedJaggedTensor(sparse.keys, sparse.lengths, torch.from_numpy(slots), sparse.weights)
