@@ -147,6 +147,8 @@ def _map_throughput(live: int, lookups: int) -> dict[str, Any]:
 def _peak_rss(distinct: int, capacity: int) -> dict[str, Any]:
     """Peak RSS of a fresh process streaming ``distinct`` ids (each twice) through a dynamic
     table of ``capacity`` slots (rows and optimizer state included)."""
-    out = subprocess.run([sys.executable, "-m", "neorec.benchmarks.dynamic_rss", str(distinct), str(capacity),
-                          str(DIM)], check=True, capture_output=True, text=True).stdout
-    return json.loads(out)
+    done = subprocess.run([sys.executable, "-m", "neorec.benchmarks.dynamic_rss", str(distinct), str(capacity),
+                           str(DIM)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the memory benchmark failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout)

@@ -40,10 +40,9 @@ def measure(distinct: int, capacity: int, dim: int) -> dict[str, int]:
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # the peak starts again from the current RSS
     before = rss_bytes("VmRSS")
+    table = DynamicTable("t", 0, dim, DynamicTableConfig(capacity=capacity, min_count=2))
     optimizer = SparseOptimizer("rowwise_adagrad", 0.05)
-    fused = FusedEmbeddingBagCollection([TableConfig("t", capacity, dim, ("f",))], optimizer, seed=0)
-    config = DynamicTableConfig(capacity=capacity, min_count=2)
-    table = DynamicTable("t", 0, dim, config)
+    fused = FusedEmbeddingBagCollection([TableConfig("t", table.rows, dim, ("f",))], optimizer, seed=0)
     module = DynamicEmbeddings(fused, [table], seed=0).train()
     rows_bytes = sum(v.weight.numel() * v.weight.element_size() + sum(s.numel() * 4 for s in v.states)
                      for v in fused.shard_views())
