@@ -387,6 +387,8 @@ class TrainConfig:
         for section in (self.data, self.model, self.optimizer, self.train, self.sharding, self.checkpoint, self.run,
                         self.security, self.launch, self.embedding_store):
             section.validate()
+        if self.model.dynamic and self.launch.nproc > 1:
+            raise ConfigError("model.dynamic: dynamic tables train in one process for now (launch.nproc = 1)")
 
     def to_dict(self) -> dict[str, Any]:
         """The config as TOML would write it (``from_dict`` reads it back)."""

@@ -110,6 +110,8 @@ def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None
     storage = {"weight_dtype": config.model.weight_dtype, "stochastic_rounding": config.model.stochastic_rounding,
                "kernels": config.train.kernels}
     on_store = {} if plan is None else plan.on_store()
+    if config.model.dynamic and plan is not None and plan.world_size > 1:
+        raise ConfigError("model.dynamic: dynamic tables train in one process for now (launch.nproc = 1)")
     if plan is not None and plan.world_size > 1:
         embeddings = ShardedEmbeddingBagCollection(
             tables, sparse_optimizer(config), plan, seed=seed,
@@ -128,8 +130,6 @@ def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None
         embeddings = FusedEmbeddingBagCollection(tables, sparse_optimizer(config), seed=seed,
                                                  initial_weights=initial, **storage)
     if config.model.dynamic:
-        if plan is not None and plan.world_size > 1:
-            raise ConfigError("model.dynamic: dynamic tables train in one process for now (launch.nproc = 1)")
         embeddings = DynamicEmbeddings(embeddings, [
             DynamicTable(t.name, i, t.embedding_dim, config.model.dynamic[t.name])
             for i, t in enumerate(tables) if t.name in config.model.dynamic], seed)

@@ -1,5 +1,5 @@
 """The planner sizes a dynamic table by its capacity, counts its id map and sketch, and
-``neorec plan`` explains it."""
+``neorec plan`` explains it; a sharded run is refused (dynamic tables train in one process)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import pytest
 
 from neorec.ingest.schema import Dataset
 from neorec.ingest.synth import SynthSpec, generate
-from neorec.trainer.config import TrainConfig
+from neorec.trainer.config import ConfigError, TrainConfig
 from neorec.trainer.embedding.dynamic.table import DynamicTable
 from neorec.trainer.planner.from_config import plan_for_config
+from neorec.trainer.run.build import build_model
 from neorec.trainer.planner.render import render
 
 
@@ -32,6 +33,8 @@ def test_dynamic_tables_are_planned_by_capacity_with_their_map(raw_dataset: Data
     total_rows_bytes = sum(t.rows * t.row_bytes(t.dim) for t in result.tables)
     total_index = sum(t.index_bytes for t in result.tables)
     assert sum(result.memory) == pytest.approx(total_rows_bytes + total_index)
+    with pytest.raises(ConfigError, match="dynamic tables train in one process"):
+        build_model(raw_dataset, config, result.plan)
     text = render(result)
     assert "dynamic tables" in text
     assert "t_C1: capacity 1,000 rows, min_count 2, ttl 5 steps, LRU when full" in text

@@ -109,3 +109,5 @@ def test_raw_ids_need_a_dynamic_table_and_dynamic_tables_need_the_data(raw_datas
         train(config)
     with pytest.raises(ConfigError, match=r"model.dynamic.t_C1.capacity: must be a positive"):
         TrainConfig.from_dict({"model": {"dynamic": {"t_C1": {"capacity": 0}}}})
+    with pytest.raises(ConfigError, match=r"dynamic tables train in one process for now \(launch.nproc = 1\)"):
+        TrainConfig.from_dict({"model": {"dynamic": {"t_C1": {"capacity": 8}}}, "launch": {"nproc": 2}})
