@@ -59,7 +59,6 @@ def test_resume_with_evictions_in_flight_is_bit_identical(raw_dataset, tmp_path)
     assert len(map_state(tmp_path / "whole")) > 1  # the maps restored from a full checkpoint and increments
 
 
-@pytest.mark.slow
 def test_same_data_and_seed_give_the_same_map_and_weights(raw_dataset, tmp_path):
     runs = [train(config_for(raw_dataset, tmp_path / f"run{i}", checkpoint={"mode": "full", "every_steps": 0},
                              train={"batch_size": 128, "eval_batch_size": 500, "epochs": 1, "log_every": 4,
