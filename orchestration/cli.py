@@ -191,6 +191,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--nproc", type=int, default=1,
                        help="train: compare N sharded trainer processes with one process; "
                             "collectives: ranks (at least 2)")
+    bench.add_argument("--contend", action="store_true",
+                       help="train: the demo's step quiet and beside one competing CPU-bound process")
     bench.set_defaults(run=_bench)
     return parser
 
@@ -435,7 +437,8 @@ def _status(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from neorec.benchmarks import run_benchmark
 
-    results = run_benchmark(args.name, quick=args.quick, nproc=args.nproc, threads=args.threads)
+    results = run_benchmark(args.name, quick=args.quick, nproc=args.nproc, threads=args.threads,
+                            contend=args.contend)
     text = json.dumps(results, indent=2, sort_keys=True)
     print(text)
     if args.json:

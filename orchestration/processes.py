@@ -11,6 +11,8 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
+from neorec.common.cpus import available_cpus
+
 _READY = re.compile(r"serving on (\S+)")
 
 
@@ -67,6 +69,6 @@ def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:
 def run_torchrun(nproc: int, neorec_args: list[str]) -> int:
     """Run ``neorec NEOREC_ARGS`` as ``nproc`` ranks on this host under torchrun; returns
     torchrun's exit status."""
-    threads = str(max(1, (os.cpu_count() or 1) // nproc))  # the ranks share this host's cores
+    threads = str(max(1, available_cpus() // nproc))  # the ranks share the CPUs this process may use
     command = torchrun_command(nproc, "neorec.orchestration.cli", neorec_args)
     return subprocess.run(command, check=False, env={**os.environ, "OMP_NUM_THREADS": threads}).returncode

@@ -83,9 +83,9 @@ class TrainingRun:
         loop = config.train
         self.config = config
         self.context = context
+        set_threads(loop.threads, context.local_world_size)  # from the CPUs of all ranks, so before pinning
         if loop.pin_cores:
             pin_rank(context.local_rank, context.local_world_size)
-        set_threads(loop.threads, context.local_world_size)
         torch.manual_seed(loop.seed)
         self.dataset = Dataset.load(config.data.path)
         check_dense_transform(self.dataset, config)
