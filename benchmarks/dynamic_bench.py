@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from neorec.benchmarks import dynamic_rss
 from neorec.benchmarks.timing import interleaved_rates
 from neorec.benchmarks.train_bench import _load_batches, _step
 from neorec.common.hashing import splitmix64
@@ -164,7 +165,7 @@ def _map_throughput(live: int, lookups: int) -> dict[str, Any]:
 def _peak_rss(distinct: int, capacity: int) -> dict[str, Any]:
     """Peak RSS of a fresh process streaming ``distinct`` ids (each twice) through a dynamic
     table of ``capacity`` slots (rows and optimizer state included)."""
-    done = subprocess.run([sys.executable, "-m", "neorec.benchmarks.dynamic_rss", str(distinct), str(capacity),
+    done = subprocess.run([sys.executable, "-m", dynamic_rss.__name__, str(distinct), str(capacity),
                            str(DIM)], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the memory benchmark failed: {done.stderr[-2000:]}")
