@@ -44,7 +44,6 @@ def map_state(run_dir) -> list[dict]:
     return [d["incremental"] for d in load_dense_chain(checkpoint.open_checkpoint(run_dir / "checkpoint"))]
 
 
-@pytest.mark.slow
 def test_resume_with_evictions_in_flight_is_bit_identical(raw_dataset, tmp_path):
     whole = train(config_for(raw_dataset, tmp_path / "whole"))
     assert all(c["evicted"] > 0 and c["rejected"] > 0 for c in whole["dynamic"].values())
@@ -86,7 +85,6 @@ def test_counters_are_in_the_metrics(raw_dataset, tmp_path):
     assert last["live"] == min(64, last["admitted"] - last["evicted"])
 
 
-@pytest.mark.slow
 def test_a_store_backed_dynamic_table_trains_as_in_memory(raw_dataset, tmp_path):
     memory = train(config_for(raw_dataset, tmp_path / "memory", checkpoint={"every_steps": 0}))
     store = train(config_for(raw_dataset, tmp_path / "store", checkpoint={"every_steps": 0},
