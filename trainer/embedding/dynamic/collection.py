@@ -34,6 +34,8 @@ class DynamicEmbeddings(nn.Module):
         self.output_dim = inner.output_dim
         features = {t.name: t.feature_names for t in inner.tables}
         self._features = {name: features[name] for name in self.dynamic}
+        self._zero_rows: dict[str, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
+        """Per table: its default row's number, and a zero row and zero optimizer states."""
 
     @property
     def local(self) -> nn.Module:
@@ -77,10 +79,12 @@ class DynamicEmbeddings(nn.Module):
 
     def _zero_default(self, table: DynamicTable) -> None:
         """Zero the default row and its optimizer state (a step may have updated them)."""
-        rows = torch.tensor([table.default_row], dtype=torch.int64)
-        weights, states = self.inner.read_rows(table.name, rows)
-        self.inner.write_rows(table.name, rows, torch.zeros_like(weights, dtype=torch.float32),
-                              [torch.zeros_like(s) for s in states])
+        if table.name not in self._zero_rows:
+            rows = torch.tensor([table.default_row], dtype=torch.int64)
+            weights, states = self.inner.read_rows(table.name, rows)
+            self._zero_rows[table.name] = (rows, torch.zeros_like(weights), [torch.zeros_like(s) for s in states])
+        rows, weights, states = self._zero_rows[table.name]
+        self.inner.write_rows(table.name, rows, weights, states)
 
     def advance_partition(self) -> None:
         """A partition of a continuous-training run ended: tables whose TTL counts partitions
