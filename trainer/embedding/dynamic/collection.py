@@ -52,8 +52,9 @@ class DynamicEmbeddings(nn.Module):
         training = self.training and torch.is_grad_enabled()
         values = sparse.values.numpy()
         slots = values.copy()
+        offsets = sparse.offsets().numpy()
         for name, table in self.dynamic.items():
-            spans = table_spans(sparse, self._features[name])
+            spans = table_spans(sparse, offsets, self._features[name])
             ids = np.concatenate([values[s] for s in spans]) if spans else np.zeros(0, np.int64)
             if training:
                 found, reinit = table.train_ids(ids)

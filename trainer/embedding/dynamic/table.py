@@ -114,9 +114,9 @@ class DynamicTable:
         self.sketch.dirty[:] = 0
 
 
-def table_spans(sparse: KeyedJaggedTensor, features: tuple[str, ...]) -> list[slice]:
-    """Where the ids of ``features`` lie in ``sparse.values``, feature by feature."""
-    offsets = sparse.offsets().numpy()
+def table_spans(sparse: KeyedJaggedTensor, offsets: np.ndarray, features: tuple[str, ...]) -> list[slice]:
+    """Where the ids of ``features`` lie in ``sparse.values``, feature by feature
+    (``offsets``: ``sparse.offsets()`` as numpy)."""
     b = sparse.batch_size
     return [slice(int(offsets[f * b]), int(offsets[(f + 1) * b])) for f in sparse.positions_of(features)]
 
