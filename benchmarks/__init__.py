@@ -38,6 +38,8 @@ def run_benchmark(name: str, quick: bool = False, nproc: int = 1, threads: int =
         from neorec.benchmarks.dynamic_bench import run
     elif name == "store":
         from neorec.benchmarks.store_bench import run
+    elif name == "follow":
+        from neorec.benchmarks.follow_bench import run
     else:
         raise ValueError(f"unknown benchmark {name!r}")
     return run(quick=quick)

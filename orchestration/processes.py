@@ -71,4 +71,14 @@ def run_torchrun(nproc: int, neorec_args: list[str]) -> int:
     torchrun's exit status."""
     threads = str(max(1, available_cpus() // nproc))  # the ranks share the CPUs this process may use
     command = torchrun_command(nproc, "neorec.orchestration.cli", neorec_args)
-    return subprocess.run(command, check=False, env={**os.environ, "OMP_NUM_THREADS": threads}).returncode
+    process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": threads})
+    # Ctrl-C reaches torchrun and the ranks from the terminal, and SIGTERM is passed on:
+    # either way the ranks stop as they choose (following partitions: after a checkpoint),
+    # so this process waits for them instead of killing them.
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum))}
+    try:
+        return process.wait()
+    finally:
+        for kind, handler in previous.items():
+            signal.signal(kind, handler)

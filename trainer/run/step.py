@@ -32,6 +32,14 @@ class StepReport:
     """Of the training time so far (completed epochs), the share spent waiting for batches."""
     last_checkpoint: str = ""
     """The newest checkpoint committed ("" before the first)."""
+    partition: str = ""
+    """Following partitions: the partition being trained, or the last one trained while
+    ``phase`` is ``waiting``."""
+    marker_time: float = 0.0
+    """Following partitions: when that partition's ``_SUCCESS`` marker was written
+    (wall-clock seconds; the lag is measured from it)."""
+    phase: str = "training"
+    """``training`` (a step was taken) or ``waiting`` (for the next partition; no step)."""
     dynamic: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per dynamic table its ``admitted``, ``rejected``, ``evicted`` and ``live`` counts."""
 

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from neorec.embedding_store.initial import initial_rows
 from neorec.trainer.batch import KeyedJaggedTensor
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
-from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings, advance_partition
+from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings
+from neorec.trainer.run.follow import PARTITION_END_HOOK
 from neorec.trainer.embedding.dynamic.config import DynamicTableConfig
 from neorec.trainer.embedding.dynamic.table import DynamicTable
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection, initial_table_weight
@@ -93,15 +94,15 @@ def test_training_and_evaluation_match_plain_pytorch(pooling: str) -> None:
     assert np.array_equal(before["a"]["map"]["meta"], after["a"]["map"]["meta"])  # evaluation changes no map
 
 
-def test_advance_partition_expires_partition_ttl_tables_only() -> None:
+def test_the_partition_end_hook_expires_partition_ttl_tables() -> None:
     tables = [TableConfig("a", ROWS, DIM, ("f",)), TableConfig("b", 10, DIM, ("g",))]
     fused = FusedEmbeddingBagCollection(tables, SparseOptimizer("sgd", LR), seed=SEED)
-    advance_partition(fused)  # no dynamic tables: nothing to do
     config = DynamicTableConfig(capacity=CAPACITY, ttl=1, ttl_unit="partitions")
     module = DynamicEmbeddings(fused, [DynamicTable("a", 0, DIM, config)], SEED)
     module(kjt(np.ones(B, np.int32), np.arange(B, dtype=np.int64) % 3, np.zeros(B, np.int64)))
     assert module.counters()["a"]["live"] == 3
-    advance_partition(module)
+    end_of = getattr(module, PARTITION_END_HOOK)  # what the follow loop calls
+    end_of("2024-01-01T00")
     assert module.counters()["a"]["live"] == 3
-    advance_partition(module)
+    end_of("2024-01-01T01")
     assert module.counters()["a"] == {"admitted": 3, "rejected": 0, "evicted": 3, "live": 0}

@@ -87,9 +87,10 @@ class DynamicEmbeddings(nn.Module):
         rows, weights, states = self._zero_rows[table.name]
         self.inner.write_rows(table.name, rows, weights, states)
 
-    def advance_partition(self) -> None:
-        """A partition of a continuous-training run ended: tables whose TTL counts partitions
-        advance their clock and evict the ids unseen for longer than it."""
+    def on_partition_end(self, name: str) -> None:
+        """Partition ``name`` of a continuous-training run is trained (the follow loop's hook,
+        :data:`~neorec.trainer.run.follow.PARTITION_END_HOOK`): tables whose TTL counts
+        partitions advance their clock and evict the ids unseen for longer than it."""
         for table in self.dynamic.values():
             table.advance_partition()
 
@@ -124,10 +125,3 @@ class DynamicEmbeddings(nn.Module):
     def table_weight(self, name: str) -> torch.Tensor:
         return self.inner.table_weight(name)
 
-
-def advance_partition(embeddings: nn.Module) -> None:
-    """Tell a model's embeddings that a partition of a continuous-training run ended (the
-    follow loop calls it after training on each partition): with dynamic tables,
-    :meth:`DynamicEmbeddings.advance_partition`; otherwise nothing to do."""
-    if isinstance(embeddings, DynamicEmbeddings):
-        embeddings.advance_partition()
