@@ -17,7 +17,7 @@ class DynamicTableConfig:
     ``sketch_width`` counters, 0: the power of two at or above twice the capacity; its memory
     does not grow with the ids seen); until then it
     reads zeros and gets no update. A full table gives the least recently used id's slot to
-    a new one; ``ttl`` (0: none) evicts an id not seen for more than ``ttl`` steps, or
+    a new one; ``ttl`` (0: none) evicts an id not seen in the last ``ttl`` steps, or
     partitions of a continuous-training run (``ttl_unit``).
     """
 
