@@ -14,6 +14,7 @@ from neorec.ingest.synth import SynthSpec, generate
 from neorec.trainer import checkpoint
 from neorec.trainer.checkpoint.restore import load_dense_chain
 from neorec.trainer.config import ConfigError, TrainConfig
+from neorec.trainer.run.build import build_model
 from neorec.trainer.run.train import train
 from tests.trainer.checkpoint.test_resume import Crash, crash_after, metrics
 from tests.trainer.test_train import final_state, untimed
@@ -56,6 +57,10 @@ def test_resume_with_evictions_in_flight_is_bit_identical(raw_dataset, tmp_path)
     a, b = final_state(tmp_path / "whole"), final_state(tmp_path / "stopped")
     assert all(a[k].equal(b[k]) for k in a)
     assert len(map_state(tmp_path / "whole")) > 1  # the maps restored from a full checkpoint and increments
+    restorable = checkpoint.open_checkpoint(tmp_path / "whole" / "checkpoint")  # as evaluating a checkpoint does
+    model = build_model(raw_dataset, TrainConfig.from_dict(restorable.manifest.config))
+    checkpoint.restore_model(restorable, model)
+    assert model.embeddings.counters() == whole["dynamic"]
 
 
 def test_same_data_and_seed_give_the_same_map_and_weights(raw_dataset, tmp_path):
