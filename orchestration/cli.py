@@ -85,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
                             "train/eval splits")
     synth.add_argument("--drift", type=float, default=0.0,
                        help="with --partitions: quarter turns the planted teacher's id vectors rotate per partition")
+    synth.add_argument("--raw-ids", action="store_true", help="raw 64-bit ids, for dynamic tables")
+    synth.add_argument("--id-space", type=at_least(0), default=0,
+                       help="ids each feature draws from (Zipf; default: the profile's cardinalities)")
     synth.set_defaults(run=_synth)
     importer = data.add_parser("import", help="import CSV/TSV/Parquet click logs (an import spec, or flags)")
     importer.add_argument("spec", nargs="?", help="import spec (TOML; see ingest/import_spec.py)")
@@ -198,7 +201,7 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks: ours against a baseline, side by side")
     bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives", "checkpoint", "store", "import",
-                                                "follow"))
+                                        "follow", "dynamic"))
     bench.add_argument("--json", help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (for smoke tests)")
     bench.add_argument("--threads", type=at_least(0), default=0,
@@ -216,7 +219,7 @@ def _synth(args: argparse.Namespace) -> int:
     from neorec.ingest.synth import SynthSpec, generate
 
     spec = SynthSpec(profile=args.profile, rows=args.rows, seed=args.seed, eval_fraction=args.eval_fraction,
-                     partitions=args.partitions, drift=args.drift)
+                     partitions=args.partitions, drift=args.drift, raw_ids=args.raw_ids, id_space=args.id_space)
     with staged_output(args.out, args.overwrite) as staging, \
             tqdm(total=spec.rows, unit="rows", desc=f"synth {spec.profile}") as bar:
         dataset = generate(spec, staging, progress=bar.update)

@@ -139,6 +139,12 @@ def load_dense(restorable: Restorable) -> dict[str, Any]:
     return dense
 
 
+def load_dense_chain(restorable: Restorable) -> list[dict[str, Any]]:
+    """Rank 0's dense state of every checkpoint of the chain, oldest (the full one) first:
+    the state kept incrementally is spread over them."""
+    return [load_dense(Restorable(restorable.root, manifest, [])) for manifest in restorable.chain]
+
+
 def _check_tables(manifest: Manifest, views: list[ShardView]) -> dict[str, list[int]]:
     by_table: dict[str, list[int]] = {}
     for index, view in enumerate(views):

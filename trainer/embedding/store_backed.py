@@ -470,6 +470,28 @@ class StoreBackedEmbeddings(nn.Module):
             start += width
         return weights[0].to(torch.float32), weights[1:]
 
+    def write_rows(self, name: str, rows: torch.Tensor, weights: torch.Tensor, states: list[torch.Tensor]) -> None:
+        """Overwrite rows ``rows`` (int64 ``[n]``, distinct) of table ``name`` with ``weights``
+        ``[n, dim]`` and optimizer ``states`` (as the fused module's :meth:`write_rows`),
+        wherever they are: a cached row in the cache (dirty), any other on the tier."""
+        table = self.store.get(name)
+        if table is None:
+            self.module.write_rows(name, rows, weights, states)
+            return
+        self._join_ahead()
+        table.flush_scratch()
+        rows = rows.to(torch.int64).numpy()
+        parts = [_bytes(weights.to(table.weight.dtype))] + [_bytes(s.to(torch.float32)) for s in states]
+        data = np.concatenate(parts, axis=1)
+        slots = table.cache.lookup(rows)
+        cached = slots >= 0
+        if cached.any():
+            table.scatter(slots[cached], data[cached])
+            table.cache.dirty[slots[cached]] = True
+        if (~cached).any():
+            table.tier.write(rows[~cached], data[~cached])
+        table.staged = {}
+
     def shard_views(self) -> list[ShardView]:
         """The tables held in memory as views (store tables are checkpointed with their tier)."""
         return [v for v in self.module.shard_views() if v.table not in self.store]

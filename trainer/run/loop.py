@@ -47,6 +47,7 @@ from neorec.trainer.run.follow import Follower
 from neorec.trainer.run.readers import (batches, check_dense_transform, check_splits, eval_reader_config, make_reader,
                                          train_reader_config)
 from neorec.trainer.run.step import ProgressFn, StepReport, set_threads, train_step
+from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings
 from neorec.trainer.run.tensorboard import open_board
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StorePiece, store_of
 from neorec.trainer.run.warmup import compile_kernels
@@ -221,8 +222,8 @@ class TrainingRun:
             stream = source or stream
         if context.distributed:
             stream = _distributed(self.dlrm, stream)
-        if self.store is not None:
-            stream = _announced(stream, self.store)
+        if self.store is not None and not isinstance(self.dlrm.embeddings, DynamicEmbeddings):
+            stream = _announced(stream, self.store)  # (a dynamic table's slots are known only at its step)
         interval = _Interval(context, state)
         full_batches = self.config.data.remainder == "drop"
         try:
@@ -236,12 +237,14 @@ class TrainingRun:
                     progress(StepReport(state.global_step, state.epoch, share * context.world_size, interval.qps(),
                                         self.total_steps,
                                         state.wait_seconds / state.train_seconds if state.train_seconds else 0.0,
-                                        committed.name if committed else ""))
+                                        committed.name if committed else "",
+                                        dynamic=_dynamic_counters(self.dlrm).get("dynamic", {})))
                 time_due = False
                 if state.global_step % self.config.train.log_every == 0 or state.global_step == self.total_steps:
                     report, time_due = interval.close(self.checkpointer.due_by_time())
                     self.log.write({"split": "train", "step": state.global_step, "epoch": state.epoch,
-                                    **({"partition": state.partition} if state.partition else {}), **report})
+                                    **({"partition": state.partition} if state.partition else {}), **report,
+                                    **_dynamic_counters(self.dlrm)})
                     interval = _Interval(context, state)
                 best = False
                 if self.config.train.eval_every and state.global_step % self.config.train.eval_every == 0:
@@ -297,6 +300,7 @@ class TrainingRun:
             summary["store"] = self.store_report
         if self.resume_skipped:
             summary["resume_skipped"] = self.resume_skipped
+        summary.update(_dynamic_counters(self.dlrm))
         if self.follower is not None:
             summary.update(self.follower.summary())
         if self.context.is_main:
@@ -319,7 +323,8 @@ class TrainingRun:
             world_size=context.world_size, attempt=attempt[0], views=embeddings.shard_views, store=self._store_pieces,
             local_optimizer_steps=embeddings.local_optimizer_steps, tables=tables, run_config=config.to_dict(),
             plan=None if self.plan is None else self.plan.to_dict(),
-            sum_over_ranks=partial(global_sum, context), commit_timeout_s=config.train.collective_timeout_s)
+            sum_over_ranks=partial(global_sum, context), commit_timeout_s=config.train.collective_timeout_s,
+            incremental_state=embeddings.dynamic_state if isinstance(embeddings, DynamicEmbeddings) else None)
 
     def _store_pieces(self) -> list[StorePiece]:
         """This rank's store pieces, every changed row written back to their tiers."""
@@ -432,6 +437,13 @@ class _Interval:
         state.interval_by_rank = []
         return ({"loss": loss_sum / max(self.steps, 1), "qps": samples / seconds if seconds else 0.0,
                  "samples": int(samples), "seconds": seconds}, due > 0)
+
+
+def _dynamic_counters(model: DLRM) -> dict[str, Any]:
+    """``{"dynamic": per dynamic table its admitted, rejected, evicted and live counts}``, or
+    nothing without dynamic tables."""
+    embeddings = model.embeddings
+    return {"dynamic": embeddings.counters()} if isinstance(embeddings, DynamicEmbeddings) else {}
 
 
 def _prepared(model: DLRM, epoch_batches: Iterator[Batch], steps: int) -> Iterator[tuple[Batch, PreparedSparse]]:
