@@ -102,12 +102,12 @@ class DynamicEmbeddings(nn.Module):
     def dynamic_state(self, full: bool) -> dict[str, Any]:
         """Checkpoint state of every dynamic table: what changed since the last call
         (everything when ``full``)."""
-        return {name: table.delta(full) for name, table in self.dynamic.items()}
+        return {name: _as_tensors(table.delta(full)) for name, table in self.dynamic.items()}
 
     def restore_dynamic(self, chain: list[dict[str, Any]]) -> None:
         """Restore the tables from the :meth:`dynamic_state` of each checkpoint of a chain."""
         for name, table in self.dynamic.items():
-            table.apply([state[name] for state in chain])
+            table.apply([_as_arrays(state[name]) for state in chain])
 
     # ------------------------------------------------------------ the wrapped module
     def shard_views(self) -> list[ShardView]:
@@ -125,3 +125,17 @@ class DynamicEmbeddings(nn.Module):
     def table_weight(self, name: str) -> torch.Tensor:
         return self.inner.table_weight(name)
 
+
+def _as_tensors(state: Any) -> Any:
+    """``state`` with every numpy array as a tensor (sharing its memory): checkpoints hold
+    tensors and plain values only, so they load with ``weights_only=True``."""
+    if isinstance(state, dict):
+        return {key: _as_tensors(value) for key, value in state.items()}
+    return torch.from_numpy(state) if isinstance(state, np.ndarray) else state
+
+
+def _as_arrays(state: Any) -> Any:
+    """The inverse of :func:`_as_tensors`."""
+    if isinstance(state, dict):
+        return {key: _as_arrays(value) for key, value in state.items()}
+    return state.numpy() if isinstance(state, torch.Tensor) else state
