@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from neorec.common.errors import UserError, user_paths
+from neorec.ingest.staging import staged_output
 from neorec.ingest.presets import PRESETS
 from neorec.orchestration.cli_args import add_client_security, at_least, client_security, port, seconds
 from neorec.orchestration.cli_services import add_service_commands
@@ -30,6 +31,7 @@ USER_ERROR = 2
 INTERRUPTED = 130
 BAD_ARGUMENTS = 1
 """``neorec status``'s exit status for bad arguments (grpc_health_probe's)."""
+OVERWRITE_HELP = "replace what --out holds (the old dataset stays until the new one is complete)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,15 +68,20 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--out", required=True)
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--eval-fraction", type=float, default=0.2)
+    synth.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     synth.add_argument("--partitions", type=at_least(0), default=0,
                        help="write the rows as this many time partitions (partitions/NAME/ + _SUCCESS) instead of "
                             "train/eval splits")
     synth.add_argument("--drift", type=float, default=0.0,
                        help="with --partitions: quarter turns the planted teacher's id vectors rotate per partition")
+    synth.add_argument("--raw-ids", action="store_true", help="raw 64-bit ids, for dynamic tables")
+    synth.add_argument("--id-space", type=at_least(0), default=0,
+                       help="ids each feature draws from (Zipf; default: the profile's cardinalities)")
     synth.set_defaults(run=_synth)
     importer = data.add_parser("import", help="import CSV/TSV/Parquet click logs (an import spec, or flags)")
     importer.add_argument("spec", nargs="?", help="import spec (TOML; see ingest/import_spec.py)")
     importer.add_argument("--out", required=True)
+    importer.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     importer.add_argument("--files", nargs="+", help="input files, globs or URIs (input.files)")
     importer.add_argument("--format", choices=("csv", "tsv", "parquet"), help="input.format")
     importer.add_argument("--label", help="the label column (label.column)")
@@ -97,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("format", choices=PRESETS)
     convert.add_argument("files", nargs="+", help="criteo: TSV files; avazu: the train CSV; movielens: its directory")
     convert.add_argument("--out", required=True)
+    convert.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     convert.add_argument("--eval-fraction", type=float, default=0.1,
                          help="the newest rows that form the eval split")
     convert.add_argument("--eval-files", nargs="+", default=[], help="instead: these files are the eval split")
@@ -185,7 +193,7 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks: ours against a baseline, side by side")
     bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives", "checkpoint", "store", "import",
-                                                "follow"))
+                                        "follow", "dynamic"))
     bench.add_argument("--json", help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (for smoke tests)")
     bench.add_argument("--threads", type=at_least(0), default=0,
@@ -203,16 +211,17 @@ def _synth(args: argparse.Namespace) -> int:
     from neorec.ingest.synth import SynthSpec, generate
 
     spec = SynthSpec(profile=args.profile, rows=args.rows, seed=args.seed, eval_fraction=args.eval_fraction,
-                     partitions=args.partitions, drift=args.drift)
-    with user_paths(), LazyBar(total=spec.rows, unit="rows", desc=f"synth {spec.profile}") as bar:
-        dataset = generate(spec, args.out, progress=bar.update)
+                     partitions=args.partitions, drift=args.drift, raw_ids=args.raw_ids, id_space=args.id_space)
+    with user_paths(), staged_output(args.out, args.overwrite) as staging, \
+            LazyBar(total=spec.rows, unit="rows", desc=f"synth {spec.profile}") as bar:
+        dataset = generate(spec, staging, progress=bar.update)
     if spec.partitions:
         from neorec.ingest.partitions import open_partition, partition_names
 
-        described = {name: open_partition(dataset.root, name).info for name in partition_names(dataset.root)}
-        print(json.dumps({"out": str(dataset.root), "partitions": described}, indent=2))
+        described = {name: open_partition(Path(args.out), name).info for name in partition_names(Path(args.out))}
+        print(json.dumps({"out": args.out, "partitions": described}, indent=2))
         return 0
-    print(json.dumps({"out": str(dataset.root), "rows": dataset.rows, "oracle": dataset.oracle}, indent=2))
+    print(json.dumps({"out": args.out, "rows": dataset.rows, "oracle": dataset.oracle}, indent=2))
     return 0
 
 
@@ -248,7 +257,7 @@ def _import(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.spec or 'import flags'}: {err}") from None
     if args.partition is not None:
         return _import_partition(spec, args)
-    return _write_import(spec, None, args.out, args.vocab_from, "import")
+    return _write_import(spec, None, args, "import")
 
 
 def _import_partition(spec, args: argparse.Namespace) -> int:
@@ -273,16 +282,17 @@ def _convert(args: argparse.Namespace) -> int:
     spec, source = preset(args.format, args.files, PresetOptions(
         eval_fraction=args.eval_fraction, eval_files=tuple(args.eval_files), min_count=args.min_count,
         hash_rows=args.hash_rows))
-    return _write_import(spec, source, args.out, None, args.format)
+    return _write_import(spec, source, args, args.format)
 
 
-def _write_import(spec, source, out: str, vocab_from: str | None, profile: str) -> int:
+def _write_import(spec, source, args: argparse.Namespace, profile: str) -> int:
     from neorec.ingest.importer import import_dataset
 
-    with user_paths(), LazyBar(unit="rows", desc=f"{profile} → {out}", unit_scale=True) as bar:
-        dataset = import_dataset(spec, out, source=source, vocab_from=vocab_from, progress=bar.update,
-                                 profile=profile)
-    print(json.dumps({"out": str(dataset.root), "rows": dataset.rows,
+    with user_paths(), staged_output(args.out, args.overwrite) as staging, \
+            LazyBar(unit="rows", desc=f"{profile} → {args.out}", unit_scale=True) as bar:
+        dataset = import_dataset(spec, staging, source=source, vocab_from=getattr(args, "vocab_from", None),
+                                 progress=bar.update, profile=profile)
+    print(json.dumps({"out": args.out, "rows": dataset.rows,
                       "tables": {f.table: f.cardinality for f in dataset.schema.sparse}}, indent=2))
     return 0
 

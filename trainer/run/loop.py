@@ -13,6 +13,7 @@ never stopped.
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 import time
@@ -48,9 +49,12 @@ from neorec.trainer.run.follow import Follower
 from neorec.trainer.run.readers import (batches, check_dense_transform, check_splits, eval_reader_config, make_reader,
                                          train_reader_config)
 from neorec.trainer.run.step import ProgressFn, StepReport, set_threads, train_step
+from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings
 from neorec.trainer.run.tensorboard import open_board
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StorePiece, store_of
 from neorec.trainer.run.warmup import compile_kernels
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -157,6 +161,8 @@ class TrainingRun:
         self.state = LoopState()
         self.metrics_bytes: int | None = None
         self.checkpointer = self._checkpointer()
+        self.resume_skipped: list[dict[str, str]] = []
+        """Newer checkpoints a resume skipped (``checkpoint.fallback``), with the reason."""
         if resume:
             self._restore()
         if loop.background_batches and context.distributed and not resume and self.follower is None:
@@ -174,6 +180,8 @@ class TrainingRun:
         self.log = MetricsLog(self.run_dir / run_directory.METRICS if context.is_main else None,
                               keep_bytes=self.metrics_bytes)
         self.acquired.callback(self.log.close)
+        for skipped in self.resume_skipped:
+            self.log.write({"event": "resume_skipped", "step": self.state.global_step, **skipped})
         if loop.tensorboard and context.is_main:
             self.log.listeners.append(open_board(self.run_dir).record)
         if self.follower is None:
@@ -237,8 +245,8 @@ class TrainingRun:
             stream = source or stream
         if context.distributed:
             stream = _distributed(self.dlrm, stream)
-        if self.store is not None:
-            stream = _announced(stream, self.store)
+        if self.store is not None and not isinstance(self.dlrm.embeddings, DynamicEmbeddings):
+            stream = _announced(stream, self.store)  # (a dynamic table's slots are known only at its step)
         interval = _Interval(context, state)
         full_batches = self.config.data.remainder == "drop"
         try:
@@ -252,7 +260,8 @@ class TrainingRun:
                     progress(StepReport(state.global_step, state.epoch, share * context.world_size, interval.qps(),
                                         self.total_steps,
                                         state.wait_seconds / state.train_seconds if state.train_seconds else 0.0,
-                                        committed.name if committed else ""))
+                                        committed.name if committed else "",
+                                        dynamic=_dynamic_counters(self.dlrm).get("dynamic", {})))
                 time_due = False
                 if state.global_step % self.config.train.log_every == 0 or state.global_step == self.total_steps:
                     time_due = self._log_interval(interval, self.checkpointer.due_by_time())
@@ -294,7 +303,8 @@ class TrainingRun:
         if report["steps"]:
             state = self.state
             self.log.write({"split": "train", "step": state.global_step, "epoch": state.epoch,
-                            **({"partition": state.partition} if state.partition else {}), **report})
+                            **({"partition": state.partition} if state.partition else {}), **report,
+                            **_dynamic_counters(self.dlrm)})
         return due
 
     def _evaluate(self) -> dict[str, float]:
@@ -338,6 +348,9 @@ class TrainingRun:
             summary["checkpoint_stall_s"] = state.checkpoint_seconds
         if self.store is not None:
             summary["store"] = self.store_report
+        if self.resume_skipped:
+            summary["resume_skipped"] = self.resume_skipped
+        summary.update(_dynamic_counters(self.dlrm))
         if self.follower is not None:
             summary.update(self.follower.summary())
         if self.context.is_main:
@@ -360,7 +373,8 @@ class TrainingRun:
             world_size=context.world_size, attempt=attempt[0], views=embeddings.shard_views, store=self._store_pieces,
             local_optimizer_steps=embeddings.local_optimizer_steps, tables=tables, run_config=config.to_dict(),
             plan=None if self.plan is None else self.plan.to_dict(),
-            sum_over_ranks=partial(global_sum, context), commit_timeout_s=config.train.collective_timeout_s)
+            sum_over_ranks=partial(global_sum, context), commit_timeout_s=config.train.collective_timeout_s,
+            incremental_state=embeddings.dynamic_state if isinstance(embeddings, DynamicEmbeddings) else None)
 
     def _store_pieces(self) -> list[StorePiece]:
         """This rank's store pieces, every changed row written back to their tiers."""
@@ -394,6 +408,11 @@ class TrainingRun:
             return global_sum(context, [0.0 if ok else 1.0])[0] == 0.0
 
         restorable = choose(root, views, agree, config.checkpoint.fallback, need_dense=True)
+        self.resume_skipped = [{"checkpoint": name, "reason": reason} for name, reason in restorable.skipped]
+        if context.is_main:
+            for name, reason in restorable.skipped:
+                log.warning("--resume: skipped checkpoint %s (%s); resuming from %s, the steps after it are trained "
+                            "again", name, reason, restorable.manifest.name)
         check_resumable(restorable.manifest.config, config)
         dense = restore_model(restorable, self.dlrm)
         self.optimizer.load_state_dict(dense["optimizer"])
@@ -486,6 +505,13 @@ class _Interval:
         return ({"loss": loss_sum / max(self.steps, 1), "steps": self.steps,
                  "qps": samples / seconds if seconds else 0.0, "samples": int(samples), "seconds": seconds,
                  "eval_seconds": eval_seconds, "checkpoint_seconds": checkpoint_seconds}, due > 0)
+
+
+def _dynamic_counters(model: DLRM) -> dict[str, Any]:
+    """``{"dynamic": per dynamic table its admitted, rejected, evicted and live counts}``, or
+    nothing without dynamic tables."""
+    embeddings = model.embeddings
+    return {"dynamic": embeddings.counters()} if isinstance(embeddings, DynamicEmbeddings) else {}
 
 
 def _prepared(model: DLRM, epoch_batches: Iterator[Batch], steps: int) -> Iterator[tuple[Batch, PreparedSparse]]:

@@ -19,6 +19,8 @@ from neorec.trainer.batch import KeyedJaggedTensor
 from neorec.trainer.checkpoint.quantize import quantize
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
+from neorec.trainer.embedding.dynamic.config import DynamicTableConfig
+from neorec.trainer.embedding.dynamic.table import DynamicTable
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 from neorec.trainer.run.build import sparse_optimizer
 from neorec.trainer.sharding.input_dist import SparseAllToAll
@@ -30,7 +32,8 @@ def compile_kernels(config: TrainConfig | None = None) -> None:
     """Run every kernel once on tiny inputs of the types training passes, so that this
     compiles (or loads) what the run will call: the embedding lookup and fused update (of
     ``config``'s weight storage and sparse optimizer; fp32 and SGD without a config), the
-    id routing, the store's cache, checkpoint quantization and string hashing."""
+    id routing, a dynamic table's id map, the store's cache, checkpoint quantization and
+    string hashing."""
     _embedding_kernels(config)
     _store_cache_kernels()
     quantize(np.zeros((2, 4), dtype=np.float32), 8)
@@ -47,6 +50,9 @@ def _embedding_kernels(config: TrainConfig | None) -> None:
     module(kjt).sum().backward()
     plan = ShardingPlan(1, (TableSharding("t", ROW_WISE, (Shard(0, 0, 4, 0, 4),)),))
     SparseAllToAll(ShardedLayout(tables, plan, rank=0)).route(kjt)
+    dynamic = DynamicTable("t", 0, 4, DynamicTableConfig(capacity=1, min_count=2, ttl=1))
+    dynamic.train_ids(np.array([0, 0, 1], dtype=np.int64))
+    dynamic.map.lookup(np.array([0], dtype=np.int64))
 
 
 def _store_cache_kernels() -> None:

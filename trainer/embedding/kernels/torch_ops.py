@@ -37,6 +37,10 @@ def pooled_forward(table_views: list[torch.Tensor], feature_table: list[int], so
     (storage dtype), ``lengths``/``values``/``id_weights`` the batch (feature-major)."""
     width = sum(table_views[t].shape[1] for t in feature_table)
     out = torch.zeros(batch_size, width, dtype=torch.float32, device=values.device)
+    if batch_size == 0:  # no bags: every feature looks up nothing
+        nothing = values.new_zeros(0)
+        return out, TorchLookup([nothing] * len(feature_table), [nothing] * len(feature_table),
+                                [None] * len(feature_table))
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=values.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
     starts = offsets[::batch_size].tolist()
