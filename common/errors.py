@@ -7,7 +7,29 @@ and exits 2. Any other exception is a bug in neorec: it keeps its traceback and 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 
 class UserError(Exception):
     """Bad input from the user (config, data, paths, addresses, command-line arguments),
     with a message that names what is wrong and where."""
+
+
+class PathError(UserError):
+    """A file or directory the user named cannot be read or written (missing, a directory
+    where a file was expected, no permission, a full disk)."""
+
+
+@contextmanager
+def user_paths() -> Iterator[None]:
+    """Turn an :class:`OSError` raised inside into a :class:`PathError` naming the path:
+    for the boundary where a command opens the paths its user named (an ``OSError``
+    elsewhere is not the user's doing)."""
+    try:
+        yield
+    except UserError:
+        raise
+    except OSError as err:
+        where = f"{err.filename}: " if err.filename is not None else ""
+        raise PathError(f"{where}{err.strerror or err}") from err

@@ -46,7 +46,7 @@ HEALTH_SERVICE_PREFIX = "/grpc.health.v1.Health/"
 _AUTHORIZATION = "authorization"
 
 
-class EndpointError(OSError):
+class EndpointError(UserError, OSError):
     """A service cannot bind where it was asked to, or is configured unsafely."""
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from neorec.common.errors import UserError
 from neorec.embedding_store.segments import TierStats
 from neorec.embedding_store.service import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
 from neorec.common.transport import ClientSecurity, read_token
@@ -25,7 +26,7 @@ CHUNK_BYTES = 16 << 20
 """Row bytes per read or write call."""
 
 
-class StoreServiceError(RuntimeError):
+class StoreServiceError(UserError, RuntimeError):
     """The store service cannot be reached, or refused or failed a call; names it."""
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from neorec.common.durable import fsync_directory, fsync_file
+from neorec.common.errors import UserError
 from neorec.embedding_store.dir_lock import DirectoryLock
 
 MAGIC = b"NSG1"
@@ -46,7 +47,7 @@ NEVER = 0
 SEGMENT_NAME = re.compile(r"\d{8,}\.seg")
 
 
-class SegmentError(RuntimeError):
+class SegmentError(UserError, RuntimeError):
     """A segment file is corrupt or truncated; the message names it."""
 
 
@@ -120,6 +121,7 @@ class SegmentTier:
         """Row → (buffer piece, position in it) of rows written since the last flush."""
         self._buffer_bytes = 0
         self.segments: dict[int, Segment] = {}
+        self.closed = False
         self._unsynced: set[int] = set()
         """Segments written without fsync (auto-flushes, compaction): synced, with the
         directory, by the next ``flush(sync=True)`` (every snapshot and close)."""
@@ -342,13 +344,19 @@ class SegmentTier:
             return TierStats(**vars(self.stats))
 
     def close(self) -> None:
+        """Flush and release the segments' and the index's mappings (a second close does
+        nothing)."""
         with self.lock:
+            if self.closed:
+                return
+            self.closed = True
             self.flush(sync=True)
             for segment in self.segments.values():
                 segment.payload = None
             if self._pool is not None:
                 self._pool.shutdown()
             self.index.flush()
+            del self.index  # the mapping, and the descriptor it holds, go with the last reference
             self._release()
 
     def _release(self) -> None:

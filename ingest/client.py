@@ -33,6 +33,7 @@ from typing import Iterator, Sequence
 
 import grpc
 
+from neorec.common.errors import UserError
 from neorec.ingest.batch import HostBatch
 from neorec.ingest.decoder import DecodeOptions
 from neorec.ingest.fingerprint import fingerprint
@@ -63,7 +64,7 @@ _TICK_S = 0.1
 """How often the watchdog looks at the open streams."""
 
 
-class IngestError(RuntimeError):
+class IngestError(UserError, RuntimeError):
     """The reader services cannot deliver the planned batches."""
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from neorec.common.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """Bad input data: an unreadable file, a schema mismatch or an invalid value.
 
     The message always names the file and, where known, the row group, column and row.
@@ -33,3 +35,7 @@ class DataError(ValueError):
         if row is not None:
             where.append(f"row {row}")
         super().__init__(f"{', '.join(where)}: {problem}" if where else problem)
+
+
+class DatasetNotFoundError(DataError, FileNotFoundError):
+    """A directory named as a dataset holds no ``dataset.json``."""

@@ -48,6 +48,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from neorec.common.errors import UserError
 from neorec.ingest.sections import build_section
 
 FORMATS = ("csv", "tsv", "parquet")
@@ -58,7 +59,7 @@ LABEL_TRANSFORM = re.compile(r"\s*(>=|<=|==|!=|>|<)\s*(-?\d+(\.\d*)?)\s*")
 """A label transform: a comparison with a number (``>= 4``)."""
 
 
-class SpecError(ValueError):
+class SpecError(UserError, ValueError):
     """An import spec value is missing, unknown or invalid; the message names the key."""
 
 

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from neorec.ingest.errors import DataError
+from neorec.ingest.errors import DataError, DatasetNotFoundError
 
 DATASET_FORMAT = "neorec-dataset/1"
 DATASET_FILE = "dataset.json"
@@ -150,12 +150,13 @@ class Dataset:
 
     @classmethod
     def load(cls, root: str | Path) -> "Dataset":
-        """The dataset at ``root``: ``FileNotFoundError`` when it has no ``dataset.json``,
-        :class:`DataError` naming the file and the problem when that is not a valid one."""
+        """The dataset at ``root``: :class:`DatasetNotFoundError` when it has no
+        ``dataset.json``, :class:`DataError` naming the file and the problem when that is not
+        a valid one."""
         root = Path(root)
         path = root / DATASET_FILE
         if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: not a neorec dataset directory")
+            raise DatasetNotFoundError(f"{path} not found: not a neorec dataset directory")
         try:
             obj = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:

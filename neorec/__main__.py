@@ -1,6 +1,8 @@
-"""``python -m neorec …``: the ``neorec`` command."""
+"""``python -m neorec …``: the ``neorec`` command (its exit status included)."""
+
+import sys
 
 from neorec.orchestration.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,23 +10,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from tqdm import tqdm
-
-from neorec.common.errors import UserError
+from neorec.common.errors import UserError, user_paths
 from neorec.ingest.staging import staged_output
-from neorec.embedding_store.client import StoreServiceError
-from neorec.embedding_store.segments import SegmentError
-from neorec.ingest.client import IngestError
-from neorec.ingest.errors import DataError
 from neorec.ingest.presets import PRESETS
 from neorec.orchestration.cli_args import add_client_security, at_least, client_security, port, seconds
 from neorec.orchestration.cli_services import add_service_commands
+from neorec.orchestration.progress import LazyBar
 from neorec.orchestration.supervisor import die_with_parent
-from neorec.trainer.checkpoint.layout import CheckpointError
 from neorec.trainer.config import ConfigError
-from neorec.trainer.distributed import RankSilentError
-from neorec.trainer.sharding.plan import PlanError
-from neorec.trainer.embedding.store_backed import StoreError
 
 if TYPE_CHECKING:
     from neorec.orchestration.trainer_status import TrainerStatusServer
@@ -44,9 +35,10 @@ OVERWRITE_HELP = "replace what --out holds (the old dataset stays until the new 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run a ``neorec`` command. A user error (bad configuration, data, arguments, a file
-    that cannot be read or written, a service that refuses) is one line on stderr and exit
-    status 2; Ctrl-C is one line and 130; anything else is a bug and keeps its traceback."""
+    """Run a ``neorec`` command. A user error (:class:`~neorec.common.errors.UserError`: bad
+    configuration, data, arguments, a file the user named that cannot be read or written, a
+    service that refuses) is one line on stderr and exit status 2; Ctrl-C is one line and
+    130; anything else is a bug: it keeps its traceback and exits 1."""
     die_with_parent()
     parser = _parser()
     args = parser.parse_args(argv)
@@ -56,15 +48,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("neorec: interrupted", file=sys.stderr)
         return INTERRUPTED
-    except (UserError, ConfigError, DataError, IngestError, PlanError, RankSilentError, CheckpointError,
-            StoreServiceError, SegmentError, StoreError, ValueError, OSError) as err:
+    except UserError as err:
         print(f"neorec: error: {_one_line(err)}", file=sys.stderr)
         return USER_ERROR
 
 
-def _one_line(err: BaseException) -> str:
-    if isinstance(err, OSError) and err.filename is not None and err.strerror:
-        return f"{err.filename}: {err.strerror}"
+def _one_line(err: UserError) -> str:
     return " ".join(str(err).split("\n")) or type(err).__name__
 
 
@@ -183,6 +172,9 @@ def _parser() -> argparse.ArgumentParser:
                           help="a run directory, its checkpoint directory, or one checkpoint (default: the newest)")
     evaluate.add_argument("--best", action="store_true",
                           help="the run's checkpoint of the best eval AUC (checkpoint.keep_best)")
+    evaluate.add_argument("--ingest", metavar="HOST:PORT,...",
+                          help="read the eval split through these reader services (default: in process, whatever "
+                               "the run read through)")
     evaluate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     evaluate.set_defaults(run=_eval)
 
@@ -220,8 +212,8 @@ def _synth(args: argparse.Namespace) -> int:
 
     spec = SynthSpec(profile=args.profile, rows=args.rows, seed=args.seed, eval_fraction=args.eval_fraction,
                      partitions=args.partitions, drift=args.drift, raw_ids=args.raw_ids, id_space=args.id_space)
-    with staged_output(args.out, args.overwrite) as staging, \
-            tqdm(total=spec.rows, unit="rows", desc=f"synth {spec.profile}") as bar:
+    with user_paths(), staged_output(args.out, args.overwrite) as staging, \
+            LazyBar(total=spec.rows, unit="rows", desc=f"synth {spec.profile}") as bar:
         dataset = generate(spec, staging, progress=bar.update)
     if spec.partitions:
         from neorec.ingest.partitions import open_partition, partition_names
@@ -242,7 +234,8 @@ def _import(args: argparse.Namespace) -> int:
     raw: dict = {}
     if args.spec:
         try:
-            raw = tomllib.loads(Path(args.spec).read_text())
+            with user_paths():
+                raw = tomllib.loads(Path(args.spec).read_text())
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{args.spec}: not valid TOML: {err}") from None
     flags = {"input.files": args.files, "input.format": args.format, "label.column": args.label,
@@ -273,7 +266,7 @@ def _import_partition(spec, args: argparse.Namespace) -> int:
     if args.vocab_from:
         raise ConfigError("--vocab-from and --partition: a partition is encoded with the vocabularies of the dataset "
                           "in --out")
-    with tqdm(unit="rows", desc=f"partition {args.partition} → {args.out}", unit_scale=True) as bar:
+    with user_paths(), LazyBar(unit="rows", desc=f"partition {args.partition} → {args.out}", unit_scale=True) as bar:
         info = import_partition(spec, args.out, args.partition, progress=bar.update)
     print(json.dumps({"out": args.out, "partition": args.partition, **info}, indent=2))
     for column, unseen in info["oov"].items():
@@ -295,8 +288,8 @@ def _convert(args: argparse.Namespace) -> int:
 def _write_import(spec, source, args: argparse.Namespace, profile: str) -> int:
     from neorec.ingest.importer import import_dataset
 
-    with staged_output(args.out, args.overwrite) as staging, \
-            tqdm(unit="rows", desc=f"{profile} → {args.out}", unit_scale=True) as bar:
+    with user_paths(), staged_output(args.out, args.overwrite) as staging, \
+            LazyBar(unit="rows", desc=f"{profile} → {args.out}", unit_scale=True) as bar:
         dataset = import_dataset(spec, staging, source=source, vocab_from=getattr(args, "vocab_from", None),
                                  progress=bar.update, profile=profile)
     print(json.dumps({"out": args.out, "rows": dataset.rows,
@@ -322,7 +315,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc > 1 and not launched_by_torchrun():
         from neorec.trainer.run.warmup import compile_kernels
 
-        compile_kernels()  # the ranks then load Numba's cache instead of racing to write it
+        compile_kernels(config)  # the ranks then load Numba's cache instead of racing to write it
         flags = (["--overwrite"] if args.overwrite else []) + (["--resume", args.resume] if args.resume else [])
         if args.status_port is not None:
             flags += ["--status-port", str(args.status_port), "--status-host", args.status_host]
@@ -364,11 +357,12 @@ def _train_rank(config: "TrainConfig", context: "DistributedContext", overwrite:
 
     if not context.is_main:
         return train(config, context=context, overwrite=overwrite, resume=resume)
-    bar = tqdm(unit="step", desc="train")
+    lazy = LazyBar(unit="step", desc="train")  # drawn at the first step: a refused run prints no bar
 
     def progress(report: StepReport) -> None:
         if status is not None:
             status.update(report)
+        bar = lazy.update(0)
         if report.phase != "training":
             bar.set_postfix(waiting=f"after {report.partition or '-'}")
             return
@@ -384,7 +378,7 @@ def _train_rank(config: "TrainConfig", context: "DistributedContext", overwrite:
             status.done()
         return summary
     finally:
-        bar.close()
+        lazy.close()
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -405,7 +399,8 @@ def _plan(args: argparse.Namespace) -> int:
     result = plan_tables(specs, topo, config.train.batch_size, constraints)
     print(render(result, round_robin(specs, topo, config.train.batch_size)))
     if args.json:
-        Path(args.json).write_text(json.dumps(result.plan.to_dict(), indent=2) + "\n")
+        with user_paths():
+            Path(args.json).write_text(json.dumps(result.plan.to_dict(), indent=2) + "\n")
     return 0
 
 
@@ -416,14 +411,18 @@ def _eval(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set) if args.config else None
     if config is None and args.set:
         raise ConfigError("--set changes a config file's values: give the config file too")
-    print(json.dumps(evaluate_checkpoint(args.checkpoint, config, best=args.best), indent=2, sort_keys=True))
+    with user_paths():
+        metrics = evaluate_checkpoint(args.checkpoint, config, best=args.best,
+                                      ingest=args.ingest.split(",") if args.ingest else ())
+    print(json.dumps(metrics, indent=2, sort_keys=True))
     return 0
 
 
 def _report(args: argparse.Namespace) -> int:
     from neorec.orchestration.report import write_report
 
-    text, written = write_report(args.runs, args.out or Path(args.runs[0]) / "report")
+    with user_paths():
+        text, written = write_report(args.runs, args.out or Path(args.runs[0]) / "report")
     print(text)
     for path in written:
         print(f"wrote {path}")
@@ -433,7 +432,8 @@ def _report(args: argparse.Namespace) -> int:
 def _checkpoint_inspect(args: argparse.Namespace) -> int:
     from neorec.trainer.checkpoint.inspect import describe, render
 
-    described = describe(args.directory, verify=args.verify)
+    with user_paths():
+        described = describe(args.directory, verify=args.verify)
     print(json.dumps(described, indent=2) if args.json else render(described))
     return 0 if all(c.get("verified", True) for c in described["checkpoints"]) else 1
 
@@ -451,7 +451,9 @@ def _launch(args: argparse.Namespace) -> int:
         kind, directory = args.emit
         if kind != "k8s":
             raise ConfigError(f"--emit: only k8s is supported, got {kind!r}")
-        for path in write_manifests(config, args.config, directory, args.image):
+        with user_paths():
+            written = write_manifests(config, args.config, directory, args.image)
+        for path in written:
             print(path)
         return 0
     try:
@@ -474,7 +476,7 @@ def _status(args: argparse.Namespace) -> int:
                 check_address(target)
                 addresses.append(target)
         security = client_security(args)
-    except (ValueError, OSError) as err:
+    except UserError as err:
         print(f"neorec: error: {_one_line(err)}", file=sys.stderr)
         return BAD_ARGUMENTS
     probes = [probe(a, security, args.timeout, with_status=args.json) for a in addresses]
@@ -497,7 +499,8 @@ def _bench(args: argparse.Namespace) -> int:
     if results.get("table"):  # a table of per-partition curves (bench follow)
         print("\n".join(results["table"]))
     if args.json:
-        Path(args.json).write_text(text + "\n")
+        with user_paths():
+            Path(args.json).write_text(text + "\n")
     return 0
 
 

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from neorec.common.errors import UserError
 from neorec.ingest.arrow_memory import MEMORY_POOLS, SERVICE_MEMORY_POOL, use_memory_pool
 from neorec.ingest.row_group_cache import DEFAULT_CAPACITY_BYTES
 from neorec.ingest.service import DEFAULT_MAX_STREAMS
@@ -75,7 +76,7 @@ def _ingest_serve(args: argparse.Namespace) -> int:
     roots = args.data_roots or ["."]
     missing = [r for r in roots if not Path(r).is_dir()]
     if missing:
-        raise FileNotFoundError(f"--data-root {missing[0]} is not a directory")
+        raise UserError(f"--data-root {missing[0]} is not a directory")
     server = ReaderServer(host=args.host, port=args.port, threads=args.threads,
                           cache_bytes=args.row_group_cache_mib << 20, max_streams=args.max_streams,
                           data_roots=roots, security=server_security(args))

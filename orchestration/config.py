@@ -18,6 +18,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found") from None
+    except OSError as err:  # a directory, no permission, …
+        raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
     for override in overrides:

@@ -74,11 +74,14 @@ def run_torchrun(nproc: int, neorec_args: list[str]) -> int:
     process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": threads})
     # Ctrl-C reaches torchrun and the ranks from the terminal, and SIGTERM is passed on:
     # either way the ranks stop as they choose (following partitions: after a checkpoint),
-    # so this process waits for them instead of killing them.
-    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    # so this process waits for them instead of killing them; interrupted, it exits 130
+    # whatever status torchrun chose.
+    interrupted: list[int] = []
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum)),
                 signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum))}
     try:
-        return process.wait()
+        code = process.wait()
+        return 128 + signal.SIGINT if interrupted else code
     finally:
         for kind, handler in previous.items():
             signal.signal(kind, handler)

@@ -13,6 +13,7 @@ the text summary does not.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,8 @@ def text_summary(runs: list[RunCurves]) -> str:
         steps, auc = run.series.get(("eval", "auc"), ([], []))
         _, logloss = run.series.get(("eval", "logloss"), ([], []))
         _, qps = run.series.get(("train", "qps"), ([], []))
-        best = max(range(len(auc)), key=auc.__getitem__) if auc else None
+        finite = [i for i, value in enumerate(auc) if math.isfinite(value)]  # a NaN AUC is never the best
+        best = max(finite, key=auc.__getitem__) if finite else None
         oracle = run.summary.get("oracle_auc")
         lines.append(
             f"{run.name:<24} {run.summary.get('steps', steps[-1] if steps else 0):>7} "

@@ -22,6 +22,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from neorec.common.errors import UserError
 from neorec.common.transport import ClientSecurity
 from neorec.protos import ingest_pb2, ingest_pb2_grpc, store_pb2, store_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
@@ -88,15 +89,19 @@ def probe(address: str, security: ClientSecurity, timeout: float, with_status: b
         return result
 
 
+class TargetError(UserError, ValueError):
+    """A ``neorec status`` target is neither ``host:port`` nor a job's run directory."""
+
+
 def job_services(run_dir: str | Path) -> list[str]:
     """The addresses ``neorec launch`` recorded for a job's run directory."""
     path = Path(run_dir) / SERVICES_FILE
     try:
         services = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ValueError(f"{run_dir} is a directory without {SERVICES_FILE}: not the run directory of a "
+        raise TargetError(f"{run_dir} is a directory without {SERVICES_FILE}: not the run directory of a "
                          f"`neorec launch` job") from None
     except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: {err}") from None
+        raise TargetError(f"{path}: {err}") from None
     return [address for addresses in services.values() for address in addresses]
 

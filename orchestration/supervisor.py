@@ -25,6 +25,7 @@ PARENT_DEATH_ENV = "NEOREC_DIE_WITH_PARENT"
 """Set for the processes a launcher starts: each asks the kernel to kill it when its parent
 dies (so that a launcher killed with SIGKILL leaves no orphan), and passes that on."""
 _PR_SET_PDEATHSIG = 1
+_STOP_POLL_S = 0.02
 
 
 def die_with_parent() -> None:
@@ -89,45 +90,85 @@ class ManagedProcess:
         return None if self.process is None else self.process.pid
 
     def exit_code(self) -> int | None:
-        """None while it runs; its exit status (negative: killed by that signal) once it ended."""
-        return None if self.process is None else self.process.poll()
+        """None while it runs; its exit status (negative: killed by that signal) once it ended.
 
-    def signal(self, sig: int) -> None:
-        """Send ``sig`` to its process group and to every process descended from it (some,
-        like torchrun's ranks, start sessions of their own)."""
+        The process is not reaped here (only :meth:`stop` reaps it): until then its PID and
+        process group ID stay its own, so signalling them cannot reach a process that
+        reused the number."""
         if self.process is None:
+            return None
+        if self.process.returncode is not None:
+            return self.process.returncode
+        info = os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is None:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM (SIGCONT too, so a stopped process can act on it), ``grace_s`` to exit,
+        then SIGKILL of whatever is left of its tree; then reap it. Only processes it still
+        owns are signalled: its group while it is unreaped, its descendants through pidfds
+        opened while they were its descendants; a process already reaped is left alone."""
+        if self.process is None or self.process.returncode is not None:
             return
-        for pid in [self.process.pid, *descendants(self.process.pid)]:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        tree = owned_descendants(self.process.pid)
+        try:
+            if self.exit_code() is None:
+                self._signal(signal.SIGTERM, tree)
+                self._signal(signal.SIGCONT, tree)
+                deadline = time.monotonic() + grace_s
+                while self.exit_code() is None and time.monotonic() < deadline:
+                    time.sleep(_STOP_POLL_S)
+            tree += owned_descendants(self.process.pid)  # those it started since
+            self._signal(signal.SIGKILL, tree)
+        finally:
+            for descendant in tree:
+                os.close(descendant)
+        self.process.wait()
+        if self._pump is not None:
+            self._pump.join(timeout=2)
+
+    def _signal(self, sig: int, tree: list[int]) -> None:
+        """Send ``sig`` to its process group (it leads it; unreaped, so the group ID is its
+        own) and to the descendants of ``tree`` (pidfds; some, like torchrun's ranks,
+        start sessions of their own)."""
         try:
             os.killpg(self.process.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
-
-    def stop(self, grace_s: float) -> None:
-        """SIGTERM (SIGCONT too, so a stopped process can act on it), ``grace_s`` to exit,
-        then SIGKILL of whatever is left of its tree."""
-        if self.process is None:
-            return
-        tree = [self.process.pid, *descendants(self.process.pid)]
-        if self.exit_code() is None:
-            self.signal(signal.SIGTERM)
-            self.signal(signal.SIGCONT)
+        for descendant in tree:
             try:
-                self.process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        for pid in [*tree, *descendants(self.process.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
+                signal.pidfd_send_signal(descendant, sig)
             except ProcessLookupError:
                 pass
-        self.process.wait()
-        if self._pump is not None:
-            self._pump.join(timeout=2)
+
+
+def owned_descendants(pid: int) -> list[int]:
+    """Pidfds of every living process descended from ``pid``, a child of this process not
+    yet reaped (Linux ``/proc``; elsewhere none). A PID read from ``/proc`` may be reused
+    before its pidfd opens, so each is kept only if, once open, its process still has a
+    parent in the tree: the pidfd then names that very process for good."""
+    found = descendants(pid)
+    tree = {pid, *found}
+    fds = []
+    for child in found:
+        try:
+            fd = os.pidfd_open(child)
+        except (ProcessLookupError, OSError):
+            continue
+        if _parent(child) in tree:
+            fds.append(fd)
+        else:
+            os.close(fd)
+    return fds
+
+
+def _parent(pid: int) -> int | None:
+    """The parent PID of ``pid`` (None once it is gone)."""
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def descendants(pid: int) -> list[int]:
@@ -139,11 +180,9 @@ def descendants(pid: int) -> list[int]:
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry.name))
+        parent = _parent(int(entry.name))
+        if parent is not None:
+            children.setdefault(parent, []).append(int(entry.name))
     found, stack = [], [pid]
     while stack:
         for child in children.get(stack.pop(), []):

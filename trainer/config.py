@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from neorec.common.addresses import check_address
+from neorec.common.errors import UserError
 from neorec.ingest.client import COMPRESSIONS
 from neorec.ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
 from neorec.ingest.plan import REMAINDER_POLICIES, SHUFFLE_MODES
@@ -26,7 +27,7 @@ DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "numba", "torch")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value is missing, unknown or invalid; the message names the key."""
 
 

@@ -37,5 +37,6 @@ def follow_config(root: Path, run_dir: Path, **sections: dict) -> TrainConfig:
 def records(run_dir: Path, split: str | None = None) -> list[dict]:
     """metrics.jsonl without what depends on the machine's speed or the clock."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in line.items() if k not in ("qps", "seconds", "lag_s")} for line in lines
+    return [{k: v for k, v in line.items() if k not in ("qps", "seconds", "lag_s")
+             and not k.endswith("_seconds")} for line in lines
             if split is None or line["split"] == split]

@@ -69,9 +69,6 @@ class Checkpointer:
         self.total_rows = float(sum(t["rows"] for t in tables.values()))
         self.last_time = time.monotonic()
         self.last_step = -1
-        self.stall_seconds: list[float] = []
-        """The training stall of each checkpoint this attempt: the snapshot's copy (and the
-        write, when not asynchronous)."""
 
     def continue_chain(self, chain: list[str], chain_rows: float, global_step: int) -> None:
         """The model was just restored from the checkpoint of ``global_step`` at the end of
@@ -139,7 +136,6 @@ class Checkpointer:
             commit_timeout_s=self.commit_timeout_s, snapshot_s=snapshot_s, best=best))
         if best:
             self.best_chain = chain
-        self.stall_seconds.append(time.perf_counter() - started)  # a synchronous save's stall includes the write
         self.chain = chain
         self.chain_rows = 0.0 if full else self.chain_rows + touched
         self.last_time = time.monotonic()

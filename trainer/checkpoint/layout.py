@@ -212,8 +212,11 @@ def complete(root: Path) -> list[Path]:
 
 def checkpoints_root(path: str | Path) -> tuple[Path, Path | None]:
     """``(root, checkpoint)`` for a run directory, a checkpoints directory or one
-    checkpoint's directory (``checkpoint`` is None unless one was named)."""
+    checkpoint's directory (``checkpoint`` is None unless one was named);
+    :class:`CheckpointError` when ``path`` is not a directory."""
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory (a run directory, its checkpoint directory or a checkpoint)")
     if (path / MANIFEST).is_file() or path.name.startswith(PREFIX):
         return path.parent, path
     if (path / "checkpoint").is_dir():

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from neorec.common.errors import UserError
 from neorec.embedding_store.cache import SetAssociativeCache
 from neorec.embedding_store.segments import TierStats
 from neorec.embedding_store.initial import initial_rows
@@ -122,7 +123,7 @@ class StoreStats:
         return self.wait_s + self.read_s
 
 
-class StoreError(RuntimeError):
+class StoreError(UserError, RuntimeError):
     """The store cannot serve a batch (e.g. more rows of one batch than the cache and
     scratch can hold); the message says what to change."""
 

@@ -14,8 +14,10 @@ never stopped.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from itertools import islice
@@ -66,7 +68,13 @@ class LoopState:
     global_step: int = 0
     samples: int = 0
     train_seconds: float = 0.0
+    """Time spent training (the logged intervals' time, less evaluations and checkpoint
+    stalls in them)."""
     wait_seconds: float = 0.0
+    eval_seconds: float = 0.0
+    checkpoint_seconds: float = 0.0
+    """Time the loop stood still for checkpoints (snapshot, write-back; a synchronous
+    save's write)."""
     interval_loss_shares: float = 0.0
     """This rank's loss shares of the steps since the last log line."""
     interval_steps: int = 0
@@ -91,6 +99,17 @@ class TrainingRun:
 
     def __init__(self, config: TrainConfig, context: DistributedContext, overwrite: bool = False,
                  resume: bool = False) -> None:
+        self.acquired = ExitStack()
+        """What setting up acquired (reader threads and channels, background batch threads, store tiers,
+        the metrics file): released in reverse order when setting up fails half-way (a run
+        that starts releases them as it ends)."""
+        try:
+            self._set_up(config, context, overwrite, resume)
+        except BaseException:
+            self.acquired.close()
+            raise
+
+    def _set_up(self, config: TrainConfig, context: DistributedContext, overwrite: bool, resume: bool) -> None:
         loop = config.train
         self.config = config
         self.context = context
@@ -110,8 +129,10 @@ class TrainingRun:
         if self.follower is None:
             self.train_reader = make_reader(self.dataset, config.data.train_split, self.options,
                                             train_reader_config(config, context), config)
+            self.acquired.callback(self.train_reader.close)
             self.eval_reader = make_reader(self.dataset, config.data.eval_split, self.options,
                                            eval_reader_config(config, context), config)
+            self.acquired.callback(self.eval_reader.close)
             check_splits(self.train_reader.plan(0), self.eval_reader.plan(0), config)
             self.steps_per_epoch = self.train_reader.plan(0).num_batches
             self.total_steps = self.steps_per_epoch * loop.epochs
@@ -124,6 +145,7 @@ class TrainingRun:
         """The first epoch's batches, read from before the model exists (a fresh run's)."""
         if loop.background_batches and not context.distributed and not resume and self.follower is None:
             self.early = BackgroundIterator(batches(self.train_reader, 0, 0, context.device), loop.background_batches)
+            self.acquired.callback(self._stop_reading)
         if self.follower is not None:
             self.follower.wait_for_first_partition()  # the planner samples lookups from it
         self.plan = job_plan(self.dataset, config, context)
@@ -131,6 +153,8 @@ class TrainingRun:
         self.dlrm = build_model(self.dataset, config, self.plan, store=store_settings(config, store_dir, not resume))
         self.dlrm = self.dlrm.to(context.device)
         self.store = store_of(self.dlrm.embeddings)
+        if self.store is not None:
+            self.acquired.callback(self.store.close, write_back=False)
         self.store_report: dict[str, float] = {}
         """The store's counters once training ended (for the summary)."""
         self.optimizer = dense_optimizer(self.dlrm, config)
@@ -145,7 +169,8 @@ class TrainingRun:
             steps = min(self.steps_per_epoch, self.total_steps)
             self.early = BackgroundIterator(
                 _prepared(self.dlrm, batches(self.train_reader, 0, 0, context.device), steps), loop.background_batches)
-        compile_kernels()  # load the Numba kernels now, not in the first steps
+            self.acquired.callback(self._stop_reading)
+        compile_kernels(config)  # load the Numba kernels now, not in the first steps
         self.model = wrap_data_parallel(self.dlrm, precision=config.sharding.precision()) \
             if context.distributed else self.dlrm
         if context.is_main:
@@ -154,6 +179,7 @@ class TrainingRun:
                 run_directory.write_json(self.run_dir / run_directory.PLAN, self.plan.to_dict())
         self.log = MetricsLog(self.run_dir / run_directory.METRICS if context.is_main else None,
                               keep_bytes=self.metrics_bytes)
+        self.acquired.callback(self.log.close)
         for skipped in self.resume_skipped:
             self.log.write({"event": "resume_skipped", "step": self.state.global_step, **skipped})
         if loop.tensorboard and context.is_main:
@@ -183,12 +209,8 @@ class TrainingRun:
                 self.store.close(write_back=False)
             raise
         finally:
-            if self.early is not None:
-                self.early.close()
             self.log.close()
-            for reader in (self.train_reader, self.eval_reader):
-                if reader is not None:
-                    reader.close()
+            self._stop_reading()
         return self._summary()
 
     def _epochs(self, progress: ProgressFn | None) -> None:
@@ -207,8 +229,9 @@ class TrainingRun:
     def _epoch(self, progress: ProgressFn | None) -> None:
         state, context = self.state, self.context
         steps = min(self.steps_per_epoch - state.step_in_epoch, self.total_steps - state.global_step)
-        if steps <= 0:
-            return  # resumed at the end of the epoch: only its evaluation is left
+        if steps <= 0:  # resumed at the end of the epoch: its last interval's line and evaluation are left
+            self._log_interval(_Interval(context, state))
+            return
         source: BackgroundIterator | None
         if self.early is not None:  # the first epoch of a fresh run, already being read
             source, self.early = self.early, None
@@ -241,10 +264,7 @@ class TrainingRun:
                                         dynamic=_dynamic_counters(self.dlrm).get("dynamic", {})))
                 time_due = False
                 if state.global_step % self.config.train.log_every == 0 or state.global_step == self.total_steps:
-                    report, time_due = interval.close(self.checkpointer.due_by_time())
-                    self.log.write({"split": "train", "step": state.global_step, "epoch": state.epoch,
-                                    **({"partition": state.partition} if state.partition else {}), **report,
-                                    **_dynamic_counters(self.dlrm)})
+                    time_due = self._log_interval(interval, self.checkpointer.due_by_time())
                     interval = _Interval(context, state)
                 best = False
                 if self.config.train.eval_every and state.global_step % self.config.train.eval_every == 0:
@@ -256,25 +276,53 @@ class TrainingRun:
                     self._checkpoint(interval, best=best)
                 if last or stop:
                     break
-            interval.close(False)
+            self._log_interval(interval)  # the epoch's last, partial interval
+        except BaseException:
+            if self.train_reader is not None:  # first: the background thread may wait in its stream
+                self.train_reader.close()
+            raise
         finally:
             if source is not None:
                 state.wait_seconds += source.wait_seconds
                 source.close()
+
+    def _stop_reading(self) -> None:
+        """Close the readers, then stop the first epoch's background thread if it still runs (in
+        that order: a thread waiting in a reader's stream returns once the reader is closed)."""
+        for reader in (self.train_reader, self.eval_reader):
+            if reader is not None:  # a following run's are its partitions', closed by the follower
+                reader.close()
+        if self.early is not None:
+            self.early.close()
+            self.early = None
+
+    def _log_interval(self, interval: "_Interval", checkpoint_due: bool = False) -> bool:
+        """Close ``interval`` and write its line (none for an interval without steps, the
+        same on every rank); returns whether any rank's checkpoint is due by time."""
+        report, due = interval.close(checkpoint_due)
+        if report["steps"]:
+            state = self.state
+            self.log.write({"split": "train", "step": state.global_step, "epoch": state.epoch,
+                            **({"partition": state.partition} if state.partition else {}), **report,
+                            **_dynamic_counters(self.dlrm)})
+        return due
 
     def _evaluate(self) -> dict[str, float]:
         started = time.perf_counter()
         metrics = evaluate(self.model, batches(self.eval_reader, 0, device=self.context.device),
                            partial(gather_arrays, self.context))
         seconds = time.perf_counter() - started
+        self.state.eval_seconds += seconds
         self.log.write({"split": "eval", "step": self.state.global_step, "epoch": self.state.epoch,
                         "loss": metrics["logloss"], "qps": metrics["rows"] / seconds if seconds else 0.0, **metrics})
         return metrics
 
     def _improved(self, metrics: dict[str, float]) -> bool:
         """Whether ``metrics`` beat the best eval AUC so far, when ``checkpoint.keep_best``
-        asks for its checkpoint (every rank has the same global metrics)."""
-        if not self.config.checkpoint.keep_best or metrics["auc"] <= self.state.best_auc:
+        asks for its checkpoint (every rank has the same global metrics). A NaN AUC (an
+        eval split of one class) is never the best."""
+        auc = metrics["auc"]
+        if not self.config.checkpoint.keep_best or not math.isfinite(auc) or auc <= self.state.best_auc:
             return False
         self.state.best_auc = metrics["auc"]
         return True
@@ -286,6 +334,8 @@ class TrainingRun:
             "train_samples": state.samples,
             "train_qps": state.samples / state.train_seconds if state.train_seconds else 0.0,
             "input_wait_frac": state.wait_seconds / state.train_seconds if state.train_seconds else 0.0,
+            "train_s": state.train_seconds,
+            "eval_s": state.eval_seconds,
             **{f"eval_{k}": v for k, v in state.eval_metrics.items()},
         }
         oracle = self.dataset.oracle
@@ -294,8 +344,8 @@ class TrainingRun:
                            oracle_ne=oracle.get("eval_ne"))
         if self.plan is not None:
             summary["world_size"] = self.context.world_size
-        if self.checkpointer.stall_seconds:
-            summary["checkpoint_stall_s"] = sum(self.checkpointer.stall_seconds)
+        if state.checkpoint_seconds:
+            summary["checkpoint_stall_s"] = state.checkpoint_seconds
         if self.store is not None:
             summary["store"] = self.store_report
         if self.resume_skipped:
@@ -335,6 +385,7 @@ class TrainingRun:
 
     def _checkpoint(self, interval: "_Interval | None" = None, wait: bool = False, best: bool = False) -> None:
         state = self.state
+        started = time.perf_counter()
         if interval is not None:
             interval.store()
         dense = None
@@ -345,6 +396,7 @@ class TrainingRun:
                      "state": asdict(state), "metrics_bytes": self.log.size()}
         self.checkpointer.save(global_step=state.global_step, epoch=state.epoch, step_in_epoch=state.step_in_epoch,
                                dense=dense, wait=wait, best=best)
+        state.checkpoint_seconds += time.perf_counter() - started
 
     def _restore(self) -> None:
         """Continue from the newest complete checkpoint of the run directory."""
@@ -380,6 +432,8 @@ class _Interval:
         self.context = context
         self.state = state
         self.started = time.perf_counter()
+        self.eval_before = state.eval_seconds
+        self.checkpoint_before = state.checkpoint_seconds
         self.loss_shares = state.interval_loss_shares
         self.steps = state.interval_steps
         self.samples = state.interval_samples
@@ -390,10 +444,19 @@ class _Interval:
         self.steps += 1
         self.samples += samples
 
+    def paused(self) -> tuple[float, float]:
+        """Seconds of evaluation and of checkpoint stalls since the interval began."""
+        return self.state.eval_seconds - self.eval_before, self.state.checkpoint_seconds - self.checkpoint_before
+
+    def seconds(self) -> float:
+        """Training time since the interval began: its evaluations and checkpoint stalls
+        are not counted."""
+        return max(time.perf_counter() - self.started - sum(self.paused()), 0.0)
+
     def qps(self) -> float:
-        """This rank's samples per second times the world size (a rank's view, no
-        communication)."""
-        elapsed = time.perf_counter() - self.started
+        """This rank's samples per second of training time times the world size (a rank's
+        view, no communication)."""
+        elapsed = self.seconds()
         return self.samples * self.context.world_size / elapsed if elapsed else 0.0
 
     def store(self) -> None:
@@ -424,19 +487,24 @@ class _Interval:
         state.interval_loss_shares, state.interval_samples = shares, int(samples)
 
     def close(self, checkpoint_due: bool) -> tuple[dict[str, float], bool]:
-        """``loss`` (mean over the steps of the global batch's mean loss), global ``samples``,
-        ``qps`` and ``seconds`` (added to the loop state, whose accumulators are reset), and
-        whether any rank's ``checkpoint_due``: one all-reduce over the ranks."""
-        seconds = time.perf_counter() - self.started
+        """``loss`` (mean over the steps of the global batch's mean loss), ``steps``, global
+        ``samples``, ``qps`` and ``seconds`` of training (added to the loop state, whose
+        accumulators are reset), ``eval_seconds`` and ``checkpoint_seconds`` the interval
+        stood still for, and whether any rank's ``checkpoint_due``: one all-reduce over the
+        ranks."""
+        seconds = self.seconds()
+        eval_seconds, checkpoint_seconds = self.paused()
         loss_sum, samples, due = global_sum(self.context, [self.loss_shares, float(self.samples),
                                                            float(checkpoint_due)])
         state = self.state
-        state.train_seconds += seconds
+        if self.steps:  # an interval without steps (after the last log line) trained nothing
+            state.train_seconds += seconds
         state.samples += int(samples)
         state.interval_loss_shares, state.interval_steps, state.interval_samples = 0.0, 0, 0
         state.interval_by_rank = []
-        return ({"loss": loss_sum / max(self.steps, 1), "qps": samples / seconds if seconds else 0.0,
-                 "samples": int(samples), "seconds": seconds}, due > 0)
+        return ({"loss": loss_sum / max(self.steps, 1), "steps": self.steps,
+                 "qps": samples / seconds if seconds else 0.0, "samples": int(samples), "seconds": seconds,
+                 "eval_seconds": eval_seconds, "checkpoint_seconds": checkpoint_seconds}, due > 0)
 
 
 def _dynamic_counters(model: DLRM) -> dict[str, Any]:

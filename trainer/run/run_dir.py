@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from neorec.common.durable import write_durably
+from neorec.common.errors import UserError
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -32,7 +33,7 @@ RUN_FILES = (CONFIG, METRICS, SUMMARY, PLAN, CHECKPOINTS, STORE)
 """What a run writes; ``overwrite`` removes these and nothing else."""
 
 
-class RunDirError(OSError):
+class RunDirError(UserError, OSError):
     """The run directory cannot be used as asked."""
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from neorec.ingest.partitions import with_partition_split
 from neorec.ingest.schema import Dataset
@@ -44,10 +44,13 @@ def train(config: TrainConfig, progress: ProgressFn | None = None, context: Dist
 
 
 def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None = None,
-                        best: bool = False) -> dict[str, float]:
+                        best: bool = False, ingest: Sequence[str] = ()) -> dict[str, float]:
     """Metrics of a saved model on the eval split (which may name a ready partition,
-    ``partitions/NAME``): the config saved with the checkpoint unless ``config`` is given. ``checkpoint_dir``: a run directory, its checkpoints
-    directory, or one checkpoint; ``best``: the run's best checkpoint (``keep_best``)."""
+    ``partitions/NAME``): the config saved with the checkpoint unless ``config`` is given.
+    ``checkpoint_dir``: a run directory, its checkpoints directory, or one checkpoint;
+    ``best``: the run's best checkpoint (``keep_best``). The split is read in process
+    unless ``ingest`` names reader services (the services a run trained through are
+    usually gone by the time it is evaluated)."""
     root, named = checkpoint.checkpoints_root(checkpoint_dir)
     name = None if named is None else named.name
     if best:
@@ -57,6 +60,8 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None =
     restorable = checkpoint.open_checkpoint(root, name)
     if config is None:
         config = TrainConfig.from_dict(restorable.manifest.config)
+    config = replace(config, data=replace(config.data, ingest=list(ingest)))
+    config.data.validate()
     set_threads(config.train.threads)
     dataset = with_partition_split(Dataset.load(config.data.path), config.data.eval_split)
     on_store = {entry.table for entry in restorable.manifest.store}

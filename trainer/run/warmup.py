@@ -1,4 +1,4 @@
-"""Compile every Numba kernel once in this process, before several processes start.
+"""Compile every Numba kernel a run uses once in this process, before several processes start.
 
 Numba's on-disk cache is not safe when processes compile the same function at the same
 time (numba/numba#4807: a process may crash reading a half-written entry). Launchers call
@@ -10,29 +10,54 @@ steps' timings).
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import torch
 
+from neorec.embedding_store.cache import SetAssociativeCache
+from neorec.ingest.vocab import hash_encode
 from neorec.trainer.batch import KeyedJaggedTensor
+from neorec.trainer.checkpoint.quantize import quantize
+from neorec.trainer.config import TrainConfig
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.dynamic.config import DynamicTableConfig
 from neorec.trainer.embedding.dynamic.table import DynamicTable
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
+from neorec.trainer.run.build import sparse_optimizer
 from neorec.trainer.sharding.input_dist import SparseAllToAll
 from neorec.trainer.sharding.layout import ShardedLayout
 from neorec.trainer.sharding.plan import ROW_WISE, Shard, ShardingPlan, TableSharding
 
 
-def compile_kernels() -> None:
-    """Run the lookup, the fused update, the id routing and a dynamic table's id map once
-    on a tiny table (the argument types are the ones training uses, so this compiles or
-    loads what it will call)."""
+def compile_kernels(config: TrainConfig | None = None) -> None:
+    """Run every kernel once on tiny inputs of the types training passes, so that this
+    compiles (or loads) what the run will call: the embedding lookup and fused update (of
+    ``config``'s weight storage and sparse optimizer; fp32 and SGD without a config), the
+    id routing, a dynamic table's id map, the store's cache, checkpoint quantization and
+    string hashing."""
+    _embedding_kernels(config)
+    _store_cache_kernels()
+    quantize(np.zeros((2, 4), dtype=np.float32), 8)
+    hash_encode(pa.array(["a", None, "b"]), rows=4, seed=0)
+
+
+def _embedding_kernels(config: TrainConfig | None) -> None:
     tables = [TableConfig("t", 4, 4, ("a",))]
     kjt = KeyedJaggedTensor(("a",), torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 1, 3]),
                             torch.ones(3))
-    module = FusedEmbeddingBagCollection(tables, SparseOptimizer("sgd", 0.1))
+    optimizer = sparse_optimizer(config) if config is not None else SparseOptimizer("sgd", 0.1)
+    weight_dtype = config.model.weight_dtype if config is not None else "fp32"
+    module = FusedEmbeddingBagCollection(tables, optimizer, weight_dtype=weight_dtype)
     module(kjt).sum().backward()
     plan = ShardingPlan(1, (TableSharding("t", ROW_WISE, (Shard(0, 0, 4, 0, 4),)),))
     SparseAllToAll(ShardedLayout(tables, plan, rank=0)).route(kjt)
     dynamic = DynamicTable("t", 0, 4, DynamicTableConfig(capacity=1, min_count=2, ttl=1))
     dynamic.train_ids(np.array([0, 0, 1], dtype=np.int64))
     dynamic.map.lookup(np.array([0], dtype=np.int64))
+
+
+def _store_cache_kernels() -> None:
+    for policy in ("lru", "lfu"):
+        cache = SetAssociativeCache(64, ways=32, policy=policy)
+        rows = np.arange(3, dtype=np.int64)
+        cache.admit(rows, 0)
+        cache.lookup(rows)

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from neorec.common.errors import UserError
+
 TABLE_WISE = "table_wise"
 ROW_WISE = "row_wise"
 COLUMN_WISE = "column_wise"
@@ -26,7 +28,7 @@ STORE_TYPES = (TABLE_WISE, ROW_WISE, TABLE_ROW_WISE)
 """Types whose shards may live on the embedding store (whole rows each)."""
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """A plan is invalid, or no plan fits; the message says which table and why."""
 
 

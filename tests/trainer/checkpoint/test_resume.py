@@ -30,7 +30,8 @@ def config_for(dataset, run_dir, **checkpoint) -> TrainConfig:
 def metrics(run_dir) -> list[dict]:
     """metrics.jsonl without what depends on the machine's speed."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in line.items() if k not in ("qps", "seconds")} for line in lines]
+    return [{k: v for k, v in line.items() if k not in ("qps", "seconds") and not k.endswith("_seconds")}
+            for line in lines]
 
 
 class Crash(Exception):

@@ -1,0 +1,89 @@
+"""User errors and bugs are told apart: an error that judges the user's input is one
+``neorec: error:`` line and exit 2, with nothing drawn before it; anything else is a bug in
+neorec and keeps its traceback (exit 1)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from neorec.common.errors import UserError
+
+PLANT_BUG = """
+import sys
+from neorec.trainer.run import loop
+
+def broken_step(*args, **kwargs):
+    raise ValueError("a planted bug inside training")
+
+loop.train_step = broken_step
+from neorec.orchestration.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _train_args(data, run, *more):
+    return ["train", "configs/demo.toml", "--set", f"data.path='{data}'", "--set", f"run.dir='{run}'",
+            "--set", "train.batch_size=256", "--set", "model.max_table_rows=1000", *more]
+
+
+def _run(argv, timeout=300):
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_bug_inside_training_keeps_its_traceback_and_exits_1(criteo_dataset, tmp_path):
+    result = _run([sys.executable, "-c", PLANT_BUG, *_train_args(criteo_dataset.root, tmp_path / "run")])
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" in result.stderr and "ValueError: a planted bug inside training" in result.stderr
+    assert "neorec: error:" not in result.stderr
+
+
+def test_a_refused_train_prints_its_one_line_and_nothing_else(criteo_dataset, tmp_path):
+    result = _run([sys.executable, "-m", "neorec",
+                   *_train_args(criteo_dataset.root, tmp_path / "run", "--set", "train.batch_size=100000")])
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("neorec: error: split 'train'"), result.stderr
+
+
+@pytest.mark.parametrize("make_path,expected", [
+    (lambda tmp: tmp, "cannot read config file"),  # a directory where the config file should be
+    (lambda tmp: tmp / "missing.toml", "not found"),
+])
+def test_an_unreadable_config_path_is_a_user_error(tmp_path, make_path, expected):
+    result = _run([sys.executable, "-m", "neorec", "train", str(make_path(tmp_path))], timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("neorec: error:") and expected in result.stderr
+
+
+def test_unreadable_user_paths_are_named_not_tracebacks(tmp_path):
+    result = _run([sys.executable, "-m", "neorec", "checkpoint", "inspect", str(tmp_path / "none")], timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr  # not an empty listing
+    assert f"{tmp_path / 'none'} is not a directory" in result.stderr
+    spec = tmp_path / "spec.toml"
+    spec.mkdir()
+    result = _run([sys.executable, "-m", "neorec", "data", "import", str(spec), "--out", str(tmp_path / "o")],
+                  timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"{spec}: Is a directory" in result.stderr
+
+
+def test_the_errors_that_judge_input_are_one_family():
+    from neorec.common.transport import EndpointError
+    from neorec.embedding_store.client import StoreServiceError
+    from neorec.embedding_store.segments import SegmentError
+    from neorec.ingest.client import IngestError
+    from neorec.ingest.errors import DataError, DatasetNotFoundError
+    from neorec.ingest.import_spec import SpecError
+    from neorec.orchestration.status import TargetError
+    from neorec.trainer.checkpoint.layout import CheckpointError
+    from neorec.trainer.config import ConfigError
+    from neorec.trainer.embedding.store_backed import StoreError
+    from neorec.trainer.run.run_dir import RunDirError
+    from neorec.trainer.sharding.plan import PlanError
+
+    for error in (ConfigError, DataError, DatasetNotFoundError, PlanError, CheckpointError, SpecError, RunDirError,
+                  EndpointError, IngestError, StoreServiceError, SegmentError, StoreError, TargetError):
+        assert issubclass(error, UserError), error
+    assert not issubclass(ValueError, UserError) and not issubclass(OSError, UserError)

@@ -1,0 +1,163 @@
+"""Ctrl-C (SIGINT to the process group, as a terminal sends it) stops ``neorec train`` with
+exit status 130 within 5 s in every mode, leaving no process, no thread (the processes are
+gone) and no listening port behind: in process, through a reader service (stopped, so
+that a stream waits), as 2 ranks, with store tables, during checkpoint writes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from neorec.orchestration.supervisor import descendants
+from neorec.trainer.run.run_dir import METRICS
+from tests.ingest.workers import start_worker
+
+EXIT_WITHIN_S = 5.0
+
+
+def _train(dataset, run_dir: Path, *args: str) -> subprocess.Popen:
+    """``neorec train`` of a long run, in a session of its own (its process group is what
+    a terminal's Ctrl-C reaches)."""
+    command = [sys.executable, "-m", "neorec", "train", "configs/demo.toml", "--set", f"data.path='{dataset.root}'",
+               "--set", f"run.dir='{run_dir}'", "--set", "train.epochs=500", "--set", "train.batch_size=128",
+               "--set", "model.max_table_rows=5000", "--set", "train.log_every=1", *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _await_training(process: subprocess.Popen, run_dir: Path, lines: int = 3) -> None:
+    deadline = time.monotonic() + 180
+    metrics = run_dir / METRICS
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < lines:
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"training did not start: {process.communicate()[1][-2000:]}")
+        time.sleep(0.1)
+
+
+def _await_stall(run_dir: Path, quiet_s: float = 2.0) -> None:
+    """Until no step was logged for ``quiet_s``."""
+    metrics, deadline = run_dir / METRICS, time.monotonic() + 120
+    size, since = -1, time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, "training did not stall"
+        if metrics.stat().st_size != size:
+            size, since = metrics.stat().st_size, time.monotonic()
+        time.sleep(0.1)
+
+
+def _listening_ports(pids: list[int]) -> set[int]:
+    """TCP ports listened on by the processes ``pids`` (Linux ``/proc``)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    return {port for port, inode in _listening() if inode in inodes}
+
+
+def _listening() -> list[tuple[int, str]]:
+    """(port, socket inode) of every listening TCP socket of this host's network namespace."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                found.append((int(fields[1].rsplit(":", 1)[1], 16), fields[9]))
+    return found
+
+
+def _interrupt(process: subprocess.Popen, quiet: bool = True) -> str:
+    """SIGINT to the process group; asserts exit 130 within :data:`EXIT_WITHIN_S` and that
+    nothing it started or listened on is left; returns its stderr."""
+    tree = [process.pid, *descendants(process.pid)]
+    ports = _listening_ports(tree)
+    sent = time.monotonic()
+    os.killpg(process.pid, signal.SIGINT)
+    try:
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    took = time.monotonic() - sent
+    stderr = process.stderr.read()
+    assert process.returncode == 130, stderr[-3000:]
+    assert took < EXIT_WITHIN_S, f"exit took {took:.1f} s"
+    time.sleep(0.2)  # the ranks' last exits
+    left = [pid for pid in tree[1:] if _alive(pid)]
+    assert not left, left
+    with pytest.raises(ProcessLookupError):  # nothing left in its process group
+        os.killpg(process.pid, 0)
+    still = ports & {port for port, _ in _listening()}
+    assert not still, f"ports {still} still listened on"
+    if quiet:
+        assert "Traceback" not in stderr, stderr[-3000:]
+    return stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_in_process(criteo_dataset, tmp_path):
+    process = _train(criteo_dataset, tmp_path / "run")
+    _await_training(process, tmp_path / "run")
+    assert "neorec: interrupted" in _interrupt(process)
+
+
+def test_through_a_reader_service_that_stopped_sending(criteo_dataset, tmp_path):
+    """A stopped service sends nothing: the prefetch thread waits in its stream (no stall
+    or progress timeout near) and the exit must not wait on it (the order of the closes is
+    tested in tests/trainer/test_interrupted_run.py)."""
+    worker = start_worker()
+    try:
+        process = _train(criteo_dataset, tmp_path / "run", "--ingest", worker.address,
+                         "--set", "data.ingest_progress_timeout_s=100", "--set", "data.ingest_stall_timeout_s=100")
+        _await_training(process, tmp_path / "run")
+        worker.process.send_signal(signal.SIGSTOP)
+        _await_stall(tmp_path / "run")  # the batches in flight are used up: the reader waits on the service
+        _interrupt(process)
+        worker.process.send_signal(signal.SIGCONT)
+        assert worker.process.poll() is None  # the service outlives the trainer, unharmed
+    finally:
+        worker.process.send_signal(signal.SIGCONT)
+        worker.stop()
+
+
+def test_with_store_tables(criteo_dataset, tmp_path):
+    process = _train(criteo_dataset, tmp_path / "run", "--set", "embedding_store.tables={t_C1 = 0.01, t_C3 = 0.02}")
+    _await_training(process, tmp_path / "run")
+    _interrupt(process)
+
+
+def test_during_checkpoint_writes(criteo_dataset, tmp_path):
+    """A checkpoint every step, synchronous and full: most of the time is spent writing one."""
+    process = _train(criteo_dataset, tmp_path / "run", "--set", "checkpoint.every_steps=1",
+                     "--set", "checkpoint.async=false", "--set", "checkpoint.mode='full'",
+                     "--set", "model.max_table_rows=40000")
+    _await_training(process, tmp_path / "run")
+    _interrupt(process)
+    inspected = subprocess.run([sys.executable, "-m", "neorec", "checkpoint", "inspect", "--verify",
+                                str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert inspected.returncode == 0, inspected.stdout + inspected.stderr  # what committed is whole
+
+
+@pytest.mark.slow
+def test_two_ranks(criteo_dataset, tmp_path):
+    process = _train(criteo_dataset, tmp_path / "run", "--nproc", "2")
+    _await_training(process, tmp_path / "run")
+    _interrupt(process, quiet=False)  # torchrun itself may print its SignalException's traceback

@@ -1,0 +1,85 @@
+"""A run whose setting up fails half-way releases what it had acquired: reader threads and
+gRPC channels, the first epoch's prefetch thread, store tiers, open files."""
+
+import os
+import threading
+import time
+
+import pytest
+
+from neorec.ingest.errors import DataError
+from neorec.trainer.config import TrainConfig
+from neorec.trainer.distributed import SINGLE_PROCESS
+from neorec.trainer.run import loop as loop_module
+from neorec.trainer.run.loop import TrainingRun
+from tests.ingest.workers import start_worker
+
+
+def _config(dataset, run_dir, **data) -> TrainConfig:
+    return TrainConfig.from_dict({
+        "data": {"path": str(dataset.root), **data},
+        "model": {"max_table_rows": 5000, "embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [32, 1]},
+        "train": {"batch_size": 256, "eval_batch_size": 1000, "background_batches": 2},
+        "embedding_store": {"tables": {"t_C1": 0.005, "t_C3": 0.02}},
+        "run": {"dir": str(run_dir)},
+    })
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _released(threads_before: set[threading.Thread], fds_before: set[str]) -> None:
+    """Every thread started since ``threads_before`` ended, every descriptor opened since
+    ``fds_before`` closed."""
+    deadline = time.monotonic() + 10
+    while True:
+        threads = set(threading.enumerate()) - threads_before
+        fds = _open_fds() - fds_before
+        if not threads and not fds or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not threads, threads
+    assert not fds, [os.readlink(f"/proc/self/fd/{fd}") for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")]
+
+
+def _fails_and_releases(config: TrainConfig, error: type[BaseException]) -> None:
+    with pytest.raises(error):  # once: what a process loads once (gRPC's, Numba's) is loaded
+        TrainingRun(config, SINGLE_PROCESS, overwrite=True)
+    threads, fds = set(threading.enumerate()), _open_fds()
+    with pytest.raises(error):
+        TrainingRun(config, SINGLE_PROCESS, overwrite=True)
+    _released(threads, fds)
+
+
+def test_a_bad_eval_split_after_the_train_reader_started_releases_it(criteo_dataset, tmp_path):
+    _fails_and_releases(_config(criteo_dataset, tmp_path / "run", eval_split="no-such-split"), DataError)
+
+
+def test_a_bad_eval_split_releases_the_reader_services_channels_and_threads(criteo_dataset, tmp_path):
+    worker = start_worker()
+    try:
+        _fails_and_releases(_config(criteo_dataset, tmp_path / "run", eval_split="no-such-split",
+                                    ingest=[worker.address]), DataError)
+    finally:
+        worker.stop()
+
+
+class Failed(Exception):
+    """Stands for a failure late in setting up (after the readers, prefetch and store)."""
+
+
+@pytest.mark.parametrize("through_services", [False, True])
+def test_a_late_failure_releases_the_prefetch_thread_and_the_store(criteo_dataset, tmp_path, monkeypatch,
+                                                                   through_services):
+    def fail(config) -> None:
+        raise Failed()
+
+    monkeypatch.setattr(loop_module, "compile_kernels", fail)
+    worker = start_worker() if through_services else None
+    try:
+        config = _config(criteo_dataset, tmp_path / "run", ingest=[worker.address] if worker else [])
+        _fails_and_releases(config, Failed)
+    finally:
+        if worker is not None:
+            worker.stop()
