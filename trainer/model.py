@@ -37,7 +37,8 @@ class MLP(nn.Sequential):
                     linear.bias.normal_(0.0, (1.0 / fan_out) ** 0.5, generator=generator)
                 else:
                     nn.init.kaiming_uniform_(linear.weight, a=5**0.5, generator=generator)
-                    nn.init.uniform_(linear.bias, -(fan_in**-0.5), fan_in**-0.5, generator=generator)
+                    bound = fan_in**-0.5 if fan_in > 0 else 0.0  # no inputs (no dense features): zero bias
+                    nn.init.uniform_(linear.bias, -bound, bound, generator=generator)
             layers.append(linear)
             if last_relu or i < len(sizes) - 2:
                 layers.append(nn.ReLU())
