@@ -157,6 +157,9 @@ class TrainLoopConfig:
             _positive(f"train.{key}", getattr(self, key))
         _one_of("train.device", self.device, DEVICES)
         _one_of("train.kernels", self.kernels, KERNELS)
+        if self.device == "cuda" and self.kernels == "numba":
+            raise ConfigError("train.kernels: numba kernels run on the CPU; with train.device = 'cuda' use 'torch' "
+                              "or 'auto'")
         for key in ("max_steps", "eval_every", "threads", "prefetch"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key}: must be >= 0, got {getattr(self, key)}")
@@ -378,6 +381,9 @@ class TrainConfig:
         for section in (self.data, self.model, self.optimizer, self.train, self.sharding, self.checkpoint, self.run,
                         self.security, self.launch, self.embedding_store):
             section.validate()
+        if self.train.device == "cuda" and self.embedding_store.tables:
+            raise ConfigError("embedding_store.tables: store-backed tables train on the CPU only; with "
+                              "train.device = 'cuda' keep every table in device memory (or train on the CPU)")
 
     def to_dict(self) -> dict[str, Any]:
         """The config as TOML would write it (``from_dict`` reads it back)."""

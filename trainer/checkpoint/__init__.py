@@ -46,7 +46,7 @@ def restore_model(restorable: Restorable, model: DLRM) -> dict:
     restore_embeddings(restorable, views)
     restore_store_tables(restorable, store_of(embeddings), views)
     embeddings.set_optimizer_steps(restorable.manifest.sparse_steps)
-    dense = load_dense(restorable)
+    dense = load_dense(restorable, next(model.bottom.parameters()).device)
     with torch.no_grad():
         model.bottom.load_state_dict(dense["bottom"])
         model.top.load_state_dict(dense["top"])

@@ -118,10 +118,11 @@ def restore_embeddings(restorable: Restorable, views: list[ShardView]) -> None:
                     views[index].weight.device))
 
 
-def load_dense(restorable: Restorable) -> dict[str, Any]:
-    """Rank 0's dense state (MLPs, dense optimizer, RNG, position)."""
+def load_dense(restorable: Restorable, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Rank 0's dense state (MLPs, dense optimizer, RNG, position), its tensors on ``device``
+    (the run's: a checkpoint written on one device restores onto another)."""
     path = restorable.directory / DENSE_FILE
-    return torch.load(io.BytesIO(path.read_bytes()), weights_only=False)
+    return torch.load(io.BytesIO(path.read_bytes()), weights_only=False, map_location=device)
 
 
 def _check_tables(manifest: Manifest, views: list[ShardView]) -> dict[str, list[int]]:

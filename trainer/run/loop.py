@@ -39,6 +39,7 @@ from neorec.trainer.run.metrics import MetricsLog, evaluate
 from neorec.trainer.model import DLRM
 from neorec.trainer.planner.from_config import job_plan
 from neorec.trainer.run.background import Prefetcher
+from neorec.trainer.run.elastic import mark_claimed
 from neorec.trainer.sharding.input_pipeline import InputPipeline
 from neorec.trainer.sharding.sharded_embedding import PreparedSparse
 from neorec.trainer.run.readers import (batches, check_dense_transform, check_splits, eval_reader_config, make_reader,
@@ -97,6 +98,7 @@ class TrainingRun:
         self.run_dir = Path(config.run.dir)
         if context.is_main:
             run_directory.claim(self.run_dir, overwrite=overwrite, resume=resume)
+            mark_claimed(self.run_dir)
         self.steps_per_epoch = self.train_reader.plan(0).num_batches
         self.total_steps = self.steps_per_epoch * loop.epochs
         if loop.max_steps:
@@ -314,12 +316,12 @@ class TrainingRun:
         if self.store is not None or restorable.manifest.store:
             restore_store_tables(restorable, self.store, views)
         self.dlrm.embeddings.set_optimizer_steps(restorable.manifest.sparse_steps)
-        dense = load_dense(restorable)
+        dense = load_dense(restorable, context.device)
         with torch.no_grad():
             self.dlrm.bottom.load_state_dict(dense["bottom"])
             self.dlrm.top.load_state_dict(dense["top"])
         self.optimizer.load_state_dict(dense["optimizer"])
-        torch.set_rng_state(dense["rng"])
+        torch.set_rng_state(dense["rng"].cpu())
         self.state = LoopState(**dense["state"])
         _Interval.resume(self.state, context)
         self.metrics_bytes = dense["metrics_bytes"]
