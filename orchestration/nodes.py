@@ -7,13 +7,20 @@ node that can bind it, normally the one at ``HOST``), torchrun numbers the ranks
 node's ``R`` ranks are its local ranks (``LOCAL_WORLD_SIZE``: the node topology the
 planner and hierarchical sharding use). ``--max-restarts K`` lets torchrun's elastic agent
 restart the job's workers up to K times after a failure; they resume from the newest
-checkpoint (:mod:`neorec.trainer.run.elastic`).
+checkpoint (:mod:`neorec.trainer.run.elastic`, which finds the job's rendezvous store at
+``NEOREC_JOB_STORE``).
+
+Each rendezvous round's workers meet in a store of their own (torchrun's
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``): in the store the agents share by default, the
+workers of a restarted round would read the addresses the previous round's workers left
+there, since agents that restart for a failure and those that restart for the group
+re-forming number their attempts differently.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from neorec.orchestration.status import check_address
 from neorec.orchestration.cli_args import at_least
@@ -44,6 +51,14 @@ class Nodes:
         return [f"--nnodes={self.count}", f"--node-rank={self.rank}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={self.rendezvous}", f"--rdzv-id={self.run_id}", *flags]
 
+    def worker_environment(self) -> dict[str, str]:
+        """What torchrun and its workers need in the environment beyond the flags."""
+        from neorec.trainer.run.elastic import JOB_STORE
+
+        if self.standalone:
+            return {}
+        return {JOB_STORE: self.rendezvous, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
 
 ONE_NODE = Nodes()
 
@@ -72,7 +87,12 @@ def nodes_from_args(args: argparse.Namespace) -> Nodes:
             check_address(args.rdzv)
         except ValueError as err:
             raise ValueError(f"--rdzv: {err}") from None
-    return Nodes(args.nnodes, args.node_rank, args.rdzv or "", args.rdzv_id, args.max_restarts)
+    nodes = Nodes(args.nnodes, args.node_rank, args.rdzv or "", args.rdzv_id, args.max_restarts)
+    if nodes.standalone and nodes.max_restarts:  # one node that restarts: its own rendezvous, known here
+        from neorec.orchestration.launch import free_ports
+
+        nodes = replace(nodes, rendezvous=f"127.0.0.1:{free_ports('127.0.0.1', 1)[0]}")
+    return nodes
 
 
 def uses_torchrun(nproc: int, nodes: Nodes) -> bool:

@@ -72,4 +72,5 @@ def run_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes = ONE_NODE) ->
     node's share of ``nodes``); returns torchrun's exit status."""
     threads = str(max(1, (os.cpu_count() or 1) // nproc))  # the ranks share this host's cores
     command = torchrun_command(nproc, "neorec.orchestration.cli", neorec_args, nodes)
-    return subprocess.run(command, check=False, env={**os.environ, "OMP_NUM_THREADS": threads}).returncode
+    environment = {**os.environ, "OMP_NUM_THREADS": threads, **nodes.worker_environment()}
+    return subprocess.run(command, check=False, env=environment).returncode

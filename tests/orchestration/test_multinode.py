@@ -102,7 +102,7 @@ def test_the_elastic_agent_restarts_a_killed_rank_and_the_run_ends_as_if_uninter
     """Two nodes under ``--max-restarts 1``; rank 1 is SIGKILLed after the first checkpoint.
     Both agents restart their workers, which resume from the newest checkpoint (not refuse
     the run directory) and end where an uninterrupted run ends, bit for bit."""
-    settings = ["train.max_steps=24", "checkpoint.mode='full'", f"sharding.tables={SHARDED}"]
+    settings = ["train.max_steps=15", "checkpoint.mode='full'", f"sharding.tables={SHARDED}"]
     commands = _node_commands(2, 1, _settings(criteo_dataset, tmp_path / "killed", *settings), "--max-restarts", "1")
     nodes = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
     try:
@@ -120,12 +120,12 @@ def test_the_elastic_agent_restarts_a_killed_rank_and_the_run_ends_as_if_uninter
             _, stderr = node.communicate(timeout=300)
             assert node.returncode == 0, stderr[-3000:]
             logs += stderr
-        assert "restart 1 of the job: resuming from the newest checkpoint" in logs, logs[-3000:]
+        assert "resuming from the newest checkpoint" in logs, logs[-3000:]
     finally:
         for node in nodes:
             if node.poll() is None:
                 node.kill()
     summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
-    assert summary["steps"] == 24
+    assert summary["steps"] == 15
     _run_nodes(_node_commands(2, 1, _settings(criteo_dataset, tmp_path / "whole", *settings)))
     assert_same_run(tmp_path / "killed", tmp_path / "whole")

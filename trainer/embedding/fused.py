@@ -238,7 +238,9 @@ class FusedEmbeddingBagCollection(nn.Module):
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         if self.training and torch.is_grad_enabled():
             return _FusedLookup.apply(self._anchor, self, sparse)
-        return self._lookup(sparse)[0]
+        out = self._lookup(sparse)[0]
+        self.check_ids()
+        return out
 
     def _feature_source(self, sparse: KeyedJaggedTensor) -> np.ndarray:
         source = self._source_cache.get(sparse.keys)
@@ -256,8 +258,6 @@ class FusedEmbeddingBagCollection(nn.Module):
                 self.weights, self._tables_on(self.weights.device), self._feature_source(sparse).tolist(),
                 self._module_features(sparse), sparse.lengths, sparse.values, sparse.weights, sparse.batch_size)
             self._bad_ids = lookup.bad_ids if self._bad_ids is None else self._bad_ids + lookup.bad_ids
-            if not (self.training and torch.is_grad_enabled()):
-                self.check_ids()
             return out, lookup
         batch_size = sparse.batch_size
         num_ids = sparse.values.numel()
@@ -386,6 +386,15 @@ class _LookupContext:
         self.batch_size = batch_size
         self.upstream_of_id = upstream_of_id
         self.scale_of_id = scale_of_id
+
+
+def check_ids(model: nn.Module) -> None:
+    """Raise ``IndexError`` if a torch-ops lookup of any fused module in ``model`` met ids
+    outside their table's rows since the last check (a training step only counts them on
+    the device; the loop checks at its log lines)."""
+    for module in model.modules():
+        if isinstance(module, FusedEmbeddingBagCollection):
+            module.check_ids()
 
 
 class _FusedLookup(torch.autograd.Function):

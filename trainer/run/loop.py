@@ -45,6 +45,7 @@ from neorec.trainer.sharding.sharded_embedding import PreparedSparse
 from neorec.trainer.run.readers import (batches, check_dense_transform, check_splits, eval_reader_config, make_reader,
                                          train_reader_config)
 from neorec.trainer.run.step import ProgressFn, StepReport, set_threads, train_step
+from neorec.trainer.embedding.fused import check_ids
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StorePiece, store_of
 from neorec.trainer.run.warmup import compile_kernels
 
@@ -117,6 +118,8 @@ class TrainingRun:
         self.optimizer = dense_optimizer(self.dlrm, config)
         self.state = LoopState()
         self.metrics_bytes: int | None = None
+        self.logged_loss = 0.0
+        """The mean loss of the last logging interval (the progress reports' loss)."""
         self.checkpointer = self._checkpointer()
         if resume:
             self._restore()
@@ -193,20 +196,22 @@ class TrainingRun:
         full_batches = self.config.data.remainder == "drop"
         try:
             for batch in stream:
-                share = float(train_step(self.model, self.optimizer, batch, context, full_batches))
+                share = train_step(self.model, self.optimizer, batch, context, full_batches)
                 state.global_step += 1
                 state.step_in_epoch += 1
                 interval.add(share, batch.num_valid)
                 if progress is not None:
                     committed = self.checkpointer.writer.last_committed
-                    progress(StepReport(state.global_step, state.epoch, share * context.world_size, interval.qps(),
+                    progress(StepReport(state.global_step, state.epoch, self.logged_loss, interval.qps(),
                                         self.total_steps,
                                         state.wait_seconds / state.train_seconds if state.train_seconds else 0.0,
                                         committed.name if committed else ""))
                 time_due = False
                 if state.global_step % self.config.train.log_every == 0 or state.global_step == self.total_steps:
+                    check_ids(self.dlrm)
                     report, time_due = interval.close(self.checkpointer.due_by_time())
                     self.log.write({"split": "train", "step": state.global_step, "epoch": state.epoch, **report})
+                    self.logged_loss = report["loss"]
                     interval = _Interval(context, state)
                 best = False
                 if self.config.train.eval_every and state.global_step % self.config.train.eval_every == 0:
@@ -337,12 +342,14 @@ class _Interval:
         self.context = context
         self.state = state
         self.started = time.perf_counter()
-        self.loss_shares = state.interval_loss_shares
+        self.loss_shares = torch.tensor(state.interval_loss_shares, dtype=torch.float64, device=context.device)
+        """float64 scalar on the run's device: the steps' loss shares summed there, read at
+        log lines and checkpoints only (the steps in between never wait for the device)."""
         self.steps = state.interval_steps
         self.samples = state.interval_samples
 
-    def add(self, loss_share: float, samples: int) -> None:
-        """A step's loss share and valid samples on this rank."""
+    def add(self, loss_share: torch.Tensor, samples: int) -> None:
+        """A step's loss share (float32 scalar on the device) and valid samples on this rank."""
         self.loss_shares += loss_share
         self.steps += 1
         self.samples += samples
@@ -358,9 +365,9 @@ class _Interval:
         all-reduce, exact: each rank adds zeros to the others' values)."""
         world, rank = self.context.world_size, self.context.rank
         mine = [0.0] * (2 * world)
-        mine[rank], mine[world + rank] = self.loss_shares, float(self.samples)
+        mine[rank], mine[world + rank] = float(self.loss_shares), float(self.samples)
         self.state.interval_by_rank = global_sum(self.context, mine)
-        self.state.interval_loss_shares = self.loss_shares
+        self.state.interval_loss_shares = mine[rank]
         self.state.interval_steps = self.steps
         self.state.interval_samples = self.samples
 
@@ -385,7 +392,7 @@ class _Interval:
         ``qps`` and ``seconds`` (added to the loop state, whose accumulators are reset), and
         whether any rank's ``checkpoint_due``: one all-reduce over the ranks."""
         seconds = time.perf_counter() - self.started
-        loss_sum, samples, due = global_sum(self.context, [self.loss_shares, float(self.samples),
+        loss_sum, samples, due = global_sum(self.context, [float(self.loss_shares), float(self.samples),
                                                            float(checkpoint_due)])
         state = self.state
         state.train_seconds += seconds
