@@ -8,16 +8,23 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from neorec.ingest.schema import Dataset
+from neorec.trainer import checkpoint
 from neorec.trainer.checkpoint.layout import complete
+from neorec.trainer.config import TrainConfig
+from neorec.trainer.distributed import DistributedContext
+from neorec.trainer.planner.from_config import job_plan
+from neorec.trainer.run.build import build_model
 from tests.ingest.workers import start_worker, stop_all
 from tests.orchestration.test_cli import _neorec
 from tests.orchestration.test_sharded_cli import _rank_processes
-from tests.trainer.spawn import _free_port
+from tests.trainer.spawn import _free_port, run_ranks
 from tests.trainer.test_train import final_state, untimed
 
 SHARDED = "{t_C1='row_wise', t_C2='column_wise', t_C3='table_wise', t_C4='data_parallel'}"
@@ -129,3 +136,64 @@ def test_the_elastic_agent_restarts_a_killed_rank_and_the_run_ends_as_if_uninter
     assert summary["steps"] == 15
     _run_nodes(_node_commands(2, 1, _settings(criteo_dataset, tmp_path / "whole", *settings)))
     assert_same_run(tmp_path / "killed", tmp_path / "whole")
+
+
+def _restored(rank: int, world: int, run_config: dict, root: str, ranks_per_node: int, tables: dict) -> dict:
+    """Every table (weights, optimizer state) and the MLPs of the checkpoint at ``root``
+    restored into ``world`` ranks on nodes of ``ranks_per_node``, as that job plans them
+    (``tables``: ``sharding.tables``)."""
+    config = TrainConfig.from_dict(run_config)
+    config = replace(config, sharding=replace(config.sharding, ranks_per_node=ranks_per_node, tables=tables))
+    dataset = Dataset.load(config.data.path)
+    context = DistributedContext(rank, world, ranks_per_node, rank % ranks_per_node)
+    plan = job_plan(dataset, config, context)
+    model = build_model(dataset, config, plan)
+    checkpoint.restore_model(checkpoint.open_checkpoint(Path(root)), model)
+    tables = {t.name: model.embeddings.gather_table(t.name) for t in model.embeddings.tables}
+    return {"tables": tables, "mlps": {**model.bottom.state_dict(), **model.top.state_dict()},
+            "plan": plan.to_dict()}
+
+
+def _assert_restored(restored: dict, run: Path) -> None:
+    """``restored`` holds the single-process restore of ``run``'s newest checkpoint."""
+    restorable = checkpoint.open_checkpoint(run / "checkpoint")
+    config = TrainConfig.from_dict(restorable.manifest.config)
+    single = build_model(Dataset.load(config.data.path), config)
+    checkpoint.restore_model(restorable, single)
+    for name, (weights, states) in restored["tables"].items():
+        assert torch.equal(weights, single.embeddings.table_weight(name).float()), name
+        assert all(torch.equal(a, b) for a, b in zip(states, single.embeddings.table_state(name))), name
+    expected = {**single.bottom.state_dict(), **single.top.state_dict()}
+    assert all(torch.equal(restored["mlps"][k], expected[k]) for k in expected)
+
+
+@pytest.mark.slow
+def test_checkpoints_restore_from_two_nodes_of_two_ranks_into_one_node_of_three_and_back(criteo_dataset, tmp_path):
+    """A 2 × 2 job's checkpoint restores into 1 × 3 ranks (``--resume --nproc 3``, which
+    trains on and writes a 3-rank checkpoint), and that one into 2 × 2: every table and
+    optimizer state, and the MLPs, bit for bit (row-wise Adagrad; no column-wise shards,
+    whose row-wise state is one value per shard row)."""
+    on_nodes = {"t_C1": "row_wise", "t_C2": "table_wise", "t_C3": "data_parallel", "t_C4": "table_row_wise"}
+    on_one = {**on_nodes, "t_C4": "row_wise"}  # one node: no groups of nodes to split rows within
+
+    def settings(tables: dict, steps: int) -> list[str]:
+        return _settings(criteo_dataset, tmp_path / "run", f"train.max_steps={steps}", "checkpoint.mode='full'",
+                         "sharding.tables={" + ", ".join(f"{t}='{k}'" for t, k in tables.items()) + "}",
+                         "train.threads=1")
+
+    _run_nodes(_node_commands(2, 2, settings(on_nodes, 2)))
+    run = tmp_path / "run"
+    config = json.loads((run / "config.json").read_text())
+    on_three = run_ranks(_restored, 3, config, str(run / "checkpoint"), 3, on_one)
+    assert {t["sharding_type"] for t in on_three[0]["plan"]["tables"]} >= {"row_wise", "table_wise"}
+    _assert_restored(on_three[0], run)
+
+    # a run cut by max_steps counts its epoch as done: the resumed run trains on in the next
+    result = _neorec("train", "configs/demo.toml", "--nproc", "3", "--resume", str(run), *settings(on_one, 3),
+                     "--set", "train.epochs=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 3
+    assert (run / "checkpoint" / "LATEST").read_text().strip() == "step-000000003"
+    on_four = run_ranks(_restored, 4, config, str(run / "checkpoint"), 2, on_nodes)
+    assert "table_row_wise" in {t["sharding_type"] for t in on_four[0]["plan"]["tables"]}
+    _assert_restored(on_four[0], run)
