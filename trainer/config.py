@@ -30,11 +30,20 @@ class ConfigError(ValueError):
 @dataclass
 class DataConfig:
     path: str = "data/criteo-synth"
+    """The dataset directory (the one holding ``dataset.json``)."""
     train_split: str = "train"
+    """The split trained on (a split named in ``dataset.json``)."""
     eval_split: str = "eval"
+    """The split evaluated on: after every epoch, every ``train.eval_every`` steps and at the end."""
     dense_transform: str = "log1p"
+    """``log1p``: negative values clipped to 0, then ``log(1 + x)`` (DLRM's transform of
+    Criteo's counts); ``identity``: as stored (data an importer already transformed)."""
     id_mapping: str = "modulo"
+    """``modulo``: id ``i`` looks up row ``i % rows`` of its table; ``strict``: an id beyond
+    the table is an error naming file, column and row. Negative ids are always an error."""
     remainder: str = "drop"
+    """The rows of an epoch that do not fill a step on every rank: dropped (``drop``) or
+    trained in a padded batch (``pad``); either way counted."""
     shuffle: str = "rows"
     """Training order each epoch: ``rows`` (rows mixed within windows of row groups, from
     the seed and epoch), ``row_groups`` (row groups shuffled, rows in file order) or
@@ -44,6 +53,7 @@ class DataConfig:
     ingest: list[str] = field(default_factory=list)
     """Reader service addresses (host:port); empty: read in process."""
     ingest_compression: str = "none"
+    """Batches from the reader services as one zstd frame (``zstd``) or raw (``none``)."""
     ingest_stall_timeout_s: float = 120.0
     """Give up when no reader service delivers anything for this long."""
     ingest_progress_timeout_s: float = 5.0
@@ -73,6 +83,7 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     embedding_dim: int = 16
+    """Columns of every embedding table (and the bottom MLP's output)."""
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 32, 16])
     """Output size of every bottom MLP layer; the last is ``embedding_dim`` (as TorchRec's
     ``DenseArch`` layer sizes)."""
@@ -82,7 +93,10 @@ class ModelConfig:
     """MLP initialisation: ``normal`` (the DLRM reference) or ``uniform`` (PyTorch's
     ``nn.Linear`` default, as TorchRec); deterministic from the seed either way."""
     max_table_rows: int = 200_000
+    """A table has ``min(cardinality, max_table_rows)`` rows (with ``data.id_mapping =
+    'modulo'``, larger ids share rows)."""
     pooling: str = "sum"
+    """How a bag's rows are pooled: summed or averaged."""
     weight_dtype: str = "fp32"
     """Embedding weight storage: fp32, fp16 or bf16 (compute and optimizer state stay fp32)."""
     stochastic_rounding: bool = True
@@ -109,11 +123,17 @@ class ModelConfig:
 @dataclass
 class OptimizerConfig:
     sparse: str = "rowwise_adagrad"
+    """The embeddings' optimizer, fused into their backward."""
     sparse_lr: float = 0.05
+    """The embeddings' learning rate."""
     sparse_eps: float = 1e-8
+    """Adagrad's and Adam's epsilon for the embeddings."""
     sparse_weight_decay: float = 0.0
+    """Adds ``weight_decay * w`` to the gradient of every updated embedding row."""
     dense: str = "adam"
+    """The MLPs' optimizer (``torch.optim``)."""
     dense_lr: float = 1e-3
+    """The MLPs' learning rate."""
 
     def validate(self) -> None:
         _one_of("optimizer.sparse", self.sparse, SPARSE_OPTIMIZERS)
@@ -130,12 +150,20 @@ class TrainLoopConfig:
     batch_size: int = 512
     """Samples per rank per step (the global batch is ``batch_size * world_size``)."""
     eval_batch_size: int = 4096
+    """Samples per rank per evaluation batch."""
     epochs: int = 1
+    """Passes over the train split."""
     max_steps: int = 0
+    """Stop after this many steps in all (0: when the epochs end)."""
     seed: int = 0
+    """Seeds the initial weights, the epochs' order and the rounding noise: the same seed
+    and config give the same run, bit for bit."""
     log_every: int = 50
+    """Steps between the train lines of ``metrics.jsonl``."""
     eval_every: int = 0
+    """Steps between evaluations (0: after every epoch only)."""
     threads: int = 0
+    """Threads of torch, the kernels and decoding (0: the host's cores shared by its ranks)."""
     pin_cores: bool = True
     """When several ranks share a host, run each rank's threads on its own share of the
     host's cores (see :mod:`neorec.trainer.run.affinity`)."""
@@ -176,11 +204,15 @@ class ShardingConfig:
     group_size: int = 0
     """Ranks of a table_row_wise group; 0: a node."""
     memory_per_rank: str = "16GiB"
+    """What a rank may hold of embedding rows and their optimizer state (``16GiB``, ``500MB``)."""
     intra_node_gbps: float = 10.0
+    """Bandwidth between the ranks of one node in GB/s (the planner's all-to-all estimates)."""
     inter_node_gbps: float = 1.25
+    """Bandwidth between nodes in GB/s."""
     lookup_gbps: float = 2.0
-    """Embedding row bytes a rank reads or writes per second."""
+    """GB of embedding rows a rank reads or writes per second."""
     tables: dict[str, str] = field(default_factory=dict)
+    """Per-table overrides of the planner's choice (see the section's docstring)."""
     comm_precision: dict[str, str] = field(default_factory=dict)
     """Wire type of the pooled embeddings' all-to-all (``forward``) and of the gradients
     (``backward``: theirs and the MLPs' sums): ``fp32`` (default), ``fp16`` or ``bf16``."""
@@ -310,6 +342,7 @@ class LaunchConfig:
     """Start an embedding store service (``neorec store serve``, its tiers under
     ``RUN_DIR/store-service``) for the trainers' store tables; else the trainers hold them."""
     worker_threads: int = 2
+    """Decode threads of each reader service."""
     nproc: int = 1
     """Trainer ranks (through torchrun when more than one)."""
     host: str = "127.0.0.1"
@@ -321,10 +354,13 @@ class LaunchConfig:
     startup_grace_s: float = 60.0
     """A process gets this long to come up (answer its health probe) before that counts."""
     probe_interval_s: float = 1.0
+    """Seconds between health probes of every service."""
     probe_misses: int = 3
     """A service that misses this many probes in a row (a hung process) is restarted."""
     backoff_s: float = 0.5
+    """Wait before the first restart of a process; doubled each time it fails again."""
     max_backoff_s: float = 10.0
+    """The longest wait before a restart."""
     trainer_stall_s: float = 120.0
     """A trainer whose step has not advanced for this long (evaluation and checkpoints
     included) is hung: its group is restarted."""
@@ -342,6 +378,7 @@ class LaunchConfig:
 @dataclass
 class RunConfig:
     dir: str = "runs/latest"
+    """The run directory: config, metrics, summary, checkpoints."""
 
     def validate(self) -> None:
         if not self.dir.strip():

@@ -170,6 +170,9 @@ def test_killing_the_writer_at_any_point_leaves_the_newest_complete_checkpoint_w
         time.sleep(rng.uniform(0.0, 0.3))
         process.kill()
         process.wait()
+        if not complete(tmp_path):  # killed before its first commit (a loaded machine): only ever at the start
+            assert not steps_seen, f"attempt {attempt}: the complete checkpoints of earlier attempts are gone"
+            continue
         restorable = open_checkpoint(tmp_path)
         step = restorable.manifest.step
         restored = crash_writer.fresh()
@@ -179,4 +182,6 @@ def test_killing_the_writer_at_any_point_leaves_the_newest_complete_checkpoint_w
         for key in ("weights", "state1", "optimizer_step"):
             assert torch.equal(restored.state_dict()[key], expected[key]), (attempt, step, key)
         steps_seen.append(step)
-    assert steps_seen[-1] > 24  # the writer made progress across the kills
+    # Each restart goes on from the newest complete checkpoint: never back, and forward overall (how far
+    # depends on how fast the machine is, not on the checkpoints).
+    assert steps_seen == sorted(steps_seen) and steps_seen[-1] > steps_seen[0]
