@@ -2,9 +2,10 @@
 # An elastic restart by hand: two trainer "nodes" on this host under --max-restarts 1;
 # after the first checkpoint one rank is SIGKILLed, both agents restart their workers, and
 # the run resumes from that checkpoint on its own. Prints the restart lines and the summary.
-# Usage: scripts/elastic.sh [STEPS]   (run from the repository root, after `make data`)
+# Usage: scripts/elastic.sh [STEPS [neorec train flags...]]   (from the repository root, after `make data`)
 set -euo pipefail
-STEPS=${1:-300}
+STEPS=${1:-150}
+shift || true
 NEOREC=${NEOREC:-.venv/bin/neorec}
 PYTHON=${PYTHON:-.venv/bin/python}
 RUN=runs/elastic
@@ -15,7 +16,7 @@ nodes=()
 for node in 0 1; do
   $NEOREC train configs/demo.toml --nproc 1 --nnodes 2 --node-rank "$node" --rdzv "127.0.0.1:$PORT" \
     --max-restarts 1 --overwrite --set "run.dir='$RUN'" --set "train.max_steps=$STEPS" \
-    --set "checkpoint.every_steps=$((STEPS / 3))" --set "checkpoint.mode='full'" > "$RUN-node$node.log" 2>&1 &
+    --set "checkpoint.every_steps=$((STEPS / 3))" --set "checkpoint.mode='full'" "$@" > "$RUN-node$node.log" 2>&1 &
   nodes+=($!)
 done
 until [ -f "$RUN/checkpoint/LATEST" ]; do sleep 0.2; done

@@ -3,14 +3,15 @@
 # the same job as one node of 2 * NPROC ranks; prints both wall times (on one host: the
 # overhead of the rendezvous and the second agent, not network speed) and checks that the
 # two runs ended with the same summary.
-# Usage: scripts/two_nodes.sh [NPROC [STEPS]]   (run from the repository root, after `make data`)
+# Usage: scripts/two_nodes.sh [NPROC [STEPS [neorec train flags...]]]   (from the repository root, after `make data`)
 set -euo pipefail
 NPROC=${1:-2}
 STEPS=${2:-200}
+shift 2 || shift $#
 NEOREC=${NEOREC:-.venv/bin/neorec}
 PYTHON=${PYTHON:-.venv/bin/python}
 PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-SETTINGS=(--set "train.max_steps=$STEPS" --overwrite)
+SETTINGS=(--set "train.max_steps=$STEPS" --overwrite "$@")
 mkdir -p runs
 
 start=$(date +%s.%N)
