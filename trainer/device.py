@@ -14,6 +14,7 @@ import torch
 
 from neorec.common.errors import UserError
 
+
 class DeviceError(UserError, ValueError):
     """The device a config or launch asks for does not exist or cannot be shared."""
 

@@ -64,7 +64,7 @@ class SparseAllToAll:
         rather than the Numba kernel."""
         self.layout = layout
         self.torch_routing = torch_routing
-        self._source_cache: dict[tuple[str, ...], torch.Tensor] = {}
+        self._source_cache: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
         # torch routing: route r of unit u starts at key u * stride + its first row
         self._stride = max(t.num_embeddings for t in layout.tables) + 1
         unit_of_route = np.repeat(np.arange(len(layout.unit_feature)), np.diff(layout.unit_routes))
@@ -172,7 +172,7 @@ class SparseAllToAll:
         route by ``searchsorted`` over ``unit * stride + first row``, stable-sort by slot."""
         layout, batch, device = self.layout, sparse.batch_size, sparse.values.device
         tables = self._tables(device)
-        source = self.feature_positions(sparse).to(device)[tables["unit_feature"]]
+        source = self.feature_positions(sparse, device)[tables["unit_feature"]]
         offsets = sparse.offsets().to(device)
         starts = offsets[source * batch]
         counts = offsets[(source + 1) * batch] - starts
@@ -209,12 +209,14 @@ class SparseAllToAll:
         feature = layout.feature_names[int(layout.unit_feature[unit])]
         return f"feature {feature!r}: id {bad_id} is outside its table's rows [0, {int(layout.unit_rows[unit])})"
 
-    def feature_positions(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        """int64 ``[F]``: index in the batch's keys of each feature of the collection."""
-        source = self._source_cache.get(sparse.keys)
+    def feature_positions(self, sparse: KeyedJaggedTensor, device: torch.device | None = None) -> torch.Tensor:
+        """int64 ``[F]`` on ``device`` (default: the CPU): index in the batch's keys of each
+        feature of the collection (computed, and copied to a device, once per key set)."""
+        device = torch.device("cpu") if device is None else device
+        source = self._source_cache.get((sparse.keys, device))
         if source is None:
-            source = torch.tensor(sparse.positions_of(self.layout.feature_names), dtype=torch.int64)
-            self._source_cache[sparse.keys] = source
+            source = torch.tensor(sparse.positions_of(self.layout.feature_names), dtype=torch.int64).to(device)
+            self._source_cache[(sparse.keys, device)] = source
         return source
 
 

@@ -39,7 +39,8 @@ class TorchTables:
     the flat ``touched``; ``[T + 1]``, the last is the total), ``rows``, ``mean_pooling``
     (bool), ``learning_rates`` (float32), ``noise_origin`` (``[T, 4]``, see :func:`_round`)
     ``slot_base`` (first of the table's slot rows; -1: not a slot table) and ``group``
-    (its dimension's number in ``dim_groups``). On the host: per module feature its
+    (its dimension's number in ``dim_groups``); per module feature (int64 ``[F]``)
+    ``feature_tables`` and ``feature_columns``. On the host: per module feature its
     ``feature_table`` and ``out_columns``; per table ``dims``, ``state_widths`` and
     ``means`` (mean pooling); ``dim_groups``: the tables of each embedding dimension.
     """
@@ -53,6 +54,8 @@ class TorchTables:
     noise_origin: torch.Tensor
     slot_base: torch.Tensor
     group: torch.Tensor
+    feature_tables: torch.Tensor
+    feature_columns: torch.Tensor
     feature_table: list[int]
     out_columns: list[int]
     dims: list[int]
@@ -75,8 +78,8 @@ class TorchTables:
         group = np.array([list(groups).index(int(d)) for d in dims.tolist()], dtype=np.int64)
         return cls(on(table_offsets), on(state_offsets), on(np.append(row_offsets, rows.sum())), on(rows),
                    on(mean_pooling), on(learning_rates), on(noise_origin), on(slot_base), on(group),
-                   feature_table.tolist(), out_columns.tolist(), dims.tolist(), state_widths.tolist(),
-                   mean_pooling.tolist(), groups)
+                   on(feature_table.astype(np.int64)), on(out_columns.astype(np.int64)), feature_table.tolist(),
+                   out_columns.tolist(), dims.tolist(), state_widths.tolist(), mean_pooling.tolist(), groups)
 
     @property
     def width(self) -> int:
@@ -112,7 +115,7 @@ def pooled_forward(weights: torch.Tensor, tables: TorchTables, source: list[int]
     bag_lengths = lengths.to(torch.int64)
     bag = torch.repeat_interleave(torch.arange(bag_lengths.numel(), device=device), bag_lengths, output_size=n)
     feature = module_feature_of[bag // batch_size]
-    table = torch.as_tensor(tables.feature_table, device=device)[feature.clamp(min=0)]
+    table = tables.feature_tables[feature.clamp(min=0)]
     inside = (values >= 0) & (values < tables.rows[table])
     bad_ids = ((feature >= 0) & ~inside).sum()
     feature = torch.where(inside, feature, -1)
@@ -172,7 +175,7 @@ def apply_updates(weights: torch.Tensor, states: list[torch.Tensor], touched: to
     run_row = run_key - tables.row_offsets[run_table]
     positions = torch.arange(n, device=device)
     width = grad_out.shape[1]
-    feature_columns = torch.as_tensor(tables.out_columns, device=device)[saved.feature.clamp(min=0)]
+    feature_columns = tables.feature_columns[saved.feature.clamp(min=0)]
     for g, (dim, members) in enumerate(tables.dim_groups.items()):
         mine = valid & (tables.group[run_table] == g)
         source = torch.where(mine, positions, torch.argmax(mine.to(torch.int8)))
@@ -219,8 +222,8 @@ def _optimizer_step(w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor]
     m = opt.beta1 * states[0] + (1 - opt.beta1) * g
     v = opt.beta2 * states[1] + (1 - opt.beta2) * g * g
     steps = step.to(torch.float64)
-    beta1 = torch.tensor(opt.beta1, dtype=torch.float64, device=w.device)
-    beta2 = torch.tensor(opt.beta2, dtype=torch.float64, device=w.device)
+    beta1 = torch.full((), opt.beta1, dtype=torch.float64, device=w.device)  # filled there: no host copy
+    beta2 = torch.full((), opt.beta2, dtype=torch.float64, device=w.device)
     step_size = (1 - beta2.pow(steps)).sqrt() / (1 - beta1.pow(steps))
     return w - (lr.double() * step_size).float() * m / (v.sqrt() + opt.eps), [m, v]
 
