@@ -6,8 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 
-def run_benchmark(name: str, quick: bool = False, nproc: int = 1, threads: int = 0) -> dict[str, Any]:
-    """Benchmark ``name``; ``threads`` (tbe): threads for both sides (0: all cores)."""
+def run_benchmark(name: str, quick: bool = False, nproc: int = 1, threads: int = 0,
+                  contend: bool = False) -> dict[str, Any]:
+    """Benchmark ``name``; ``threads`` (tbe): threads for both sides (0: all cores);
+    ``contend`` (train): quiet against one competing CPU-bound process."""
+    if name == "train" and contend:
+        from neorec.benchmarks.contention_bench import run
+
+        return run(quick=quick)
     if name == "train" and nproc > 1:
         from neorec.benchmarks.sharded_train_bench import run
 
@@ -30,6 +36,8 @@ def run_benchmark(name: str, quick: bool = False, nproc: int = 1, threads: int =
         from neorec.benchmarks.import_bench import run
     elif name == "store":
         from neorec.benchmarks.store_bench import run
+    elif name == "follow":
+        from neorec.benchmarks.follow_bench import run
     else:
         raise ValueError(f"unknown benchmark {name!r}")
     return run(quick=quick)

@@ -3,15 +3,18 @@ service both cut into batches.
 
 A run of rows is decoded in chunks of at most :data:`CHUNK_ROWS`. An unpermuted window's
 chunk is a slice of its row group. A permuted window's chunk (row-level shuffling) is
-gathered from the Arrow tables of the window's row groups before decoding (Arrow's take
-on the raw columns, one column per task of an executor when one is given: it runs without
-the GIL), so each row is still decoded and checked once, and an error names the file, row
-group and row the bad value came from.
+gathered from the Arrow tables of the window's row groups (Arrow's take on the raw columns)
+and decoded at once, so each row is still decoded and checked once, an error names the
+file, row group and row the bad value came from, and the gathered rows are decoded while
+they are still in the CPU's caches, not written out for a whole window and read back.
+With an executor, a permuted window's chunks are gathered and decoded on it, a few ahead
+of the one being delivered (Arrow's take and numpy's work run without the GIL).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Executor
+from collections import deque
+from concurrent.futures import Executor, Future
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -27,22 +30,24 @@ CHUNK_ROWS = 65_536
 reuse (glibc hands blocks of more than 32 MiB back to the kernel at once), and the page
 faults of fresh memory then cost more than the decoding."""
 
+
 class ChunkDecoder:
     """Decodes the rows of one split's tasks as chunks.
 
     ``load(group)`` returns the Arrow table of one row group (its caller may cache or share
     reads: a permuted window's chunks all read every group of the window);
-    ``paths[file_index]`` names the files for errors. With an ``executor``, a permuted
-    window's columns are gathered in parallel (Arrow's take runs without the GIL).
+    ``paths[file_index]`` names the files for errors. With an ``executor`` of ``workers``
+    threads, a permuted window's chunks are gathered and decoded on it, ``workers`` ahead.
     """
 
     def __init__(self, load: Callable[[RowGroupInfo], pa.Table], paths: Sequence[str], schema: DatasetSchema,
-                 options: DecodeOptions, executor: Executor | None = None) -> None:
+                 options: DecodeOptions, executor: Executor | None = None, workers: int = 1) -> None:
         self.load = load
         self.paths = paths
         self.schema = schema
         self.options = options
         self.executor = executor
+        self.workers = max(1, workers)
 
     def chunks(self, segment: Segment) -> Iterator[tuple[Segment, HostBatch]]:
         """``segment``'s rows decoded, as ``(piece, rows)`` pairs in read order."""
@@ -55,25 +60,39 @@ class ChunkDecoder:
                                           file=self.paths[group.file_index], row_group=group.row_group,
                                           first_row=piece.start)
             return
-        positions = window.order()[segment.start : segment.stop]
-        starts = window.group_starts()
-        taken = self._take(pa.concat_tables([self.load(g) for g in window.groups]), pa.array(positions))
-        first = window.groups[0]
-        for lo in range(0, segment.num_rows, CHUNK_ROWS):
-            hi = min(lo + CHUNK_ROWS, segment.num_rows)
-
-            def locate(i: int, lo: int = lo) -> tuple[str, int, int]:
-                p = int(positions[lo + i])
-                g = int(np.searchsorted(starts, p, side="right")) - 1
-                group = window.groups[g]
-                return self.paths[group.file_index], group.row_group, p - int(starts[g])
-
-            yield segment.sub(lo, hi), decode_table(taken.slice(lo, hi - lo), self.schema, self.options,
-                                                    file=self.paths[first.file_index], row_group=first.row_group,
-                                                    locate=locate)
-
-    def _take(self, table: pa.Table, indices: pa.Array) -> pa.Table:
+        table = pa.concat_tables([self.load(g) for g in window.groups])
+        pieces = segment.pieces(CHUNK_ROWS)
         if self.executor is None:
-            return table.take(indices)
-        columns = list(self.executor.map(lambda column: column.take(indices), table.columns))
-        return pa.Table.from_arrays(columns, schema=table.schema)
+            for piece in pieces:
+                yield piece, self._gathered(table, piece)
+            return
+        ahead: deque[tuple[Segment, Future]] = deque()
+        try:
+            for piece in pieces:
+                ahead.append((piece, self.executor.submit(self._gathered, table, piece)))
+                if len(ahead) > self.workers:
+                    done, future = ahead.popleft()
+                    yield done, future.result()
+            while ahead:
+                done, future = ahead.popleft()
+                yield done, future.result()
+        finally:
+            for _, future in ahead:
+                future.cancel()
+
+    def _gathered(self, table: pa.Table, piece: Segment) -> HostBatch:
+        """The rows of ``piece`` of a permuted window, gathered from ``table`` (the window's
+        row groups one after the other) and decoded."""
+        window = piece.window
+        positions = window.order()[piece.start : piece.stop]
+        starts = window.group_starts()
+
+        def locate(i: int) -> tuple[str, int, int]:
+            p = int(positions[i])
+            g = int(np.searchsorted(starts, p, side="right")) - 1
+            group = window.groups[g]
+            return self.paths[group.file_index], group.row_group, p - int(starts[g])
+
+        first = window.groups[0]
+        return decode_table(table.take(pa.array(positions)), self.schema, self.options,
+                            file=self.paths[first.file_index], row_group=first.row_group, locate=locate)

@@ -99,13 +99,11 @@ def import_dataset(spec: ImportSpec, out_dir: str | Path, *, source: BlockSource
     out.mkdir(parents=True, exist_ok=True)
     splitter = Splitter.build(spec, source)
     encoding = load_encoding(spec, Path(vocab_from)) if vocab_from else count(spec, source, splitter)
-    schema = DatasetSchema(label="label", dense=tuple(spec.dense.columns), sparse=tuple(
-        SparseFeature(c, encoding.rows(spec, c), multi_hot=c in spec.multivalued.columns)
-        for c in spec.feature_columns))
-    writers = {split: SplitWriter(out, split, _arrow_schema(schema), spec.output.row_group_rows,
+    schema = dataset_schema(spec, encoding)
+    writers = {split: SplitWriter(out, split, arrow_schema(schema), spec.output.row_group_rows,
                                   spec.output.file_rows) for split in ("train", "eval")}
     try:
-        for block in source.blocks(_needed(spec)):
+        for block in source.blocks(needed_columns(spec)):
             table = encode_block(spec, encoding, block)
             is_eval = splitter.is_eval(block)
             for split, mask in (("eval", is_eval), ("train", ~is_eval)):
@@ -132,6 +130,13 @@ def import_dataset(spec: ImportSpec, out_dir: str | Path, *, source: BlockSource
                           "seconds": time.perf_counter() - started})
     dataset.save()
     return dataset
+
+
+def dataset_schema(spec: ImportSpec, encoding: Encoding) -> DatasetSchema:
+    """The schema of the dataset ``spec`` encoded with ``encoding`` writes."""
+    return DatasetSchema(label="label", dense=tuple(spec.dense.columns), sparse=tuple(
+        SparseFeature(c, encoding.rows(spec, c), multi_hot=c in spec.multivalued.columns)
+        for c in spec.feature_columns))
 
 
 # --------------------------------------------------------------------------------- splits
@@ -222,7 +227,7 @@ def count(spec: ImportSpec, source: BlockSource, splitter: Splitter) -> Encoding
     counters = {c: ValueCounter() for c in spec.feature_columns} if vocab else {}
     sums = {c: np.zeros(3) for c in spec.dense.columns} if standardize else {}
     if counters or sums:
-        for block in source.blocks(_needed(spec)):
+        for block in source.blocks(needed_columns(spec)):
             train = pa.array(~splitter.is_eval(block))
             for column, counter in counters.items():
                 counter.add(_values(spec, block, column).filter(_repeat(train, spec, block, column)))
@@ -258,9 +263,24 @@ def load_encoding(spec: ImportSpec, dataset_dir: Path) -> Encoding:
 
 
 # ------------------------------------------------------------------------------- encoding
-def encode_block(spec: ImportSpec, encoding: Encoding, block: Block) -> pa.Table:
+@dataclass
+class VocabMisses:
+    """Per vocabulary column: the values present, and those not in the vocabulary (which
+    become id 0)."""
+
+    present: dict[str, int]
+    unseen: dict[str, int]
+
+    def add(self, column: str, ids: np.ndarray, values: pa.Array) -> None:
+        valid = pc.is_valid(values).to_numpy(zero_copy_only=False)
+        self.present[column] = self.present.get(column, 0) + int(valid.sum())
+        self.unseen[column] = self.unseen.get(column, 0) + int(((ids == 0) & valid).sum())
+
+
+def encode_block(spec: ImportSpec, encoding: Encoding, block: Block, misses: VocabMisses | None = None) -> pa.Table:
     """The dataset's columns for one block: ``label`` float32, dense float32, sparse int64
-    (list<int64> for multi-valued columns)."""
+    (list<int64> for multi-valued columns); ``misses`` (when given) counts the values of
+    vocabulary columns."""
     arrays = {"label": pa.array(_label(spec, block))}
     for column in spec.dense.columns:
         values = _dense(spec, block, column, fill=True)
@@ -276,6 +296,8 @@ def encode_block(spec: ImportSpec, encoding: Encoding, block: Block) -> pa.Table
         vocabulary = encoding.vocabularies.get(column)
         ids = vocabulary.encode(values) if vocabulary is not None else hash_encode(
             values, spec.categorical.hash_rows, combine(HASH_KEY, *column.encode()))
+        if misses is not None and vocabulary is not None:
+            misses.add(column, ids, values)
         arrays[column] = pa.ListArray.from_arrays(pa.array(_list_offsets(lists).astype(np.int32)), pa.array(ids)) \
             if multi else pa.array(ids)
     return pa.table(arrays)
@@ -368,14 +390,14 @@ def _row(block: Block, bad) -> int:
     return block.first_row + int(np.argmax(np.asarray(bad))) + 1
 
 
-def _needed(spec: ImportSpec) -> list[str]:
+def needed_columns(spec: ImportSpec) -> list[str]:
     columns = [spec.label.column, *spec.dense.columns, *spec.feature_columns]
     if spec.split.kind == "chronological" and spec.split.time_column not in columns:
         columns.append(spec.split.time_column)
     return columns
 
 
-def _arrow_schema(schema: DatasetSchema) -> pa.Schema:
+def arrow_schema(schema: DatasetSchema) -> pa.Schema:
     return pa.schema([pa.field("label", pa.float32(), nullable=False)]
                      + [pa.field(c, pa.float32(), nullable=False) for c in schema.dense]
                      + [pa.field(f.name, pa.list_(pa.int64()) if f.multi_hot else pa.int64(), nullable=False)

@@ -80,8 +80,8 @@ class InProcessReader:
 
     ``epoch(e)`` yields exactly ``plan(e).num_batches`` batches of ``batch_size`` samples,
     each with its :class:`Provenance`. The row groups of the window being read stay in
-    memory until the next window (a permuted window's chunks read all of them), and the
-    columns of a permuted chunk are gathered by a pool of Arrow's thread count.
+    memory until the next window (a permuted window's chunks read all of them), and a
+    permuted window's chunks are gathered and decoded by a pool of Arrow's thread count.
     """
 
     def __init__(self, dataset: Dataset, split: str, options: DecodeOptions, config: ReaderConfig) -> None:
@@ -89,8 +89,8 @@ class InProcessReader:
         self.options = options
         self.planner = SplitPlanner(dataset, split, config)
         threads = pa.cpu_count()
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="take") if threads > 1 else None
-        self.decoder = ChunkDecoder(self._load, self.planner.paths, dataset.schema, options, self._pool)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="gather") if threads > 1 else None
+        self.decoder = ChunkDecoder(self._load, self.planner.paths, dataset.schema, options, self._pool, threads)
         self._window_tables: dict[RowGroupInfo, pa.Table] = {}
 
     def plan(self, epoch: int) -> RankPlan:

@@ -39,6 +39,7 @@ from neorec.ingest.plan import ReadTask
 from neorec.ingest.reader import batches_from_chunks
 from neorec.ingest.row_group_cache import DEFAULT_CAPACITY_BYTES, RowGroupCache
 from neorec.ingest.rows import RowGroupInfo, Segment, Window
+from neorec.ingest.partitions import MARKER, with_partition_split
 from neorec.ingest.schema import Dataset
 from neorec.common.transport import MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, ServerSecurity, ServiceHost, abort
 from neorec.ingest.wire import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, SERVICE_NAME, serialize_batch
@@ -96,8 +97,10 @@ def validate_request(request: ingest_pb2.ReadRequest, data_roots: Sequence[Path]
         raise RequestError(grpc.StatusCode.NOT_FOUND, str(err)) from err
     except (OSError, ValueError, KeyError) as err:
         raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"dataset {request.dataset}: {err}") from err
+    dataset = with_partition_split(dataset, request.split)  # a ready partition reads as a split
     if request.split not in dataset.splits:
-        raise RequestError(grpc.StatusCode.NOT_FOUND, f"dataset {request.dataset} has no split {request.split!r}")
+        raise RequestError(grpc.StatusCode.NOT_FOUND, f"dataset {request.dataset} has no split {request.split!r} "
+                                                      f"(a partition is read once its {MARKER} marker exists)")
     known = set(dataset.splits[request.split])
     for data_file in request.files:
         if data_file.name not in known:

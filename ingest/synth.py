@@ -17,12 +17,24 @@ rescaled to a fixed logit spread and ``label ~ Bernoulli(sigmoid(logit))``. The 
 loss and NE of the teacher's true probabilities on the eval split (the oracle) are stored
 in ``dataset.json``.
 
+With ``partitions = K`` the rows are written as K time partitions instead of train/eval
+splits (:mod:`neorec.ingest.partitions`: ``partitions/NAME/`` with its ``_SUCCESS`` marker
+written last, names one hour apart), each with the teacher's metrics on its own rows in
+its ``partition.json``. ``drift`` makes the teacher move between partitions: partition
+``k``'s id vectors are ``cos(a) E0 + sin(a) E1`` with ``a = k * drift * pi / 2`` and two
+independent hashed vector fields ``E0``, ``E1`` (the dense part stays), so a model that
+stops learning falls behind while one that keeps training can follow.
+
 Everything is vectorized per row group; the same spec and seed give the same files.
 """
 
 from __future__ import annotations
 
+import copy
+import json
+import math
 from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +44,7 @@ import pyarrow.parquet as pq
 
 from neorec.common.hashing import SALT, splitmix64
 from neorec.ingest.metrics import binary_metrics
+from neorec.ingest.partitions import MARKER, PARTITION_FILE, partitions_dir
 from neorec.ingest.schema import Dataset, DatasetSchema, SparseFeature
 
 CRITEO_KAGGLE_CARDINALITIES = (
@@ -51,6 +64,9 @@ LOGIT_BIAS = -1.55
 RARITY_RANK = 20.0
 LINEAR_WEIGHT = 2.0  # scale of the first-order term against the MLP
 PILOT_ROWS = 16384
+FIRST_PARTITION = datetime(2026, 1, 1)
+"""The time the first synthetic partition is named after (partitions are an hour apart)."""
+DRIFT_SALT = 0x5EED_D21F
 
 ProgressFn = Callable[[int], None]
 
@@ -67,6 +83,10 @@ class SynthSpec:
     row_group_rows: int = 65_536
     file_rows: int = 1_048_576
     mean_pooling: float = 20.0
+    partitions: int = 0
+    """Write the rows as this many time partitions instead of train/eval splits."""
+    drift: float = 0.0
+    """Quarter turns the teacher's id vectors rotate per partition (see the module doc)."""
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -77,6 +97,10 @@ class SynthSpec:
             raise ValueError("eval_fraction must lie in (0, 1)")
         if self.zipf_alpha <= 1.0:
             raise ValueError("zipf_alpha must be > 1")
+        if self.partitions < 0 or self.drift < 0:
+            raise ValueError("partitions and drift must be >= 0")
+        if self.partitions and self.rows < self.partitions:
+            raise ValueError(f"{self.rows} rows cannot fill {self.partitions} partitions")
 
 
 def profile_schema(profile: str) -> DatasetSchema:
@@ -95,6 +119,12 @@ def generate(spec: SynthSpec, out_dir: str | Path, progress: ProgressFn | None =
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     schema = profile_schema(spec.profile)
+    if spec.partitions:
+        dataset = partitioned_dataset(spec, out)
+        teacher = _Teacher(spec, schema)
+        for index in range(spec.partitions):
+            write_partition(spec, out, index, progress, teacher)
+        return dataset
     teacher = _Teacher(spec, schema)
     eval_rows = max(1, int(round(spec.rows * spec.eval_fraction)))
     split_rows = {"train": spec.rows - eval_rows, "eval": eval_rows}
@@ -118,6 +148,42 @@ def generate(spec: SynthSpec, out_dir: str | Path, progress: ProgressFn | None =
     )
     dataset.save()
     return dataset
+
+
+def partitioned_dataset(spec: SynthSpec, out_dir: str | Path) -> Dataset:
+    """Write the ``dataset.json`` of ``spec``'s partitioned dataset (schema, no splits), for
+    :func:`write_partition` to add partitions to."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dataset = Dataset(root=out, schema=profile_schema(spec.profile), splits={}, profile=spec.profile,
+                      generator={"kind": "neorec-synth", **asdict(spec)})
+    dataset.save()
+    return dataset
+
+
+def partition_name(index: int) -> str:
+    """The name of synthetic partition ``index`` (hours after :data:`FIRST_PARTITION`)."""
+    return (FIRST_PARTITION + timedelta(hours=index)).strftime("%Y-%m-%dT%H")
+
+
+def write_partition(spec: SynthSpec, out_dir: str | Path, index: int, progress: ProgressFn | None = None,
+                    teacher: "_Teacher | None" = None) -> str:
+    """Write partition ``index`` of ``spec`` (``spec.rows // spec.partitions`` rows; the
+    teacher drifted ``index`` times) under ``out_dir``, marker last; returns its name.
+    Partitions past ``spec.partitions`` may be written too (more data landing later)."""
+    schema = profile_schema(spec.profile)
+    teacher = (teacher or _Teacher(spec, schema)).drifted(index * spec.drift * math.pi / 2)
+    name = partition_name(index)
+    directory = partitions_dir(out_dir) / name
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = spec.rows // max(spec.partitions, 1)
+    labels, probabilities, _ = _write_split(spec, schema, teacher, directory, "part", 2 + index, rows, progress)
+    metrics = binary_metrics(labels, probabilities)
+    info = {"rows": rows, "oracle": {k: v for k, v in metrics.items() if k != "calibration"},
+            "label_rate": float(labels.mean())}
+    (directory / PARTITION_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    (directory / MARKER).touch()
+    return name
 
 
 def _write_split(
@@ -230,14 +296,30 @@ class _Teacher:
         self.b1 = rng.normal(0.0, 0.5, TEACHER_HIDDEN)
         self.w2 = rng.normal(0.0, 1.0 / np.sqrt(TEACHER_HIDDEN), TEACHER_HIDDEN)
         self.w_linear = rng.normal(0.0, LINEAR_WEIGHT / np.sqrt(width), width)
+        self.angle = 0.0
+        """Radians the id vectors turned from the first field towards the second."""
         pilot_rng = np.random.default_rng([spec.seed, 104729])
         _, raw = _rows(spec, schema, self, pilot_rng, PILOT_ROWS, _arrow_schema(schema))
         self.center, self.spread = float(raw.mean()), float(raw.std() + 1e-12)
 
+    def drifted(self, angle: float) -> "_Teacher":
+        """This teacher with its id vectors rotated by ``angle`` (radians) towards the
+        second field (the dense part and the output scaling unchanged)."""
+        teacher = copy.copy(self)
+        teacher.angle = angle
+        return teacher
+
     def embedding(self, feature: int, ranks: np.ndarray) -> np.ndarray:
         """float64 ``[len(ranks), TEACHER_DIM]``: the teacher's vector of each id."""
+        if self.angle == 0.0:
+            return self._field(feature, ranks, self.salt)
+        return (math.cos(self.angle) * self._field(feature, ranks, self.salt)
+                + math.sin(self.angle) * self._field(feature, ranks, self.salt ^ DRIFT_SALT))
+
+    def _field(self, feature: int, ranks: np.ndarray, salt_base: int) -> np.ndarray:
+        """One hashed vector field: float64 ``[len(ranks), TEACHER_DIM]``."""
         keys = (ranks.astype(np.uint64)[:, None] * np.uint64(TEACHER_DIM) + np.arange(TEACHER_DIM, dtype=np.uint64))
-        salt = np.uint64((self.salt + feature * SALT) % (1 << 64))
+        salt = np.uint64((salt_base + feature * SALT) % (1 << 64))
         h = splitmix64(keys ^ salt)
         mask = np.uint64(0xFFFF)
         total = sum(((h >> np.uint64(s)) & mask).astype(np.float64) for s in (0, 16, 32, 48))

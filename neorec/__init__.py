@@ -21,6 +21,10 @@ if not (_HERE / "trainer").is_dir() and (_CHECKOUT / "trainer" / "__init__.py").
         and (_CHECKOUT / "pyproject.toml").is_file():
     __path__.append(str(_CHECKOUT))  # a source checkout: the subpackages are its top-level folders
 
+from neorec.common.wait_policy import prefer_short_waits as _prefer_short_waits  # noqa: E402
+
+_prefer_short_waits()  # before torch loads its OpenMP runtime (see neorec.common.wait_policy)
+
 _PUBLIC = {
     # the batch
     "KeyedJaggedTensor": ("neorec.trainer.batch", "KeyedJaggedTensor"),

@@ -77,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--out", required=True)
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--eval-fraction", type=float, default=0.2)
+    synth.add_argument("--partitions", type=at_least(0), default=0,
+                       help="write the rows as this many time partitions (partitions/NAME/ + _SUCCESS) instead of "
+                            "train/eval splits")
+    synth.add_argument("--drift", type=float, default=0.0,
+                       help="with --partitions: quarter turns the planted teacher's id vectors rotate per partition")
     synth.set_defaults(run=_synth)
     importer = data.add_parser("import", help="import CSV/TSV/Parquet click logs (an import spec, or flags)")
     importer.add_argument("spec", nargs="?", help="import spec (TOML; see ingest/import_spec.py)")
@@ -95,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     importer.add_argument("--vocab-from", metavar="DATASET",
                           help="encode with the vocabularies of this imported dataset (new data, same ids)")
     importer.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec key")
+    importer.add_argument("--partition", metavar="NAME",
+                          help="add the rows as time partition NAME of the dataset in --out, encoded with its "
+                               "vocabularies (see docs/continuous.md)")
     importer.set_defaults(run=_import)
     convert = data.add_parser("convert", help="convert public dataset files you downloaded (importer presets)")
     convert.add_argument("format", choices=PRESETS)
@@ -127,6 +135,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--status-port", type=port,
                        help="rank 0 serves grpc.health.v1 and its progress (neorec status) on this port (0: any)")
     train.add_argument("--status-host", default="127.0.0.1", help="where --status-port binds")
+    train.add_argument("--follow", action="store_true",
+                       help="follow the dataset's partitions as they land (data.follow; see docs/continuous.md)")
+    train.add_argument("--idle-exit", type=seconds, metavar="SECONDS",
+                       help="following: stop after this long without a new partition (data.idle_exit_s)")
     train.set_defaults(run=_train)
 
     launch = commands.add_parser("launch", help="run a whole job on this host: reader services, trainers, supervised")
@@ -181,7 +193,8 @@ def _parser() -> argparse.ArgumentParser:
     inspect.set_defaults(run=_checkpoint_inspect)
 
     bench = commands.add_parser("bench", help="benchmarks: ours against a baseline, side by side")
-    bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives", "checkpoint", "store", "import"))
+    bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives", "checkpoint", "store", "import",
+                                                "follow"))
     bench.add_argument("--json", help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (for smoke tests)")
     bench.add_argument("--threads", type=at_least(0), default=0,
@@ -189,6 +202,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--nproc", type=int, default=1,
                        help="train: compare N sharded trainer processes with one process; "
                             "collectives: ranks (at least 2)")
+    bench.add_argument("--contend", action="store_true",
+                       help="train: the demo's step quiet and beside one competing CPU-bound process")
     bench.set_defaults(run=_bench)
     return parser
 
@@ -196,9 +211,16 @@ def _parser() -> argparse.ArgumentParser:
 def _synth(args: argparse.Namespace) -> int:
     from neorec.ingest.synth import SynthSpec, generate
 
-    spec = SynthSpec(profile=args.profile, rows=args.rows, seed=args.seed, eval_fraction=args.eval_fraction)
+    spec = SynthSpec(profile=args.profile, rows=args.rows, seed=args.seed, eval_fraction=args.eval_fraction,
+                     partitions=args.partitions, drift=args.drift)
     with tqdm(total=spec.rows, unit="rows", desc=f"synth {spec.profile}") as bar:
         dataset = generate(spec, args.out, progress=bar.update)
+    if spec.partitions:
+        from neorec.ingest.partitions import open_partition, partition_names
+
+        described = {name: open_partition(dataset.root, name).info for name in partition_names(dataset.root)}
+        print(json.dumps({"out": str(dataset.root), "partitions": described}, indent=2))
+        return 0
     print(json.dumps({"out": str(dataset.root), "rows": dataset.rows, "oracle": dataset.oracle}, indent=2))
     return 0
 
@@ -232,7 +254,25 @@ def _import(args: argparse.Namespace) -> int:
         spec = ImportSpec.from_dict(raw)
     except ValueError as err:
         raise ConfigError(f"{args.spec or 'import flags'}: {err}") from None
+    if args.partition is not None:
+        return _import_partition(spec, args)
     return _write_import(spec, None, args.out, args.vocab_from, "import")
+
+
+def _import_partition(spec, args: argparse.Namespace) -> int:
+    from neorec.ingest.partition_import import import_partition
+
+    if args.vocab_from:
+        raise ConfigError("--vocab-from and --partition: a partition is encoded with the vocabularies of the dataset "
+                          "in --out")
+    with tqdm(unit="rows", desc=f"partition {args.partition} → {args.out}", unit_scale=True) as bar:
+        info = import_partition(spec, args.out, args.partition, progress=bar.update)
+    print(json.dumps({"out": args.out, "partition": args.partition, **info}, indent=2))
+    for column, unseen in info["oov"].items():
+        if unseen:
+            print(f"neorec: {unseen:,} of {info['values'][column]:,} values of column {column!r} are not in its "
+                  f"vocabulary: out-of-vocabulary id 0", file=sys.stderr)
+    return 0
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -260,6 +300,8 @@ def _train(args: argparse.Namespace) -> int:
     from neorec.orchestration.processes import run_torchrun
     from neorec.trainer.distributed import init_from_torchrun, launched_by_torchrun, shutdown, single_process
 
+    args.set = args.set + (["data.follow=true"] if args.follow else []) + (
+        [f"data.idle_exit_s={args.idle_exit}"] if args.idle_exit is not None else [])
     overrides = list(args.set)
     if args.ingest:
         overrides.append(f"data.ingest={json.dumps(args.ingest.split(','))}")
@@ -300,9 +342,11 @@ def _train(args: argparse.Namespace) -> int:
         shutdown(context)
     if context.is_main:
         print(json.dumps(summary, indent=2, sort_keys=True))
-        line = f"eval AUC {summary['eval_auc']:.4f}"
+        line = f"eval AUC {summary['eval_auc']:.4f}" if "eval_auc" in summary else "no evaluation"
         if summary.get("oracle_auc") is not None:
             line += f" (oracle {summary['oracle_auc']:.4f}, gap {summary['oracle_auc'] - summary['eval_auc']:.4f})"
+        if config.data.follow:
+            line += f" (progressive, partition {summary['last_partition'] or '-'})"
         print(f"{line}; run directory {config.run.dir}")
     return 0
 
@@ -318,12 +362,16 @@ def _train_rank(config: "TrainConfig", context: "DistributedContext", overwrite:
     bar = tqdm(unit="step", desc="train")
 
     def progress(report: StepReport) -> None:
+        if status is not None:
+            status.update(report)
+        if report.phase != "training":
+            bar.set_postfix(waiting=f"after {report.partition or '-'}")
+            return
         if bar.total != report.total_steps:
             bar.total = report.total_steps
         bar.update(1)
-        bar.set_postfix(epoch=report.epoch, loss=f"{report.loss:.4f}", qps=f"{report.qps:,.0f}", refresh=False)
-        if status is not None:
-            status.update(report)
+        bar.set_postfix(epoch=report.epoch, loss=f"{report.loss:.4f}", qps=f"{report.qps:,.0f}",
+                        **({"partition": report.partition} if report.partition else {}), refresh=False)
 
     try:
         summary = train(config, progress=progress, context=context, overwrite=overwrite, resume=resume)
@@ -436,9 +484,12 @@ def _status(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from neorec.benchmarks import run_benchmark
 
-    results = run_benchmark(args.name, quick=args.quick, nproc=args.nproc, threads=args.threads)
+    results = run_benchmark(args.name, quick=args.quick, nproc=args.nproc, threads=args.threads,
+                            contend=args.contend)
     text = json.dumps(results, indent=2, sort_keys=True)
     print(text)
+    if results.get("table"):  # a table of per-partition curves (bench follow)
+        print("\n".join(results["table"]))
     if args.json:
         Path(args.json).write_text(text + "\n")
     return 0

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
+from neorec.common.cpus import available_cpus
 from neorec.orchestration.nodes import ONE_NODE, Nodes
 
 _READY = re.compile(r"serving on (\S+)")
@@ -70,7 +71,16 @@ def torchrun_command(nproc: int, module: str, args: list[str], nodes: Nodes = ON
 def run_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes = ONE_NODE) -> int:
     """Run ``neorec NEOREC_ARGS`` as ``nproc`` ranks on this host under torchrun (this
     node's share of ``nodes``); returns torchrun's exit status."""
-    threads = str(max(1, (os.cpu_count() or 1) // nproc))  # the ranks share this host's cores
+    threads = str(max(1, available_cpus() // nproc))  # the ranks share the CPUs this process may use
     command = torchrun_command(nproc, "neorec.orchestration.cli", neorec_args, nodes)
-    environment = {**os.environ, "OMP_NUM_THREADS": threads, **nodes.worker_environment()}
-    return subprocess.run(command, check=False, env=environment).returncode
+    process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": threads, **nodes.worker_environment()})
+    # Ctrl-C reaches torchrun and the ranks from the terminal, and SIGTERM is passed on:
+    # either way the ranks stop as they choose (following partitions: after a checkpoint),
+    # so this process waits for them instead of killing them.
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum))}
+    try:
+        return process.wait()
+    finally:
+        for kind, handler in previous.items():
+            signal.signal(kind, handler)

@@ -3,7 +3,10 @@ text summary.
 
 The curves are read from each run's ``metrics.jsonl``: train loss, eval AUC and eval log
 loss, and train QPS, against the global step, one line per run (overlaid, labelled with
-the run directory's name). Plotting needs matplotlib (``pip install 'neorec[report]'``);
+the run directory's name). A run following partitions also gets ``partitions.png``: each
+partition's progressive AUC (evaluated before training on it, with the planted teacher's
+oracle where the data has one) and the lag from its marker to the end of its training,
+and a table of them. Plotting needs matplotlib (``pip install 'neorec[report]'``);
 the text summary does not.
 """
 
@@ -20,6 +23,8 @@ PLOTS = {"loss": [("train", "loss", "train loss")],
          "eval": [("eval", "auc", "eval AUC"), ("eval", "logloss", "eval log loss")],
          "qps": [("train", "qps", "train samples / s")]}
 """PNG name → its panels: (split, metric, axis label)."""
+PARTITIONS_PLOT = "partitions"
+"""The PNG of runs following partitions: progressive AUC and lag per partition."""
 
 
 @dataclass
@@ -29,6 +34,10 @@ class RunCurves:
     name: str
     series: dict[tuple[str, str], tuple[list[int], list[float]]] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
+    partitions: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Following partitions, in training order: each one's numbers from its ``progressive``
+    record (``auc``, ``logloss``, ``oracle_auc``, …) and its ``partition`` record (``lag_s``,
+    ``rows``, …)."""
 
 
 def read_run(run_dir: str | Path) -> RunCurves:
@@ -43,8 +52,11 @@ def read_run(run_dir: str | Path) -> RunCurves:
             record = json.loads(line)
         except json.JSONDecodeError:
             raise RunDirError(f"{metrics}: line {number} is not JSON") from None
+        if record.get("partition") and record["split"] in ("progressive", "partition"):
+            run.partitions.setdefault(record["partition"], {}).update(
+                {k: float(v) for k, v in record.items() if k not in ("step", "epoch") and _is_number(v)})
         for key, value in record.items():
-            if key in ("split", "step", "epoch") or not isinstance(value, (int, float)):
+            if key in ("split", "step", "epoch") or not _is_number(value):
                 continue
             steps, values = run.series.setdefault((record["split"], key), ([], []))
             steps.append(record["step"])
@@ -72,6 +84,53 @@ def text_summary(runs: list[RunCurves]) -> str:
     return "\n".join(lines)
 
 
+def partition_table(runs: list[RunCurves]) -> str:
+    """A line per partition (of the runs following partitions): each run's progressive AUC,
+    the oracle's, and each run's lag from marker to trained (seconds)."""
+    following = [run for run in runs if run.partitions]
+    names = sorted({name for run in following for name in run.partitions})
+    lagged = [run for run in following if any("lag_s" in p for p in run.partitions.values())]
+    header = [f"{'partition':<24}", *(f"{run.name[:16] + ' AUC':>20}" for run in following), f"{'oracle AUC':>10}",
+              *(f"{run.name[:14] + ' lag s':>20}" for run in lagged)]
+    lines = [" ".join(header)]
+    for name in names:
+        oracle = next((run.partitions[name]["oracle_auc"] for run in following
+                       if "oracle_auc" in run.partitions.get(name, {})), None)
+        cells = [f"{name:<24}", *(f"{_number(run.partitions.get(name, {}).get('auc')):>20}" for run in following),
+                 f"{_number(oracle):>10}",
+                 *(f"{_number(run.partitions.get(name, {}).get('lag_s'), 2):>20}" for run in lagged)]
+        lines.append(" ".join(cells))
+    return "\n".join(lines)
+
+
+def partition_figure(runs: list[RunCurves]) -> Any:
+    """Progressive AUC (with the oracle's, dashed) and lag per partition, a line per run."""
+    from matplotlib import pyplot
+
+    names = sorted({name for run in runs for name in run.partitions})
+    figure, (auc_ax, lag_ax) = pyplot.subplots(1, 2, figsize=(12, 4))
+    oracle: dict[str, float] = {}
+    for run in runs:
+        points = [(names.index(n), p) for n, p in run.partitions.items()]
+        auc = [(i, p["auc"]) for i, p in points if "auc" in p]
+        lag = [(i, p["lag_s"]) for i, p in points if "lag_s" in p]
+        if auc:
+            auc_ax.plot(*zip(*auc), marker="o", markersize=3, label=run.name)
+        if lag:
+            lag_ax.plot(*zip(*lag), marker="o", markersize=3, label=run.name)
+        oracle.update({n: p["oracle_auc"] for n, p in run.partitions.items() if "oracle_auc" in p})
+    if oracle:
+        auc_ax.plot(*zip(*sorted((names.index(n), v) for n, v in oracle.items())), linestyle="--", color="gray",
+                    label="oracle")
+    for ax, label in ((auc_ax, "progressive AUC"), (lag_ax, "lag: marker → trained (s)")):
+        ax.set_xlabel(f"partition ({names[0]} … {names[-1]})" if names else "partition")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    figure.tight_layout()
+    return figure
+
+
 def figures(runs: list[RunCurves]) -> dict[str, Any]:
     """PNG name → a matplotlib figure of its panels, a line per run."""
     import matplotlib
@@ -92,6 +151,8 @@ def figures(runs: list[RunCurves]) -> dict[str, Any]:
             ax.legend(fontsize="small")
         figure.tight_layout()
         out[name] = figure
+    if any(run.partitions for run in runs):
+        out[PARTITIONS_PLOT] = partition_figure(runs)
     return out
 
 
@@ -99,6 +160,8 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path) -> tuple[str, 
     """The text summary, and the PNGs written under ``out_dir`` (none without matplotlib)."""
     runs = [read_run(d) for d in run_dirs]
     text = text_summary(runs)
+    if any(run.partitions for run in runs):
+        text += "\n\n" + partition_table(runs)
     try:
         drawn = figures(runs)
     except ImportError:
@@ -115,3 +178,7 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path) -> tuple[str, 
 
 def _number(value: float | None, digits: int = 4) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,5 +1,6 @@
 """Trainer rank 0's status service: ``grpc.health.v1`` and ``neorec.trainer.Trainer/Status``
-(step, epoch, QPS, loss, input wait, last checkpoint), fed by the training loop's progress
+(step, epoch, QPS, loss, input wait, last checkpoint; following partitions: the partition
+and its lag), fed by the training loop's progress
 reports, so that the launcher sees a hung trainer and ``neorec status`` shows progress."""
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ class TrainerStatusServer(HostedServer, trainer_pb2_grpc.TrainerServicer):
         self.host.stop(grace_s)
 
     def update(self, report: StepReport) -> None:
-        """The loop took a step."""
+        """The loop took a step (or, following partitions, waits for the next one)."""
         with self._lock:
+            if report.phase == "training" or self._report is None:
+                self._reported_at = time.monotonic()  # waiting for a partition is no stall
             self._report = report
-            self._reported_at = time.monotonic()
-            self._phase = "training"
+            self._phase = report.phase
 
     def done(self) -> None:
         with self._lock:
@@ -63,4 +65,7 @@ class TrainerStatusServer(HostedServer, trainer_pb2_grpc.TrainerServicer):
             reply.loss = report.loss
             reply.input_wait_frac = report.input_wait_frac
             reply.last_checkpoint = report.last_checkpoint
+            reply.partition = report.partition
+            if report.marker_time:
+                reply.partition_lag_seconds = max(0.0, time.time() - report.marker_time)
         return reply

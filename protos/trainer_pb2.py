@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bneorec/protos/trainer.proto\x12\x0eneorec.trainer\"\x0f\n\rStatusRequest\"\xe3\x01\n\x0bStatusReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\r\x12\x0b\n\x03qps\x18\x04 \x01(\x01\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x17\n\x0finput_wait_frac\x18\x06 \x01(\x01\x12\x17\n\x0flast_checkpoint\x18\x07 \x01(\t\x12\x1a\n\x12seconds_since_step\x18\x08 \x01(\x01\x12\x12\n\nworld_size\x18\t \x01(\r\x12\x16\n\x0euptime_seconds\x18\n \x01(\x01\x12\r\n\x05phase\x18\x0b \x01(\t2O\n\x07Trainer\x12\x44\n\x06Status\x12\x1d.neorec.trainer.StatusRequest\x1a\x1b.neorec.trainer.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bneorec/protos/trainer.proto\x12\x0eneorec.trainer\"\x0f\n\rStatusRequest\"\x95\x02\n\x0bStatusReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\r\x12\x0b\n\x03qps\x18\x04 \x01(\x01\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x17\n\x0finput_wait_frac\x18\x06 \x01(\x01\x12\x17\n\x0flast_checkpoint\x18\x07 \x01(\t\x12\x1a\n\x12seconds_since_step\x18\x08 \x01(\x01\x12\x12\n\nworld_size\x18\t \x01(\r\x12\x16\n\x0euptime_seconds\x18\n \x01(\x01\x12\r\n\x05phase\x18\x0b \x01(\t\x12\x11\n\tpartition\x18\x0c \x01(\t\x12\x1d\n\x15partition_lag_seconds\x18\r \x01(\x01\x32O\n\x07Trainer\x12\x44\n\x06Status\x12\x1d.neorec.trainer.StatusRequest\x1a\x1b.neorec.trainer.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,7 +34,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREQUEST']._serialized_start=47
   _globals['_STATUSREQUEST']._serialized_end=62
   _globals['_STATUSREPLY']._serialized_start=65
-  _globals['_STATUSREPLY']._serialized_end=292
-  _globals['_TRAINER']._serialized_start=294
-  _globals['_TRAINER']._serialized_end=373
+  _globals['_STATUSREPLY']._serialized_end=342
+  _globals['_TRAINER']._serialized_start=344
+  _globals['_TRAINER']._serialized_end=423
 # @@protoc_insertion_point(module_scope)

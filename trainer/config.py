@@ -59,6 +59,13 @@ class DataConfig:
     ingest_progress_timeout_s: float = 5.0
     """A reader service stream that owes batches and delivers none for this long is
     cancelled and its batches are requested from the other services."""
+    follow: bool = False
+    """Follow the dataset's time partitions (``partitions/NAME/`` + ``_SUCCESS``) as they
+    land: evaluate on each, then train on it (see ``docs/continuous.md``)."""
+    poll_interval_s: float = 5.0
+    """Following: how often to look for the next partition's marker."""
+    idle_exit_s: float = 0.0
+    """Following: stop after this many seconds without a new partition (0: never)."""
 
     def validate(self) -> None:
         for address in self.ingest:
@@ -69,6 +76,9 @@ class DataConfig:
         _one_of("data.ingest_compression", self.ingest_compression, tuple(COMPRESSIONS))
         _positive("data.ingest_stall_timeout_s", self.ingest_stall_timeout_s)
         _positive("data.ingest_progress_timeout_s", self.ingest_progress_timeout_s)
+        _positive("data.poll_interval_s", self.poll_interval_s)
+        if self.idle_exit_s < 0:
+            raise ConfigError(f"data.idle_exit_s: must be >= 0, got {self.idle_exit_s}")
         for key in ("path", "train_split", "eval_split"):
             if not getattr(self, key):
                 raise ConfigError(f"data.{key}: must not be empty")
@@ -179,6 +189,9 @@ class TrainLoopConfig:
     collective_timeout_s: float = 300.0
     """A collective that waits longer than this for another rank fails, naming the ranks
     that went silent (stopped or hung), instead of hanging the job."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files (``RUN_DIR/tensorboard``; needs the
+    ``tensorboard`` package: ``pip install 'neorec[tensorboard]'``)."""
 
     def validate(self) -> None:
         for key in ("batch_size", "eval_batch_size", "epochs", "log_every", "collective_timeout_s"):
@@ -321,9 +334,12 @@ class CheckpointConfig:
     keep_best: bool = False
     """Checkpoint after every evaluation that beats the best eval AUC so far, and keep that
     checkpoint (``checkpoint/BEST`` names it) whatever ``keep`` says."""
+    every_partitions: int = 0
+    """Following partitions: write one after every this many partitions trained (0: not
+    by partitions)."""
 
     def validate(self) -> None:
-        for key in ("every_steps", "every_minutes"):
+        for key in ("every_steps", "every_minutes", "every_partitions"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"checkpoint.{key}: must be >= 0, got {getattr(self, key)}")
         _positive("checkpoint.keep", self.keep)

@@ -196,3 +196,44 @@ def test_decoding_in_small_chunks_changes_no_batch_and_no_provenance(criteo_data
     expected = list(InProcessReader(criteo_dataset, "train", options, config).epoch(1))
     monkeypatch.setattr(chunks, "CHUNK_ROWS", 97)
     assert_same_batches(list(InProcessReader(criteo_dataset, "train", options, config).epoch(1)), expected)
+
+
+def test_gathering_chunks_on_a_pool_changes_no_batch(criteo_dataset, monkeypatch):
+    """A permuted window's chunks decoded on the reader's pool, several at once, give the
+    batches decoding them one after the other in the calling thread gives."""
+    from neorec.ingest import chunks
+    from tests.ingest.workers import assert_same_batches
+
+    options = DecodeOptions.for_schema(criteo_dataset.schema)
+    config = ReaderConfig(batch_size=256, seed=3, shuffle="rows", window=2)
+    monkeypatch.setattr(chunks, "CHUNK_ROWS", 97)
+    threads = pa.cpu_count()
+    try:
+        pa.set_cpu_count(1)
+        serial = InProcessReader(criteo_dataset, "train", options, config)
+        pa.set_cpu_count(3)
+        pooled = InProcessReader(criteo_dataset, "train", options, config)
+    finally:
+        pa.set_cpu_count(threads)
+    assert serial.decoder.executor is None and pooled.decoder.workers == 3
+    assert_same_batches(list(pooled.epoch(2)), list(serial.epoch(2)))
+    serial.close()
+    pooled.close()
+
+
+def test_a_bad_row_of_a_permuted_window_is_named_from_whichever_chunk_holds_it(tmp_path, criteo_dataset,
+                                                                               monkeypatch):
+    from neorec.ingest import chunks
+
+    columns = _good_columns(criteo_dataset, n=24)
+    columns["C5"] = pa.array([0] * 13 + [-3] + [0] * 10, type=pa.int64())  # row group 1 (rows 8-15), row 5
+    pq.write_table(pa.table(columns), tmp_path / "bad.parquet", row_group_size=8)
+    dataset = Dataset(root=tmp_path, schema=criteo_dataset.schema, splits={"train": ["bad.parquet"]})
+    monkeypatch.setattr(chunks, "CHUNK_ROWS", 3)
+    reader = InProcessReader(dataset, "train", DecodeOptions.for_schema(dataset.schema),
+                             ReaderConfig(batch_size=2, shuffle="rows", window=3))
+    windows = {s.window for s in reader.plan(0).segments}
+    assert [len(w.groups) for w in windows] == [3] and all(w.permuted for w in windows)
+    with pytest.raises(DataError, match=r"row group 1, column 'C5', row 5: negative id -3"):
+        list(reader.epoch(0))
+    reader.close()

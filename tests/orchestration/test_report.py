@@ -62,3 +62,25 @@ def test_the_best_checkpoint_is_kept_and_evaluated(runs):
     assert read_manifest(run / "checkpoint" / name).step == best["step"]
     assert name in {p.name for p in complete(run / "checkpoint")}  # kept though keep = 1
     assert evaluate_checkpoint(run, best=True)["auc"] == best["auc"]
+
+
+def test_a_following_run_gets_its_progressive_auc_and_lag_per_partition(tmp_path):
+    from neorec.orchestration.report import PARTITIONS_PLOT, partition_table
+    from tests.trainer.follow_helpers import follow_config, partitioned
+
+    data = partitioned(tmp_path / "data", 3)
+    train(follow_config(data, tmp_path / "follow"))
+    logged = [json.loads(line) for line in (tmp_path / "follow" / "metrics.jsonl").read_text().splitlines()]
+    progressive = [r for r in logged if r["split"] == "progressive"]
+    lags = [r["lag_s"] for r in logged if r["split"] == "partition"]
+    run = read_run(tmp_path / "follow")
+    assert list(run.partitions) == [r["partition"] for r in progressive]
+    assert [p["auc"] for p in run.partitions.values()] == [r["auc"] for r in progressive]
+    assert [p["oracle_auc"] for p in run.partitions.values()] == [r["oracle_auc"] for r in progressive]
+    assert [p["lag_s"] for p in run.partitions.values()] == lags
+    auc_ax, lag_ax = figures([run])[PARTITIONS_PLOT].axes
+    assert auc_ax.lines[0].get_ydata().tolist() == [r["auc"] for r in progressive]
+    assert auc_ax.lines[1].get_label() == "oracle"
+    assert lag_ax.lines[0].get_ydata().tolist() == lags
+    table = partition_table([run]).splitlines()
+    assert len(table) == 4 and table[1].split()[:2] == [progressive[0]["partition"], f"{progressive[0]['auc']:.4f}"]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch.distributed as dist
 
+from neorec.ingest.partitions import PARTITIONS, PartitionError, first_ready, partition_view
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.schema import Dataset
 from neorec.trainer.run.build import decode_options, table_configs
@@ -45,9 +46,23 @@ class Sample:
     """Per table, how often each distinct row was looked up, most frequent first."""
 
 
+def sampled_split(dataset: Dataset, config: TrainConfig) -> tuple[Dataset, str]:
+    """The split lookups are sampled from: the train split; following partitions
+    (``data.follow``), the first ready partition in name order (:class:`PartitionError`
+    while none is)."""
+    if not config.data.follow:
+        return dataset, config.data.train_split
+    partition = first_ready(dataset.root)
+    if partition is None:
+        raise PartitionError(f"following partitions: none of {dataset.root / PARTITIONS} is ready yet to sample "
+                             f"the tables' lookups from")
+    return partition_view(dataset, partition), partition.split
+
+
 def sample_lookups(dataset: Dataset, config: TrainConfig, rows: int = POOLING_SAMPLE_ROWS) -> Sample:
-    """Lookups of the first ``rows`` rows of the train split."""
-    reader = InProcessReader(dataset, config.data.train_split, decode_options(dataset.schema, config),
+    """Lookups of the first ``rows`` rows of the train split (:func:`sampled_split`)."""
+    dataset, split = sampled_split(dataset, config)
+    reader = InProcessReader(dataset, split, decode_options(dataset.schema, config),
                              ReaderConfig(batch_size=rows, remainder="pad", shuffle="none"))
     try:
         batch = next(iter(reader.epoch(0)))

@@ -42,10 +42,13 @@ from neorec.trainer.run.background import Prefetcher
 from neorec.trainer.run.elastic import mark_claimed
 from neorec.trainer.sharding.input_pipeline import InputPipeline
 from neorec.trainer.sharding.sharded_embedding import PreparedSparse
+from neorec.ingest.reader import BatchReader
+from neorec.trainer.run.follow import Follower
 from neorec.trainer.run.readers import (batches, check_dense_transform, check_splits, eval_reader_config, make_reader,
                                          train_reader_config)
 from neorec.trainer.run.step import ProgressFn, StepReport, set_threads, train_step
 from neorec.trainer.embedding.fused import check_ids
+from neorec.trainer.run.tensorboard import open_board
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StorePiece, store_of
 from neorec.trainer.run.warmup import compile_kernels
 
@@ -74,6 +77,11 @@ class LoopState:
     eval_metrics: dict[str, float] = field(default_factory=dict)
     best_auc: float = -1.0
     """The best eval AUC so far (``checkpoint.keep_best``)."""
+    partition: str = ""
+    """Following partitions: the one being trained (``epoch`` counts those before it; its
+    progressive metrics are logged), "" between partitions."""
+    partitions_done: list[str] = field(default_factory=list)
+    """Following partitions: those trained, in order."""
 
 
 class TrainingRun:
@@ -84,30 +92,39 @@ class TrainingRun:
         loop = config.train
         self.config = config
         self.context = context
+        set_threads(loop.threads, context.local_world_size)  # from the CPUs of all ranks, so before pinning
         if loop.pin_cores:
             pin_rank(context.local_rank, context.local_world_size)
-        set_threads(loop.threads, context.local_world_size)
         torch.manual_seed(loop.seed)
         self.dataset = Dataset.load(config.data.path)
         check_dense_transform(self.dataset, config)
-        options = decode_options(self.dataset.schema, config)
-        self.train_reader = make_reader(self.dataset, config.data.train_split, options,
-                                        train_reader_config(config, context), config)
-        self.eval_reader = make_reader(self.dataset, config.data.eval_split, options,
-                                       eval_reader_config(config, context), config)
-        check_splits(self.train_reader.plan(0), self.eval_reader.plan(0), config)
+        self.options = decode_options(self.dataset.schema, config)
+        self.follower = Follower(self) if config.data.follow else None
+        """Following partitions: it sets the readers, ``steps_per_epoch`` and ``total_steps``
+        of each partition."""
+        self.train_reader: BatchReader | None = None
+        self.eval_reader: BatchReader | None = None
+        self.steps_per_epoch = self.total_steps = 0
+        if self.follower is None:
+            self.train_reader = make_reader(self.dataset, config.data.train_split, self.options,
+                                            train_reader_config(config, context), config)
+            self.eval_reader = make_reader(self.dataset, config.data.eval_split, self.options,
+                                           eval_reader_config(config, context), config)
+            check_splits(self.train_reader.plan(0), self.eval_reader.plan(0), config)
+            self.steps_per_epoch = self.train_reader.plan(0).num_batches
+            self.total_steps = self.steps_per_epoch * loop.epochs
+            if loop.max_steps:
+                self.total_steps = min(self.total_steps, loop.max_steps)
         self.run_dir = Path(config.run.dir)
         if context.is_main:
             run_directory.claim(self.run_dir, overwrite=overwrite, resume=resume)
             mark_claimed(self.run_dir)
-        self.steps_per_epoch = self.train_reader.plan(0).num_batches
-        self.total_steps = self.steps_per_epoch * loop.epochs
-        if loop.max_steps:
-            self.total_steps = min(self.total_steps, loop.max_steps)
         self.early: Prefetcher | None = None
         """The first epoch's batches, read from before the model exists (a fresh run's)."""
-        if loop.prefetch and not context.distributed and not resume:
+        if loop.prefetch and not context.distributed and not resume and self.follower is None:
             self.early = Prefetcher(batches(self.train_reader, 0, 0, context.device), loop.prefetch)
+        if self.follower is not None:
+            self.follower.wait_for_first_partition()  # the planner samples lookups from it
         self.plan = job_plan(self.dataset, config, context)
         store_dir = Path(config.embedding_store.dir or self.run_dir / run_directory.STORE)
         self.dlrm = build_model(self.dataset, config, self.plan, store=store_settings(config, store_dir, not resume))
@@ -123,7 +140,7 @@ class TrainingRun:
         self.checkpointer = self._checkpointer()
         if resume:
             self._restore()
-        if loop.prefetch and context.distributed and not resume:
+        if loop.prefetch and context.distributed and not resume and self.follower is None:
             steps = min(self.steps_per_epoch, self.total_steps)
             self.early = Prefetcher(_prepared(self.dlrm, batches(self.train_reader, 0, 0, context.device), steps),
                                     loop.prefetch)
@@ -136,23 +153,20 @@ class TrainingRun:
                 run_directory.write_json(self.run_dir / run_directory.PLAN, self.plan.to_dict())
         self.log = MetricsLog(self.run_dir / run_directory.METRICS if context.is_main else None,
                               keep_bytes=self.metrics_bytes)
-        check_same_steps(context, self.steps_per_epoch, "train")
-        check_same_steps(context, self.eval_reader.plan(0).num_batches, "eval")
+        if loop.tensorboard and context.is_main:
+            self.log.listeners.append(open_board(self.run_dir).record)
+        if self.follower is None:
+            check_same_steps(context, self.steps_per_epoch, "train")
+            check_same_steps(context, self.eval_reader.plan(0).num_batches, "eval")
 
     # ------------------------------------------------------------------- the loop
     def run(self, progress: ProgressFn | None = None) -> dict[str, Any]:
         """Train to the end, evaluating and checkpointing on the way; returns the summary."""
-        state, loop = self.state, self.config.train
         try:
-            while state.epoch < loop.epochs and state.global_step < self.total_steps:
-                self._epoch(progress)
-                state.eval_metrics = self._evaluate()
-                if self._improved(state.eval_metrics):
-                    self._checkpoint(best=True)
-                state.epoch += 1
-                state.step_in_epoch = 0
-            if not state.eval_metrics:
-                state.eval_metrics = self._evaluate()
+            if self.follower is not None:
+                self.follower.follow(progress)
+            else:
+                self._epochs(progress)
             if self.config.checkpoint.final:
                 self._checkpoint(wait=True)
             self.checkpointer.close()
@@ -169,9 +183,23 @@ class TrainingRun:
             if self.early is not None:
                 self.early.close()
             self.log.close()
-            self.train_reader.close()
-            self.eval_reader.close()
+            for reader in (self.train_reader, self.eval_reader):
+                if reader is not None:
+                    reader.close()
         return self._summary()
+
+    def _epochs(self, progress: ProgressFn | None) -> None:
+        """Train the epochs left, evaluating after each."""
+        state, loop = self.state, self.config.train
+        while state.epoch < loop.epochs and state.global_step < self.total_steps:
+            self._epoch(progress)
+            state.eval_metrics = self._evaluate()
+            if self._improved(state.eval_metrics):
+                self._checkpoint(best=True)
+            state.epoch += 1
+            state.step_in_epoch = 0
+        if not state.eval_metrics:
+            state.eval_metrics = self._evaluate()
 
     def _epoch(self, progress: ProgressFn | None) -> None:
         state, context = self.state, self.context
@@ -210,17 +238,19 @@ class TrainingRun:
                 if state.global_step % self.config.train.log_every == 0 or state.global_step == self.total_steps:
                     check_ids(self.dlrm)
                     report, time_due = interval.close(self.checkpointer.due_by_time())
-                    self.log.write({"split": "train", "step": state.global_step, "epoch": state.epoch, **report})
+                    self.log.write({"split": "train", "step": state.global_step, "epoch": state.epoch,
+                                    **({"partition": state.partition} if state.partition else {}), **report})
                     self.logged_loss = report["loss"]
                     interval = _Interval(context, state)
                 best = False
                 if self.config.train.eval_every and state.global_step % self.config.train.eval_every == 0:
                     best = self._improved(self._evaluate())
                 last = state.global_step >= self.total_steps
-                if best or ((self.checkpointer.due(state.global_step) or time_due)
-                            and not (last and self.config.checkpoint.final)):
+                stop = self.follower is not None and self.follower.stop_due(state.global_step)
+                if stop or best or ((self.checkpointer.due(state.global_step) or time_due)
+                                    and not (last and self.config.checkpoint.final)):
                     self._checkpoint(interval, best=best)
-                if last:
+                if last or stop:
                     break
             interval.close(False)
         finally:
@@ -264,6 +294,8 @@ class TrainingRun:
             summary["checkpoint_stall_s"] = sum(self.checkpointer.stall_seconds)
         if self.store is not None:
             summary["store"] = self.store_report
+        if self.follower is not None:
+            summary.update(self.follower.summary())
         if self.context.is_main:
             run_directory.write_json(self.run_dir / run_directory.SUMMARY, summary)
         return summary

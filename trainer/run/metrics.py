@@ -23,6 +23,8 @@ class MetricsLog:
     def __init__(self, path: str | Path | None, keep_bytes: int | None = None) -> None:
         self._file = None
         self.path = None if path is None else Path(path)
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
+        """Also called with every record written (e.g. a TensorBoard writer)."""
         if self.path is not None:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -51,6 +53,8 @@ class MetricsLog:
                 self._file.flush()
             except OSError as err:
                 raise RunDirError(f"cannot write {self.path}: {describe(err)}") from None
+            for listener in self.listeners:
+                listener(record)
 
     def close(self) -> None:
         if self._file is not None:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from neorec.common.cpus import available_cpus
 from neorec.trainer.batch import Batch
 from neorec.trainer.distributed import SINGLE_PROCESS, DistributedContext, global_sum
 from neorec.trainer.model import DLRM
@@ -32,6 +33,14 @@ class StepReport:
     """Of the training time so far (completed epochs), the share spent waiting for batches."""
     last_checkpoint: str = ""
     """The newest checkpoint committed ("" before the first)."""
+    partition: str = ""
+    """Following partitions: the partition being trained, or the last one trained while
+    ``phase`` is ``waiting``."""
+    marker_time: float = 0.0
+    """Following partitions: when that partition's ``_SUCCESS`` marker was written
+    (wall-clock seconds; the lag is measured from it)."""
+    phase: str = "training"
+    """``training`` (a step was taken) or ``waiting`` (for the next partition; no step)."""
 
 
 ProgressFn = Callable[[StepReport], None]
@@ -39,9 +48,10 @@ ProgressFn = Callable[[StepReport], None]
 
 def set_threads(threads: int, ranks_on_host: int = 1) -> int:
     """Use ``threads`` threads in torch, the Numba kernels and Arrow's decoding (0: the
-    host's cores shared by its ``ranks_on_host`` ranks); returns it."""
-    cores = numba.config.NUMBA_NUM_THREADS
-    count = max(1, cores // ranks_on_host) if threads == 0 else min(threads, cores)
+    CPUs this process may use, its affinity mask under its control group's quota, shared
+    by the host's ``ranks_on_host`` ranks); returns it."""
+    cores = numba.config.NUMBA_NUM_THREADS  # the size of Numba's pool
+    count = max(1, min(cores, available_cpus()) // ranks_on_host) if threads == 0 else min(threads, cores)
     torch.set_num_threads(count)
     numba.set_num_threads(count)
     pyarrow.set_cpu_count(count)

@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from neorec.ingest.partitions import with_partition_split
 from neorec.ingest.schema import Dataset
 from neorec.trainer import checkpoint
 from neorec.trainer.checkpoint.layout import best_checkpoint
@@ -53,10 +54,11 @@ def train(config: TrainConfig, progress: ProgressFn | None = None, context: Dist
 
 def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None = None,
                         best: bool = False) -> dict[str, float]:
-    """Metrics of a saved model on the eval split: the config saved with the checkpoint
-    unless ``config`` is given. ``checkpoint_dir``: a run directory, its checkpoints
-    directory, or one checkpoint; ``best``: the run's best checkpoint (``keep_best``). The
-    model runs on ``config.train.device``, as in training."""
+    """Metrics of a saved model on the eval split (which may name a ready partition,
+    ``partitions/NAME``): the config saved with the checkpoint unless ``config`` is given.
+    ``checkpoint_dir``: a run directory, its checkpoints directory, or one checkpoint;
+    ``best``: the run's best checkpoint (``keep_best``). The model runs on
+    ``config.train.device``, as in training."""
     root, named = checkpoint.checkpoints_root(checkpoint_dir)
     name = None if named is None else named.name
     if best:
@@ -68,7 +70,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None =
         config = TrainConfig.from_dict(restorable.manifest.config)
     set_threads(config.train.threads)
     device = resolve_device(config.train.device)
-    dataset = Dataset.load(config.data.path)
+    dataset = with_partition_split(Dataset.load(config.data.path), config.data.eval_split)
     on_store = {entry.table for entry in restorable.manifest.store}
     with tempfile.TemporaryDirectory(prefix="neorec-eval-store-") as store_dir:
         plan = None

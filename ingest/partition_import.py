@@ -1,0 +1,97 @@
+"""``neorec data import … --partition NAME``: one more time partition of an imported dataset.
+
+The new rows are encoded exactly as the dataset's own (its vocabularies, hashing and dense
+statistics, :func:`~neorec.ingest.importer.load_encoding`), so the schema and the tables'
+sizes do not change: a categorical value the vocabularies do not hold becomes the
+out-of-vocabulary id 0, and is counted per column (``partition.json``'s ``oov``, next to
+``values``, the values present). Every row goes to the partition (no train/eval split:
+following evaluates each partition before training on it).
+
+The files are written into ``partitions/NAME/`` and the ``_SUCCESS`` marker last
+(:mod:`neorec.ingest.partitions`), so a follower never reads a partition half written; a
+directory left without its marker by an import that failed is written again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from neorec.ingest.errors import DataError
+from neorec.ingest.import_spec import ImportSpec
+from neorec.ingest.importer import (BlockSource, FileSource, ProgressFn, SplitWriter, arrow_schema, VocabMisses,
+                                    dataset_schema, encode_block, load_encoding, needed_columns)
+from neorec.ingest.partitions import (MARKER, PARTITION_FILE, PartitionError, PartitionOrderError,
+                                      PartitionSchemaError, is_ready, partition_names, partitions_dir)
+from neorec.ingest.schema import Dataset
+
+PART_PREFIX = "part"
+"""The partition's files are ``part-00000.parquet``, …"""
+
+
+def import_partition(spec: ImportSpec, dataset_dir: str | Path, name: str, *, source: BlockSource | None = None,
+                     progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Write the rows ``spec`` reads as partition ``name`` of the imported dataset at
+    ``dataset_dir``; returns the partition's description (``rows``, ``oov``, ``values``,
+    ``seconds``), also written to its ``partition.json``.
+
+    Raises :class:`PartitionError` for a name that is not a partition's or is taken,
+    :class:`PartitionOrderError` when a ready partition sorts after ``name``,
+    :class:`PartitionSchemaError` when ``spec`` encodes other columns or table sizes than
+    the dataset's, :class:`DataError` for bad rows or no rows at all."""
+    started = time.perf_counter()
+    root = Path(dataset_dir)
+    try:
+        dataset = Dataset.load(root)
+    except FileNotFoundError:
+        raise PartitionError("no dataset to add a partition to: import the first data without --partition",
+                             file=str(root)) from None
+    _check_name(root, name)
+    encoding = load_encoding(spec, root)
+    schema = dataset_schema(spec, encoding)
+    if schema != dataset.schema:
+        raise PartitionSchemaError(f"partition {name!r} would change the dataset's schema: "
+                                   f"{_difference(dataset.schema.to_json(), schema.to_json())}", file=str(root))
+    directory = partitions_dir(root) / name
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.iterdir():  # an earlier import that failed before its marker
+        if stale.is_file():
+            stale.unlink()
+    writer = SplitWriter(directory, PART_PREFIX, arrow_schema(schema), spec.output.row_group_rows,
+                         spec.output.file_rows)
+    misses = VocabMisses({column: 0 for column in encoding.vocabularies}, {c: 0 for c in encoding.vocabularies})
+    try:
+        for block in (source or FileSource(spec)).blocks(needed_columns(spec)):
+            writer.write(encode_block(spec, encoding, block, misses))
+            if progress is not None:
+                progress(block.batch.num_rows)
+    finally:
+        writer.close()
+    if writer.rows == 0:
+        raise DataError(f"partition {name!r}: the input holds no rows", file=str(directory))
+    info = {"rows": writer.rows, "oov": misses.unseen, "values": misses.present,
+            "seconds": time.perf_counter() - started}
+    (directory / PARTITION_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    (directory / MARKER).touch()
+    return info
+
+
+def _check_name(root: Path, name: str) -> None:
+    if not name or name.startswith(("_", ".")) or "/" in name or name != name.strip():
+        raise PartitionError(f"{name!r} is not a partition name (no '/', not starting with '_' or '.')")
+    if is_ready(root, name):
+        raise PartitionError(f"partition {name!r} exists already", file=str(partitions_dir(root) / name))
+    later = [n for n in partition_names(root) if n > name and is_ready(root, n)]
+    if later:
+        raise PartitionOrderError(f"partition {name!r} sorts before partition {later[-1]!r}, which has landed: "
+                                  f"partitions must land in name (time) order", file=str(partitions_dir(root)))
+
+
+def _difference(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """The first schema key whose value differs, in words."""
+    for key in sorted(set(before) | set(after)):
+        if before.get(key) != after.get(key):
+            return f"{key} is {before.get(key)!r} in the dataset, {after.get(key)!r} in the new rows"
+    return "it differs"

@@ -1,0 +1,69 @@
+"""``neorec data import --partition``: new rows encoded with the dataset's own vocabularies
+(unseen values → id 0, counted), marker last, named errors for taken names, late names and
+schema changes."""
+
+import csv
+
+import pyarrow.parquet as pq
+import pytest
+
+from neorec.ingest.importer import import_dataset
+from neorec.ingest.partition_import import import_partition
+from neorec.ingest.partitions import (MARKER, PartitionError, PartitionOrderError, PartitionSchemaError,
+                                      check_partition_schema, next_partition, open_partition)
+from neorec.ingest.schema import Dataset
+from tests.ingest.test_importer import reference, spec, write_log
+
+
+@pytest.fixture
+def imported(tmp_path):
+    write_log(tmp_path / "old.csv", seed=0)
+    write_log(tmp_path / "new.csv", rows=700, seed=1, users=600)  # more users: some unseen
+    import_dataset(spec(tmp_path / "old.csv"), tmp_path / "data")
+    return tmp_path
+
+
+def test_a_partition_is_encoded_with_the_datasets_vocabularies_and_its_unseen_values_counted(imported):
+    vocabs = reference(imported / "old.csv")["vocabs"]
+    info = import_partition(spec(imported / "new.csv"), imported / "data", "2026-01-02T00")
+    dataset = Dataset.load(imported / "data")
+    partition = next_partition(dataset.root, [])
+    assert partition.name == "2026-01-02T00" and partition.info["oov"] == info["oov"]
+    check_partition_schema(dataset, partition)
+    got = [r for f in partition.files for r in pq.read_table(dataset.root / f).to_pylist()]
+    raw = list(csv.DictReader(open(imported / "new.csv")))
+    assert len(got) == len(raw) == info["rows"]  # every row, in file order, no split
+    for row, encoded in zip(raw, got):
+        assert encoded["user"] == vocabs["user"].get(row["user"], 0)
+        assert encoded["item"] == vocabs["item"].get(row["item"], 0)
+        assert encoded["genres"] == [vocabs["genres"].get(g, 0) for g in row["genres"].split("|") if g]
+        assert encoded["label"] == float(int(row["rating"]) >= 4)
+    unseen_users = sum(r["user"] not in vocabs["user"] for r in raw)
+    assert unseen_users > 0 and info["oov"]["user"] == unseen_users and info["values"]["user"] == len(raw)
+    assert info["oov"]["item"] == sum(r["item"] not in vocabs["item"] for r in raw)
+
+
+def test_taken_and_late_names_a_schema_change_and_no_dataset_are_named_errors(imported):
+    new = spec(imported / "new.csv")
+    import_partition(new, imported / "data", "2026-01-02T05")
+    with pytest.raises(PartitionError, match="exists already"):
+        import_partition(new, imported / "data", "2026-01-02T05")
+    with pytest.raises(PartitionOrderError, match="2026-01-02T05"):
+        import_partition(new, imported / "data", "2026-01-02T04")
+    with pytest.raises(PartitionSchemaError, match="sparse"):
+        import_partition(spec(imported / "new.csv", categorical={"columns": ["user"]}), imported / "data",
+                         "2026-01-02T06")
+    with pytest.raises(PartitionError, match="not a partition name"):
+        import_partition(new, imported / "data", "_tmp")
+    with pytest.raises(PartitionError, match="import the first data"):
+        import_partition(new, imported / "nothing", "2026-01-02T06")
+
+
+def test_a_partition_left_half_written_is_not_read_and_is_written_again(imported):
+    directory = imported / "data" / "partitions" / "2026-01-02T00"
+    directory.mkdir(parents=True)
+    (directory / "part-00003.parquet").write_bytes(b"half a file")
+    assert next_partition(imported / "data", []) is None
+    import_partition(spec(imported / "new.csv"), imported / "data", "2026-01-02T00")
+    assert (directory / MARKER).is_file() and not (directory / "part-00003.parquet").exists()
+    assert open_partition(imported / "data", "2026-01-02T00").files == ("partitions/2026-01-02T00/part-00000.parquet",)
