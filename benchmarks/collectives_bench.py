@@ -62,7 +62,10 @@ def _rank_main(out: Path, quick: bool) -> None:
         steps = max(2 if quick else 20, (20 if quick else 200) * (64 << 10) // max(size, 64 << 10))
         rates = interleaved_rates({"all_reduce": all_reduce, "all_to_all_sum": all_to_all_sum},
                                   steps=steps, rounds=3 if quick else 7)
+        reduced = tensor.clone()
+        dist.all_reduce(reduced)
         results["sizes"][str(size)] = {
+            "max_difference_from_all_reduce": float((start_all_to_all_sum(tensor).wait() - reduced).abs().max()),
             "all_reduce_ms": 1e3 / rates["all_reduce"],
             "all_to_all_sum_ms": 1e3 / rates["all_to_all_sum"],
             "all_to_all_bytes_per_rank": world * size,

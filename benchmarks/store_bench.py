@@ -26,13 +26,15 @@ import sys
 import tempfile
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pyarrow.parquet as pq
 
 from neorec.embedding_store.cache import SetAssociativeCache
+from neorec.ingest.schema import Dataset
 from neorec.ingest.synth import SynthSpec, generate
 from neorec.orchestration.config import load_config
 from neorec.trainer.planner.inputs import TableSpec
@@ -161,9 +163,7 @@ def out_of_core(quick: bool) -> dict[str, Any]:
     """The same DLRM in memory and through the store (direct I/O), side by side."""
     rows = 60_000 if quick else 1_000_000
     rounds = 1 if quick else 2
-    with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:
-        root = Path(tmp)
-        dataset = generate(SynthSpec(rows=rows, seed=5), root / "data")
+    with _scratch_dataset(rows, seed=5) as (root, dataset):
         base = [f"data.path='{dataset.root}'", "model.embedding_dim=64", "model.bottom_mlp=[128, 64]",
                 "model.max_table_rows=2000000", "train.log_every=1000000", "train.batch_size=2048",
                 "checkpoint.final=false", "embedding_store.cache_fraction=0.0"]
@@ -209,9 +209,7 @@ def larger_than_memory(quick: bool) -> dict[str, Any]:
     """One run whose tables' logical size is at least twice the machine's RAM."""
     rows = 40_000 if quick else 400_000
     dim = 64 if quick else 512
-    with tempfile.TemporaryDirectory(dir=_scratch_dir()) as tmp:
-        root = Path(tmp)
-        dataset = generate(SynthSpec(rows=rows, seed=6), root / "data")
+    with _scratch_dataset(rows, seed=6) as (root, dataset):
         settings = [f"data.path='{dataset.root}'", f"model.embedding_dim={dim}", f"model.bottom_mlp=[256, {dim}]",
                     "model.top_mlp=[256, 1]", "model.max_table_rows=100000000", "train.log_every=1000000",
                     "train.batch_size=2048", "checkpoint.final=false", f"run.dir='{root / 'run'}'",
@@ -239,9 +237,13 @@ def _bytes(rows: int, dim: int) -> int:
     return TableSpec("t", rows, dim).bytes()
 
 
-def _scratch_dir() -> str | None:
-    """Where the benchmark's files go: ``$NEOREC_BENCH_DIR`` (a local disk), else the default."""
-    return os.environ.get("NEOREC_BENCH_DIR") or None
+@contextmanager
+def _scratch_dataset(rows: int, seed: int) -> Iterator[tuple[Path, Dataset]]:
+    """A temporary directory under ``$NEOREC_BENCH_DIR`` (a local disk; else the default)
+    holding a criteo-profile dataset of ``rows`` rows in ``data/``; yields both."""
+    with tempfile.TemporaryDirectory(dir=os.environ.get("NEOREC_BENCH_DIR") or None) as tmp:
+        root = Path(tmp)
+        yield root, generate(SynthSpec(rows=rows, seed=seed), root / "data")
 
 
 def _llc() -> str:

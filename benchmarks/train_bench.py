@@ -21,6 +21,7 @@ from neorec.ingest.synth import SynthSpec, generate
 from neorec.trainer.batch import Batch
 from neorec.trainer.run.build import build_model, decode_options, dense_optimizer, table_configs
 from neorec.trainer.config import TrainConfig
+from neorec.trainer.embedding.config import TableConfig
 from neorec.benchmarks.baselines import EmbeddingBagCollectionReference
 from neorec.trainer.model import DLRM
 from neorec.trainer.run.step import set_threads, train_step
@@ -46,6 +47,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             "baseline": lambda i: _step(baseline, baseline_opt, batches[i % len(batches)]),
         }
         rates = interleaved_rates(candidates, steps=steps, rounds=rounds)
+        difference = _max_table_difference(fused, baseline, table_configs(dataset.schema, config))
     return {
         "benchmark": "train",
         "model": "DLRM criteo profile, 26 tables x dim 16 (<= 200k rows), batch 512, Adagrad",
@@ -53,6 +55,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "fused_qps": rates["fused"],
         "baseline_qps": rates["baseline"],
         "ratio": rates["fused"] / rates["baseline"],
+        "max_table_difference": difference,
         "dense_ceiling": _dense_ceiling(quick),
     }
 
@@ -111,6 +114,15 @@ def _baseline_model(dataset: Dataset, config: TrainConfig, fused: DLRM) -> tuple
     model.embeddings = EmbeddingBagCollectionReference(tables, weights)  # MLPs: same seed, same init
     sparse = torch.optim.Adagrad(model.embeddings.parameters(), lr=config.optimizer.sparse_lr, eps=1e-10)
     return model, [dense_optimizer(model, config), sparse]
+
+
+def _max_table_difference(fused: DLRM, baseline: DLRM, tables: list[TableConfig]) -> float:
+    """The largest difference between the two sides' embedding weights: both took the same
+    steps on the same batches, so they agree when the comparison is fair: to float rounding,
+    which Adagrad's first update of a row (about lr * sign(gradient), eps 1e-10) magnifies for
+    tiny gradients, against about lr for a side that trained otherwise."""
+    return max(float((fused.embeddings.table_weight(t.name) - baseline.embeddings.bags[t.name].weight).abs().max())
+               for t in tables)
 
 
 def _step(model: DLRM, optimizers: list[torch.optim.Optimizer], batch: Batch) -> int:

@@ -28,6 +28,8 @@ from typing import Any, Callable, Protocol, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from neorec.common.errors import UserError
+
 log = logging.getLogger(__name__)
 
 SIGNAL_POLL_S = 0.2
@@ -281,6 +283,15 @@ class HostedServer:
 
     def start(self) -> None:
         self.host.start()
+
+
+class RequestError(UserError, ValueError):
+    """A request a service refuses, with the gRPC status code to answer with (its message
+    names the field or value at fault)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:

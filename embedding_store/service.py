@@ -23,7 +23,8 @@ import grpc
 import numpy as np
 
 from neorec.embedding_store.segments import SEGMENT_NAME, SegmentError, SegmentTier
-from neorec.common.transport import MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, ServerSecurity, ServiceHost, abort
+from neorec.common.transport import (MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, RequestError, ServerSecurity,
+                                     ServiceHost, abort)
 from neorec.protos import store_pb2
 
 log = logging.getLogger(__name__)
@@ -36,14 +37,6 @@ MAX_REPLY_BYTES = MAX_REQUEST_BYTES + (1 << 20)
 DEFAULT_THREADS = 16
 KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,199}")
 """A piece's key: a file name under the service's directory, no path."""
-
-
-class RequestError(ValueError):
-    """A request the service refuses, with its status code."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class StoreServicer:

@@ -13,17 +13,17 @@ from typing import Sequence
 
 import numpy as np
 
-from neorec.ingest.rows import Segment
+from neorec.ingest.rows import RowSpan
 
 
 @dataclass(frozen=True)
 class Provenance:
     """Where a batch comes from: its place in the epoch and the rows it holds, in order
-    (segments of the epoch's windows, see :mod:`neorec.ingest.rows`)."""
+    (spans of the epoch's windows, see :mod:`neorec.ingest.rows`)."""
 
     epoch: int
     step: int
-    rows: tuple[Segment, ...]
+    rows: tuple[RowSpan, ...]
 
 
 @dataclass

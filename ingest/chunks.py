@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from neorec.ingest.batch import HostBatch
 from neorec.ingest.decoder import DecodeOptions, decode_table
-from neorec.ingest.rows import RowGroupInfo, Segment
+from neorec.ingest.rows import RowGroupInfo, RowSpan
 from neorec.ingest.schema import DatasetSchema
 
 CHUNK_ROWS = 65_536
@@ -49,24 +49,24 @@ class ChunkDecoder:
         self.executor = executor
         self.workers = max(1, workers)
 
-    def chunks(self, segment: Segment) -> Iterator[tuple[Segment, HostBatch]]:
-        """``segment``'s rows decoded, as ``(piece, rows)`` pairs in read order."""
-        window = segment.window
+    def chunks(self, span: RowSpan) -> Iterator[tuple[RowSpan, HostBatch]]:
+        """``span``'s rows decoded, as ``(piece, rows)`` pairs in read order."""
+        window = span.window
         if not window.permuted and len(window.groups) == 1:
             group = window.groups[0]
             table = self.load(group)
-            for piece in segment.pieces(CHUNK_ROWS):
+            for piece in span.pieces(CHUNK_ROWS):
                 yield piece, decode_table(table.slice(piece.start, piece.num_rows), self.schema, self.options,
                                           file=self.paths[group.file_index], row_group=group.row_group,
                                           first_row=piece.start)
             return
         table = pa.concat_tables([self.load(g) for g in window.groups])
-        pieces = segment.pieces(CHUNK_ROWS)
+        pieces = span.pieces(CHUNK_ROWS)
         if self.executor is None:
             for piece in pieces:
                 yield piece, self._gathered(table, piece)
             return
-        ahead: deque[tuple[Segment, Future]] = deque()
+        ahead: deque[tuple[RowSpan, Future]] = deque()
         try:
             for piece in pieces:
                 ahead.append((piece, self.executor.submit(self._gathered, table, piece)))
@@ -80,7 +80,7 @@ class ChunkDecoder:
             for _, future in ahead:
                 future.cancel()
 
-    def _gathered(self, table: pa.Table, piece: Segment) -> HostBatch:
+    def _gathered(self, table: pa.Table, piece: RowSpan) -> HostBatch:
         """The rows of ``piece`` of a permuted window, gathered from ``table`` (the window's
         row groups one after the other) and decoded."""
         window = piece.window

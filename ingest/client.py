@@ -1,4 +1,5 @@
-"""The trainer-side client of the reader services: fan-in, prefetch, reorder, failover.
+"""The trainer-side client of the reader services: fan-in, a bounded number of batches in
+flight, reorder, failover.
 
 The client plans the epoch itself (exactly as :class:`~neorec.ingest.reader.InProcessReader`
 does), cuts the rank's batches into tasks of consecutive batches, and hands the tasks
@@ -31,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from neorec.ingest.batch import HostBatch
 from neorec.ingest.decoder import DecodeOptions
@@ -40,6 +40,7 @@ from neorec.ingest.plan import RankPlan, ReadTask
 from neorec.ingest.reader import ReaderConfig, SplitPlanner
 from neorec.ingest.rows import Window
 from neorec.ingest.schema import Dataset
+from neorec.common.health import HealthProbe
 from neorec.common.transport import ClientSecurity
 from neorec.ingest.wire import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, READ_METHOD, SERVICE_NAME, \
     WireError, decode_batch
@@ -116,14 +117,6 @@ class ClientOptions:
             raise ValueError("probe_misses and max_task_attempts must be positive")
 
 
-def check_address(address: str) -> str:
-    """``address`` if it reads ``host:port``; else ValueError."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"reader service address {address!r} is not host:port")
-    return address
-
-
 class RemoteReader:
     """Reads one split for one rank through reader services; same interface and same
     batches as :class:`~neorec.ingest.reader.InProcessReader`.
@@ -149,7 +142,7 @@ class RemoteReader:
         self.planner = SplitPlanner(dataset, split, config)
         self.requeued_batches = 0
         """Batches re-requested from another worker after a failure (all epochs)."""
-        self.workers = [_Worker(a, client.security) for a in addresses]
+        self.workers = [_Worker(a, client) for a in addresses]
         self._fetches: set[_EpochFetch] = set()
         """Epochs being read (their fetcher threads run until the epoch ends or closes)."""
         self._lock = threading.Lock()
@@ -200,6 +193,7 @@ class RemoteReader:
         self._watchdog.join()
         self.planner.close()
         for worker in self.workers:
+            worker.health.cancel()
             worker.channel.close()
 
     def __enter__(self) -> "RemoteReader":
@@ -209,7 +203,7 @@ class RemoteReader:
         self.close()
 
     def request_for(self, task: ReadTask) -> tuple[ingest_pb2.ReadRequest, list[Window]]:
-        """The request for ``task`` and the windows it numbers (those its segments read, in
+        """The request for ``task`` and the windows it numbers (those its spans read, in
         order of first use)."""
         request = ingest_pb2.ReadRequest()
         request.CopyFrom(self._request)
@@ -217,26 +211,23 @@ class RemoteReader:
         request.first_step = task.first_step
         request.num_batches = task.num_batches
         windows: dict[Window, int] = {}
-        for s in task.segments:
+        for s in task.spans:
             if s.window not in windows:
                 windows[s.window] = len(windows)
                 request.windows.append(ingest_pb2.Window(
                     groups=[ingest_pb2.RowGroup(file=g.file_index, row_group=g.row_group, num_rows=g.num_rows)
                             for g in s.window.groups],
                     permuted=s.window.permuted, seed=s.window.seed or 0))
-            request.segments.append(ingest_pb2.Segment(window=windows[s.window], start=s.start, stop=s.stop))
+            request.spans.append(ingest_pb2.RowSpan(window=windows[s.window], start=s.start, stop=s.stop))
         return request, list(windows)
 
     def _watch(self) -> None:
         """Probe every worker's health and cancel streams that stopped delivering, until
         :meth:`close`."""
-        next_probe = 0.0
         while not self._stopping.wait(_TICK_S):
             now = time.monotonic()
-            if now >= next_probe:
-                next_probe = now + self.client.probe_interval_s
-                for worker in self.workers:
-                    worker.probe(self.client)
+            for worker in self.workers:
+                worker.health.tick(now)
             with self._lock:
                 fetches = list(self._fetches)
             for fetch in fetches:
@@ -246,22 +237,19 @@ class RemoteReader:
 class _Worker:
     """One reader service: its channel, its failure/backoff state and its health."""
 
-    def __init__(self, address: str, security: ClientSecurity) -> None:
+    def __init__(self, address: str, client: ClientOptions) -> None:
         self.address = address
-        self.channel = security.channel(address, options=[
+        self.channel = client.security.channel(address, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
         ])
         # raw responses: decode_batch reads the tensors straight out of the received bytes
         self.read = self.channel.unary_stream(READ_METHOD, request_serializer=ingest_pb2.ReadRequest.SerializeToString)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.health = HealthProbe(self.channel, SERVICE_NAME, client.probe_interval_s)
         self.lock = threading.Lock()
         self.failures = 0
         self.retry_at = 0.0
         self.last_error = ""
-        self.missed_probes = 0
-        self.probe_error = ""
-        self.probing: grpc.Future | None = None
 
     def failed(self, error: str, client: ClientOptions) -> None:
         with self.lock:
@@ -278,30 +266,9 @@ class _Worker:
         """Seconds until this worker may be given a task (0: now; inf: not while its
         health probes fail)."""
         with self.lock:
-            if self.missed_probes >= client.probe_misses:
+            if self.health.misses >= client.probe_misses:
                 return float("inf")
             return max(0.0, self.retry_at - time.monotonic())
-
-    def probe(self, client: ClientOptions) -> None:
-        """Count the last probe's answer and start the next (asynchronously: a stopped
-        worker must not hold up the watchdog)."""
-        previous = self.probing
-        if previous is not None:
-            serving = False
-            if previous.done():
-                try:
-                    status = previous.result().status
-                    serving = status == health_pb2.HealthCheckResponse.SERVING
-                    self.probe_error = "" if serving else health_pb2.HealthCheckResponse.ServingStatus.Name(status)
-                except grpc.RpcError as err:
-                    self.probe_error = f"{err.code().name}: {err.details()}"
-            else:
-                previous.cancel()
-                self.probe_error = f"no answer within {client.probe_interval_s:g} s"
-            with self.lock:
-                self.missed_probes = 0 if serving else self.missed_probes + 1
-        self.probing = self.health.Check.future(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
-                                                timeout=client.probe_interval_s)
 
 
 @dataclass(eq=False)
@@ -473,8 +440,8 @@ class _EpochFetch:
                               f"{attempts} times; last, reader service {worker.address} {fault}")
 
     def _take(self, worker: _Worker) -> ReadTask | None:
-        """The next task within the prefetch window, once ``worker`` may be given one;
-        None when the epoch is over or closed."""
+        """The next task starting fewer than ``window`` batches past the next one due, once
+        ``worker`` may be given one; None when the epoch is over or closed."""
         client = self.reader.client
         with self.cond:
             while True:
@@ -506,7 +473,7 @@ class _EpochFetch:
     def _worker_report(self) -> str:
         return "; ".join(
             f"{w.address}: {w.last_error or 'no error'} ({w.failures} failures in a row"
-            + (f"; health check: {w.probe_error})" if w.probe_error else ")")
+            + (f"; health check: {w.health.last_error})" if w.health.last_error else ")")
             for w in self.reader.workers
         )
 

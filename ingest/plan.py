@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from neorec.common.hashing import combine, permutation
-from neorec.ingest.rows import RowGroupInfo, Segment, Window, cut_segments
+from neorec.ingest.rows import RowGroupInfo, RowSpan, Window, cut_spans
 
 REMAINDER_POLICIES = ("drop", "pad")
 SHUFFLE_MODES = ("rows", "row_groups", "none")
@@ -37,7 +37,7 @@ a reader holds one window's rows in memory."""
 class RankPlan:
     """One rank's share of one epoch.
 
-    ``segments`` are read in order and cut into ``num_batches`` batches of ``batch_size``
+    ``spans`` are read in order and cut into ``num_batches`` batches of ``batch_size``
     samples; with the ``pad`` policy the last batches may hold ``padded_samples`` padding
     samples in all. ``total_rows`` counts the rows of the whole epoch (all ranks),
     ``dropped_rows`` those of them not read.
@@ -47,7 +47,7 @@ class RankPlan:
     rank: int
     world_size: int
     batch_size: int
-    segments: tuple[Segment, ...]
+    spans: tuple[RowSpan, ...]
     num_batches: int
     padded_samples: int
     dropped_rows: int
@@ -55,11 +55,11 @@ class RankPlan:
 
     @property
     def num_rows(self) -> int:
-        return sum(s.num_rows for s in self.segments)
+        return sum(s.num_rows for s in self.spans)
 
     def whole(self) -> "ReadTask":
         """The whole plan as one task."""
-        return ReadTask(self.epoch, 0, self.num_batches, self.batch_size, self.segments)
+        return ReadTask(self.epoch, 0, self.num_batches, self.batch_size, self.spans)
 
     def tasks(self, batches_per_task: int, first_step: int = 0) -> list["ReadTask"]:
         """The plan from step ``first_step`` on, cut into consecutive tasks of
@@ -72,7 +72,7 @@ class RankPlan:
 class ReadTask:
     """Batches ``[first_step, first_step + num_batches)`` of a rank's epoch.
 
-    ``segments`` hold the task's rows in order; they fill its batches one after the other
+    ``spans`` hold the task's rows in order; they fill its batches one after the other
     and padding completes the last ones (all of them, for a task past the rank's rows).
     """
 
@@ -80,15 +80,15 @@ class ReadTask:
     first_step: int
     num_batches: int
     batch_size: int
-    segments: tuple[Segment, ...]
+    spans: tuple[RowSpan, ...]
 
     @property
     def num_rows(self) -> int:
-        return sum(s.num_rows for s in self.segments)
+        return sum(s.num_rows for s in self.spans)
 
-    def batch_rows(self, index: int) -> tuple[Segment, ...]:
+    def batch_rows(self, index: int) -> tuple[RowSpan, ...]:
         """The rows of the task's ``index``-th batch, in order."""
-        return cut_segments(self.segments, index * self.batch_size, (index + 1) * self.batch_size)
+        return cut_spans(self.spans, index * self.batch_size, (index + 1) * self.batch_size)
 
     def after(self, done: int) -> "ReadTask":
         """The task without its first ``done`` batches."""
@@ -99,7 +99,7 @@ class ReadTask:
             self.first_step + done,
             self.num_batches - done,
             self.batch_size,
-            cut_segments(self.segments, done * self.batch_size, self.num_rows),
+            cut_spans(self.spans, done * self.batch_size, self.num_rows),
         )
 
     def split(self, batches_per_task: int) -> list["ReadTask"]:
@@ -113,7 +113,7 @@ class ReadTask:
                 self.first_step + first,
                 min(batches_per_task, self.num_batches - first),
                 size,
-                cut_segments(self.segments, first * size, (first + batches_per_task) * size),
+                cut_spans(self.spans, first * size, (first + batches_per_task) * size),
             )
             for first in range(0, self.num_batches, batches_per_task)
         ]
@@ -195,13 +195,13 @@ def plan_epoch(
         span = num_batches * batch_size
         begin, end = min(rank * span, total), min((rank + 1) * span, total)
         dropped = 0
-    stream = [Segment(w, 0, w.num_rows) for w in windows]
+    stream = [RowSpan(w, 0, w.num_rows) for w in windows]
     return RankPlan(
         epoch=epoch,
         rank=rank,
         world_size=world_size,
         batch_size=batch_size,
-        segments=cut_segments(stream, begin, end),
+        spans=cut_spans(stream, begin, end),
         num_batches=num_batches,
         padded_samples=span - (end - begin),
         dropped_rows=dropped,

@@ -12,7 +12,7 @@ from neorec.ingest.batch import HostBatch, Provenance
 from neorec.ingest.chunks import ChunkDecoder
 from neorec.ingest.decoder import DecodeOptions, open_files, read_row_group
 from neorec.ingest.plan import RankPlan, ReadTask, plan_epoch, row_groups_of
-from neorec.ingest.rows import RowGroupInfo, Segment, merge_segments
+from neorec.ingest.rows import RowGroupInfo, RowSpan, merge_spans
 from neorec.ingest.schema import Dataset, DatasetSchema
 
 
@@ -112,10 +112,10 @@ class InProcessReader:
         finally:
             self._window_tables.clear()
 
-    def _chunks(self, task: ReadTask) -> Iterator[tuple[Segment, HostBatch]]:
-        for segment in task.segments:
+    def _chunks(self, task: ReadTask) -> Iterator[tuple[RowSpan, HostBatch]]:
+        for span in task.spans:
             self._window_tables.clear()  # keep only the current window's row groups
-            yield from self.decoder.chunks(segment)
+            yield from self.decoder.chunks(span)
 
     def close(self) -> None:
         self.planner.close()
@@ -124,19 +124,19 @@ class InProcessReader:
 
 
 def batches_from_chunks(
-    task: ReadTask, chunks: Iterable[tuple[Segment, HostBatch]], schema: DatasetSchema
+    task: ReadTask, chunks: Iterable[tuple[RowSpan, HostBatch]], schema: DatasetSchema
 ) -> Iterator[HostBatch]:
-    """Cut decoded segments (in ``task`` order) into the task's batches, padding the tail."""
+    """Cut decoded spans (in ``task`` order) into the task's batches, padding the tail."""
     empty = HostBatch.empty(schema.feature_names, len(schema.dense))  # start of an all-padding batch
     size = task.batch_size
-    parts: list[tuple[Segment, HostBatch]] = []  # pieces of the batch being filled
+    parts: list[tuple[RowSpan, HostBatch]] = []  # pieces of the batch being filled
     filled = 0
     step = task.first_step
-    for segment, chunk in chunks:
+    for span, chunk in chunks:
         rows = chunk.batch_size
         bounds = [0, *range(size - filled, rows, size), rows]
         for lo, hi, piece in zip(bounds[:-1], bounds[1:], chunk.split(bounds)):
-            parts.append((segment.sub(lo, hi), piece))
+            parts.append((span.sub(lo, hi), piece))
             filled += hi - lo
             if filled == size:
                 yield _stamped(parts, empty, task.epoch, step, size)
@@ -149,10 +149,10 @@ def batches_from_chunks(
 
 
 def _stamped(
-    taken: list[tuple[Segment, HostBatch]], empty: HostBatch, epoch: int, step: int, size: int
+    taken: list[tuple[RowSpan, HostBatch]], empty: HostBatch, epoch: int, step: int, size: int
 ) -> HostBatch:
     parts = [chunk for _, chunk in taken] or [empty]
     batch = HostBatch.concat(parts).padded_to(size)
-    batch.provenance = Provenance(epoch=epoch, step=step, rows=merge_segments(r for r, _ in taken))
+    batch.provenance = Provenance(epoch=epoch, step=step, rows=merge_spans(r for r, _ in taken))
     return batch
 

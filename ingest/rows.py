@@ -1,11 +1,11 @@
 """Which rows a plan reads: row groups, windows of row groups read as one (possibly
-permuted) sequence of rows, and segments of a window.
+permuted) sequence of rows, and spans of a window.
 
 A *window* is one or more row groups whose rows, concatenated in group order, are read in
 a fixed order: as they lie in the files, or permuted by a seed (row-level shuffling mixes
-the rows of a window's groups). A *segment* is a contiguous run ``[start, stop)`` of a
+the rows of a window's groups). A *span* is a contiguous run ``[start, stop)`` of a
 window's read order. An epoch is a sequence of windows; a rank reads a contiguous run of
-that sequence's rows, as segments; a batch holds the rows of one or more segments, which
+that sequence's rows, as spans; a batch holds the rows of one or more spans, which
 is its provenance. Everything here is a pure function of the row groups' sizes and the
 seeds, so every process that holds the same Parquet footers derives the same rows.
 """
@@ -66,7 +66,7 @@ def _read_order(seed: int | None, num_rows: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class Segment:
+class RowSpan:
     """Rows ``[start, stop)`` of ``window``'s read order."""
 
     window: Window
@@ -77,13 +77,13 @@ class Segment:
     def num_rows(self) -> int:
         return self.stop - self.start
 
-    def sub(self, begin: int, end: int) -> "Segment":
-        """Rows ``[begin, end)`` of this segment (positions relative to its start)."""
-        return Segment(self.window, self.start + begin, self.start + end)
+    def sub(self, begin: int, end: int) -> "RowSpan":
+        """Rows ``[begin, end)`` of this span (positions relative to its start)."""
+        return RowSpan(self.window, self.start + begin, self.start + end)
 
     def locations(self) -> np.ndarray:
         """int64 ``[num_rows, 3]``: the (file index, row group, row in the group) of each of
-        the segment's rows, in read order."""
+        the span's rows, in read order."""
         window = self.window
         positions = window.order()[self.start : self.stop]
         starts = window.group_starts()
@@ -92,16 +92,16 @@ class Segment:
         row_groups = np.array([g.row_group for g in window.groups], dtype=np.int64)
         return np.stack([files[group], row_groups[group], positions - starts[group]], axis=1)
 
-    def pieces(self, max_rows: int) -> list["Segment"]:
-        """The segment cut into consecutive pieces of at most ``max_rows`` rows."""
+    def pieces(self, max_rows: int) -> list["RowSpan"]:
+        """The span cut into consecutive pieces of at most ``max_rows`` rows."""
         return [self.sub(lo, min(lo + max_rows, self.num_rows)) for lo in range(0, self.num_rows, max_rows)]
 
 
-def cut_segments(segments: Sequence[Segment], begin: int, end: int) -> tuple[Segment, ...]:
-    """The rows at positions ``[begin, end)`` of the stream ``segments`` form, as segments."""
+def cut_spans(spans: Sequence[RowSpan], begin: int, end: int) -> tuple[RowSpan, ...]:
+    """The rows at positions ``[begin, end)`` of the stream ``spans`` form, as spans."""
     out = []
     position = 0
-    for s in segments:
+    for s in spans:
         lo, hi = max(begin - position, 0), min(end - position, s.num_rows)
         if hi > lo:
             out.append(s.sub(lo, hi))
@@ -111,13 +111,13 @@ def cut_segments(segments: Sequence[Segment], begin: int, end: int) -> tuple[Seg
     return tuple(out)
 
 
-def merge_segments(segments: Iterable[Segment]) -> tuple[Segment, ...]:
-    """``segments`` with each run of adjacent pieces of one window joined: the one way to
+def merge_spans(spans: Iterable[RowSpan]) -> tuple[RowSpan, ...]:
+    """``spans`` with each run of adjacent pieces of one window joined: the one way to
     write a sequence of rows (how a plan writes it), whatever pieces it was read in."""
-    merged: list[Segment] = []
-    for s in segments:
+    merged: list[RowSpan] = []
+    for s in spans:
         if merged and merged[-1].window == s.window and merged[-1].stop == s.start:
-            merged[-1] = Segment(s.window, merged[-1].start, s.stop)
+            merged[-1] = RowSpan(s.window, merged[-1].start, s.stop)
         else:
             merged.append(s)
     return tuple(merged)

@@ -1,7 +1,7 @@
 """The reader service: a stateless gRPC worker that decodes requested rows into batches.
 
 A ``Read`` request names a dataset directory, the rows to read (windows of row groups,
-each read in file order or permuted by a seed, and segments of them) and how to cut them
+each read in file order or permuted by a seed, and spans of them) and how to cut them
 into batches; the reply streams one ``Batch`` message per
 batch, cut exactly as :func:`neorec.ingest.reader.batches_from_chunks` cuts them in process.
 The worker keeps nothing between requests, so any worker can serve any request and a
@@ -38,10 +38,11 @@ from neorec.ingest.fingerprint import fingerprint
 from neorec.ingest.plan import ReadTask
 from neorec.ingest.reader import batches_from_chunks
 from neorec.ingest.row_group_cache import DEFAULT_CAPACITY_BYTES, RowGroupCache
-from neorec.ingest.rows import RowGroupInfo, Segment, Window
+from neorec.ingest.rows import RowGroupInfo, RowSpan, Window
 from neorec.ingest.partitions import MARKER, with_partition_split
 from neorec.ingest.schema import Dataset
-from neorec.common.transport import MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, ServerSecurity, ServiceHost, abort
+from neorec.common.transport import (MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, RequestError, ServerSecurity,
+                                     ServiceHost, abort)
 from neorec.ingest.wire import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, SERVICE_NAME, serialize_batch
 from neorec.protos import ingest_pb2, ingest_pb2_grpc
 
@@ -50,14 +51,6 @@ log = logging.getLogger(__name__)
 MAX_BATCH_SIZE = 1 << 20
 RATE_WINDOW_S = 5.0
 DEFAULT_MAX_STREAMS = 64
-
-
-class RequestError(Exception):
-    """A request the service refuses; carries the gRPC status code to answer with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -113,13 +106,13 @@ def validate_request(request: ingest_pb2.ReadRequest, data_roots: Sequence[Path]
     _check_fingerprints(request, paths, used)
     metadata = {i: f.metadata for i, f in zip(used, open_files([paths[i] for i in used], dataset.schema))}
     _check_row_groups(windows, paths, metadata)
-    segments = []
-    for s in request.segments:
+    spans = []
+    for s in request.spans:
         if s.window >= len(windows) or not s.start < s.stop <= windows[s.window].num_rows:
-            raise RequestError(invalid, f"segment [{s.start}, {s.stop}) of window {s.window} is not a run of rows "
+            raise RequestError(invalid, f"row span [{s.start}, {s.stop}) of window {s.window} is not a run of rows "
                                         f"of the request's {len(windows)} windows")
-        segments.append(Segment(windows[s.window], s.start, s.stop))
-    task = ReadTask(request.epoch, request.first_step, request.num_batches, request.batch_size, tuple(segments))
+        spans.append(RowSpan(windows[s.window], s.start, s.stop))
+    task = ReadTask(request.epoch, request.first_step, request.num_batches, request.batch_size, tuple(spans))
     if task.num_rows > task.num_batches * task.batch_size:
         raise RequestError(invalid, f"{task.num_rows} rows do not fit in {task.num_batches} batches of {task.batch_size}")
     return ReadJob(dataset, paths, metadata, task, {w: i for i, w in enumerate(windows)}, options,
@@ -327,19 +320,19 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
         except DataError as err:
             self._abort(context, grpc.StatusCode.DATA_LOSS, str(err))
 
-    def _decoded(self, job: ReadJob) -> Iterator[tuple[Segment, HostBatch]]:
-        """The job's rows decoded in order, a segment per decode thread, up to
-        ``decode_threads`` segments ahead.
+    def _decoded(self, job: ReadJob) -> Iterator[tuple[RowSpan, HostBatch]]:
+        """The job's rows decoded in order, a span per decode thread, up to
+        ``decode_threads`` spans ahead.
 
-        A task of fewer segments than decode threads is cut into that many pieces at batch
+        A task of fewer spans than decode threads is cut into that many pieces at batch
         boundaries (so no batch's provenance changes), which its threads decode at once.
         """
         schema = job.dataset.schema
         task = job.task
-        pieces = task.segments
+        pieces = task.spans
         if 0 < len(pieces) < self._decode_threads:
             per_piece = -(-task.num_batches // self._decode_threads)
-            pieces = tuple(s for part in task.split(per_piece) for s in part.segments)
+            pieces = tuple(s for part in task.split(per_piece) for s in part.spans)
 
         def load(group: RowGroupInfo) -> pa.Table:
             path = job.paths[group.file_index]
@@ -356,14 +349,14 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
 
         decoder = ChunkDecoder(load, job.paths, schema, job.options)
         ahead: deque[Future] = deque()
-        segments = iter(pieces)
+        spans = iter(pieces)
         try:
             while True:
                 while len(ahead) < self._decode_threads:
-                    segment = next(segments, None)
-                    if segment is None:
+                    span = next(spans, None)
+                    if span is None:
                         break
-                    ahead.append(self._pool.submit(lambda s: list(decoder.chunks(s)), segment))
+                    ahead.append(self._pool.submit(lambda s: list(decoder.chunks(s)), span))
                 if not ahead:
                     return
                 yield from ahead.popleft().result()

@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 from typing import Mapping, Sequence
 
 from neorec.ingest.batch import HostBatch, Provenance
-from neorec.ingest.rows import Segment, Window
+from neorec.ingest.rows import RowSpan, Window
 from neorec.protos import ingest_pb2
 
 ZSTD_LEVEL = 1
@@ -26,7 +26,7 @@ MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 default: a batch of 65,536 multi-hot samples is ~100 MiB)."""
 MAX_REQUEST_BYTES = 16 * 1024 * 1024
 """Receive limit of a service for one request (a request names files, windows and
-segments: kilobytes, or a few MiB for a split of many thousand files)."""
+spans: kilobytes, or a few MiB for a split of many thousand files)."""
 MAX_REQUEST_ROWS = 1 << 22
 """Most rows, padding included, that one request may ask for (``num_batches *
 batch_size``); a client's tasks are a few hundred thousand rows."""
@@ -69,7 +69,7 @@ def serialize_batch(batch: HostBatch, id_bound: int, window_index: Mapping[Windo
     header = ingest_pb2.Batch(
         epoch=provenance.epoch,
         step=provenance.step,
-        rows=[ingest_pb2.Segment(window=window_index[s.window], start=s.start, stop=s.stop)
+        rows=[ingest_pb2.RowSpan(window=window_index[s.window], start=s.start, stop=s.stop)
               for s in provenance.rows],
         batch_size=batch.batch_size,
         num_valid=batch.num_valid,
@@ -213,15 +213,15 @@ def decode_batch(data: bytes, keys: tuple[str, ...], windows: Sequence[Window]) 
         values=values.astype(np.int64, copy=False),
         weights=arrays[3] if message.has_weights else None,
         num_valid=message.num_valid,
-        provenance=Provenance(epoch=message.epoch, step=message.step, rows=_segments(message, windows)),
+        provenance=Provenance(epoch=message.epoch, step=message.step, rows=_spans(message, windows)),
     )
 
 
-def _segments(message: ingest_pb2.Batch, windows: Sequence[Window]) -> tuple[Segment, ...]:
-    segments = []
+def _spans(message: ingest_pb2.Batch, windows: Sequence[Window]) -> tuple[RowSpan, ...]:
+    spans = []
     for r in message.rows:
         if r.window >= len(windows) or not r.start < r.stop <= windows[r.window].num_rows:
             raise WireError(f"batch step {message.step}: rows [{r.start}, {r.stop}) of window {r.window} "
                             f"are not rows of the request's {len(windows)} windows")
-        segments.append(Segment(windows[r.window], r.start, r.stop))
-    return tuple(segments)
+        spans.append(RowSpan(windows[r.window], r.start, r.stop))
+    return tuple(spans)

@@ -457,7 +457,8 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from neorec.orchestration.status import check_address, job_services, probe
+    from neorec.common.addresses import check_address
+    from neorec.orchestration.status import job_services, probe
 
     addresses: list[str] = []
     try:

@@ -26,7 +26,7 @@ def add_service_commands(commands: "argparse._SubParsersAction") -> None:
                           grace_help="seconds open streams get to finish on shutdown")
     serve.add_argument("--data-root", action="append", dest="data_roots", metavar="DIR",
                        help="serve only datasets under this directory (repeatable; default: the working directory)")
-    serve.add_argument("--worker-threads", "--workers-threads", dest="threads", type=at_least(1), default=2,
+    serve.add_argument("--worker-threads", dest="threads", type=at_least(1), default=2,
                        help="decode threads")
     serve.add_argument("--max-streams", type=at_least(1), default=DEFAULT_MAX_STREAMS,
                        help="open streams served at once (more are refused with RESOURCE_EXHAUSTED)")

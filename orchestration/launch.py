@@ -41,9 +41,10 @@ from typing import IO, Sequence
 
 import grpc
 
+from neorec.common.health import HealthProbe
 from neorec.common.transport import ClientSecurity, bracketed
 from neorec.orchestration.status import SERVICES_FILE
-from neorec.orchestration.supervisor import HealthProbe, ManagedProcess
+from neorec.orchestration.supervisor import ManagedProcess
 from neorec.protos import trainer_pb2, trainer_pb2_grpc
 from neorec.trainer.checkpoint.layout import complete
 from neorec.trainer.config import TrainConfig
@@ -127,7 +128,7 @@ class Job:
         self.first_flags = ["--overwrite"] if overwrite else ["--resume", str(self.run_dir)] if resume else []
 
     def _probe(self, address: str, service: str) -> HealthProbe:
-        return HealthProbe(address, service, self.launch.probe_interval_s, self.security)
+        return HealthProbe(self.security.channel(address), service, self.launch.probe_interval_s)
 
     # -------------------------------------------------------------------------- run
     def run(self) -> int:
@@ -278,7 +279,8 @@ class Job:
         for thread in stoppers:
             thread.join()
         for watched in (self.trainer, *self.services):
-            watched.probe.close()
+            watched.probe.cancel()
+            watched.probe.channel.close()
 
     def _say(self, text: str) -> None:
         self.echo.write(f"[launch] {text}\n")

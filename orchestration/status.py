@@ -100,8 +100,3 @@ def job_services(run_dir: str | Path) -> list[str]:
         raise ValueError(f"{path}: {err}") from None
     return [address for addresses in services.values() for address in addresses]
 
-
-def check_address(address: str) -> None:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"{address!r} is not host:port")

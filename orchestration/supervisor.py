@@ -1,11 +1,9 @@
 """Processes of a job on this host, watched: started in their own process groups, their
 output prefixed with their role and index (and kept in the run directory), their exits
-noticed within a tick, their health probed, and the whole tree of each stopped without
-leaving an orphan.
+noticed within a tick, and the whole tree of each stopped without leaving an orphan (their
+health is probed with :class:`neorec.common.health.HealthProbe`).
 
-:class:`ManagedProcess` is one process (and everything it starts); :class:`HealthProbe`
-counts the missed health checks of a service, one probe in flight at a time, so that a
-stopped process (which accepts connections but never answers) is noticed.
+:class:`ManagedProcess` is one process (and everything it starts).
 """
 
 from __future__ import annotations
@@ -20,11 +18,6 @@ import threading
 import time
 from pathlib import Path
 from typing import IO, Sequence
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from neorec.common.transport import ClientSecurity
 
 log = logging.getLogger(__name__)
 
@@ -157,53 +150,3 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             stack.append(child)
     return found
-
-
-class HealthProbe:
-    """Probes one service's ``grpc.health.v1`` every ``interval_s`` (from :meth:`tick`), an
-    answer within the interval or a miss; ``misses`` counts them in a row."""
-
-    def __init__(self, address: str, service: str, interval_s: float, security: ClientSecurity) -> None:
-        self.address = address
-        self.service = service
-        self.interval_s = interval_s
-        self.channel = security.channel(address)
-        self.stub = health_pb2_grpc.HealthStub(self.channel)
-        self.misses = 0
-        self.answered = False
-        """Whether it ever answered SERVING (a process still starting has not)."""
-        self.last_error = ""
-        self._future: grpc.Future | None = None
-        self._next = 0.0
-
-    def tick(self, now: float) -> None:
-        if now < self._next:
-            return
-        self._next = now + self.interval_s
-        previous, self._future = self._future, None
-        if previous is not None:
-            serving = False
-            if previous.done():
-                try:
-                    serving = previous.result().status == health_pb2.HealthCheckResponse.SERVING
-                    self.last_error = "" if serving else "NOT_SERVING"
-                except grpc.RpcError as err:
-                    self.last_error = f"{err.code().name}: {err.details()}"
-            else:
-                previous.cancel()
-                self.last_error = f"no answer within {self.interval_s:g} s"
-            self.misses = 0 if serving else self.misses + 1
-            self.answered = self.answered or serving
-        self._future = self.stub.Check.future(health_pb2.HealthCheckRequest(service=self.service),
-                                              timeout=self.interval_s)
-
-    def reset(self) -> None:
-        """The process was restarted: start counting afresh."""
-        if self._future is not None:
-            self._future.cancel()
-        self._future, self.misses, self.answered, self._next = None, 0, False, 0.0
-
-    def close(self) -> None:
-        if self._future is not None:
-            self._future.cancel()
-        self.channel.close()

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from neorec.ingest.client import COMPRESSIONS, check_address
+from neorec.common.addresses import check_address
+from neorec.ingest.client import COMPRESSIONS
 from neorec.ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
 from neorec.ingest.plan import REMAINDER_POLICIES, SHUFFLE_MODES
 from neorec.ingest.sections import build_section, to_dict
@@ -70,7 +71,7 @@ class DataConfig:
     def validate(self) -> None:
         for address in self.ingest:
             try:
-                check_address(address)
+                check_address(address, "reader service address")
             except ValueError as err:
                 raise ConfigError(f"data.ingest: {err}") from None
         _one_of("data.ingest_compression", self.ingest_compression, tuple(COMPRESSIONS))
@@ -99,9 +100,9 @@ class ModelConfig:
     ``DenseArch`` layer sizes)."""
     top_mlp: list[int] = field(default_factory=lambda: [128, 64, 1])
     """Output size of every top MLP layer; the last is 1 (as TorchRec's ``OverArch``)."""
-    init: str = "normal"
-    """MLP initialisation: ``normal`` (the DLRM reference) or ``uniform`` (PyTorch's
-    ``nn.Linear`` default, as TorchRec); deterministic from the seed either way."""
+    init: str = "uniform"
+    """MLP initialisation: ``uniform`` (PyTorch's ``nn.Linear`` default, as TorchRec) or
+    ``normal`` (the DLRM reference); deterministic from the seed either way."""
     max_table_rows: int = 200_000
     """A table has ``min(cardinality, max_table_rows)`` rows (with ``data.id_mapping =
     'modulo'``, larger ids share rows)."""
@@ -177,9 +178,9 @@ class TrainLoopConfig:
     pin_cores: bool = True
     """When several ranks share a host, run each rank's threads on its own share of the
     host's cores (see :mod:`neorec.trainer.run.affinity`)."""
-    prefetch: int = 16
-    """Batches read ahead in a background thread (enough to cover decoding the next row
-    group); 0: read in the training thread."""
+    background_batches: int = 16
+    """Batches a background thread keeps ready ahead of training (enough to cover decoding
+    the next row group); 0: read in the training thread."""
     device: str = "auto"
     """Where the model, batches and collectives live: ``cpu``, ``cuda`` (this rank's GPU) or
     ``auto`` (CUDA when present)."""
@@ -201,7 +202,7 @@ class TrainLoopConfig:
         if self.device == "cuda" and self.kernels == "numba":
             raise ConfigError("train.kernels: numba kernels run on the CPU; with train.device = 'cuda' use 'torch' "
                               "or 'auto'")
-        for key in ("max_steps", "eval_every", "threads", "prefetch"):
+        for key in ("max_steps", "eval_every", "threads", "background_batches"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key}: must be >= 0, got {getattr(self, key)}")
 
@@ -298,7 +299,7 @@ class EmbeddingStoreConfig:
             raise ConfigError(f"embedding_store.scratch_rows: must be >= 0, got {self.scratch_rows}")
         if self.service:
             try:
-                check_address(self.service)
+                check_address(self.service, "store service address")
             except ValueError as err:
                 raise ConfigError(f"embedding_store.service: {err}") from None
 

@@ -25,7 +25,7 @@ class MLP(nn.Sequential):
     """
 
     def __init__(self, sizes: Sequence[int], generator: torch.Generator, last_relu: bool = True,
-                 init: str = "normal") -> None:
+                 init: str = "uniform") -> None:
         if init not in MLP_INITS:
             raise ValueError(f"init must be one of {MLP_INITS}, got {init!r}")
         layers: list[nn.Module] = []
@@ -84,7 +84,7 @@ class DLRM(nn.Module):
         top_mlp: Sequence[int],
         embeddings: nn.Module,
         seed: int = 0,
-        init: str = "normal",
+        init: str = "uniform",
     ) -> None:
         super().__init__()
         if not bottom_mlp or bottom_mlp[-1] != embedding_dim:

@@ -37,8 +37,8 @@ def train(module, steps: int, seed: int = 0) -> list[torch.Tensor]:
     outputs = []
     for _ in range(steps):
         kjt = random_kjt(TABLES, 32, rng, max_len=3, weighted=True)
-        if hasattr(module, "prefetch"):
-            module.prefetch(kjt)
+        if hasattr(module, "read_ahead"):
+            module.read_ahead(kjt)
         out = module(kjt)
         outputs.append(out.detach().clone())
         out.backward(torch.from_numpy(rng.normal(0, 1, out.shape).astype(np.float32)))

@@ -8,7 +8,7 @@ TOTAL = sum(g.num_rows for g in GROUPS)
 
 
 def _rows(plan):
-    return [tuple(row) for s in plan.segments for row in s.locations().tolist()]
+    return [tuple(row) for s in plan.spans for row in s.locations().tolist()]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -67,7 +67,7 @@ def test_row_shuffle_mixes_rows_of_a_window_and_is_a_pure_function():
     assert len(rows) == len(set(rows)) == TOTAL
     assert rows == _rows(plan(1, 0)) != _rows(plan(1, 1))
     assert rows != _rows(plan(2, 0))
-    windows = [s.window for s in plan(1, 0).segments]
+    windows = [s.window for s in plan(1, 0).spans]
     assert [len(w.groups) for w in windows] == [2, 2, 1] and all(w.permuted for w in windows)
     # the first 50 rows come from both row groups of the first window, not in file order
     first = rows[:50]

@@ -232,7 +232,7 @@ def test_a_bad_row_of_a_permuted_window_is_named_from_whichever_chunk_holds_it(t
     monkeypatch.setattr(chunks, "CHUNK_ROWS", 3)
     reader = InProcessReader(dataset, "train", DecodeOptions.for_schema(dataset.schema),
                              ReaderConfig(batch_size=2, shuffle="rows", window=3))
-    windows = {s.window for s in reader.plan(0).segments}
+    windows = {s.window for s in reader.plan(0).spans}
     assert [len(w.groups) for w in windows] == [3] and all(w.permuted for w in windows)
     with pytest.raises(DataError, match=r"row group 1, column 'C5', row 5: negative id -3"):
         list(reader.epoch(0))

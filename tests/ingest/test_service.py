@@ -91,10 +91,10 @@ def _mutations(dataset: Dataset):
     def set_field(name, value):
         return lambda r: setattr(r, name, value)
 
-    def first_segment(**fields):
+    def first_span(**fields):
         def change(r):
             for k, v in fields.items():
-                setattr(r.segments[0], k, v)
+                setattr(r.spans[0], k, v)
         return change
 
     def first_group(**fields):
@@ -129,9 +129,9 @@ def _mutations(dataset: Dataset):
         ("row group past the file", first_group(row_group=99), invalid),
         ("row group of another size", first_group(num_rows=699), invalid),
         ("window without row groups", lambda r: r.windows[0].ClearField("groups"), invalid),
-        ("segment of an unknown window", first_segment(window=9), invalid),
-        ("rows past the window", first_segment(stop=10_000), invalid),
-        ("empty segment", first_segment(stop=0), invalid),
+        ("span of an unknown window", first_span(window=9), invalid),
+        ("rows past the window", first_span(stop=10_000), invalid),
+        ("empty span", first_span(stop=0), invalid),
         ("file of another size", first_file(size=12345), grpc.StatusCode.FAILED_PRECONDITION),
         ("file with another footer", first_file(footer_crc32=1), grpc.StatusCode.FAILED_PRECONDITION),
         ("wrong table count", lambda r: r.decode.table_rows.pop(), invalid),

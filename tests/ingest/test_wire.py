@@ -4,7 +4,7 @@ import pytest
 from neorec.ingest.batch import HostBatch, Provenance
 from neorec.ingest.decoder import DecodeOptions
 from neorec.ingest.reader import InProcessReader, ReaderConfig
-from neorec.ingest.rows import RowGroupInfo, Segment, Window
+from neorec.ingest.rows import RowGroupInfo, RowSpan, Window
 from neorec.ingest.wire import WireError, decode_batch, serialize_batch
 from neorec.protos import ingest_pb2
 from tests.ingest.workers import assert_same_batches
@@ -49,7 +49,7 @@ def _weighted_batch() -> HostBatch:
         lengths=np.array([1, 0, 2, 3, 0, 0], dtype=np.int32),
         values=np.array([5, 6, 7, 1, 2, 3], dtype=np.int64),
         weights=np.array([0.5, 1, 2, 3, 4, 5], dtype=np.float32),
-        provenance=Provenance(epoch=2, step=9, rows=(Segment(WINDOWS[1], 10, 13),)),
+        provenance=Provenance(epoch=2, step=9, rows=(RowSpan(WINDOWS[1], 10, 13),)),
     )
 
 
@@ -68,7 +68,7 @@ def test_ids_and_lengths_travel_narrow_and_come_back_wide(id_bound, value_bytes,
     batch = HostBatch(
         dense=np.ones((2, 1), dtype=np.float32), labels=np.array([1, 0], dtype=np.float32), keys=("a", "b"),
         lengths=lengths, values=values, weights=np.linspace(0, 1, values.size, dtype=np.float32),
-        provenance=Provenance(epoch=0, step=1, rows=(Segment(WINDOWS[0], 0, 2),)),
+        provenance=Provenance(epoch=0, step=1, rows=(RowSpan(WINDOWS[0], 0, 2),)),
     )
     message = _message(batch, id_bound=id_bound)
     header = ingest_pb2.Batch.FromString(message)

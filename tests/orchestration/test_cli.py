@@ -46,22 +46,30 @@ def test_errors_are_reported_without_a_traceback(tmp_path):
     assert result.returncode == 2 and "not a neorec dataset directory" in result.stderr
 
 
-def test_bench_quick_prints_both_sides_and_ratio(tmp_path):
+def test_bench_quick_times_both_sides_training_the_same_model(tmp_path):
     out = tmp_path / "bench.json"
     result = _neorec("bench", "train", "--quick", "--json", str(out))
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    assert report["ratio"] == report["fused_qps"] / report["baseline_qps"]
+    assert report["fused_qps"] > 0 and report["baseline_qps"] > 0
+    # same steps on the same batches: the same tables, but for rounding, which Adagrad's first
+    # update of a row (about lr * sign(gradient) with eps 1e-10) lets show for tiny gradients;
+    # a side that trained otherwise would be off by about lr (0.05)
+    assert report["max_table_difference"] < 1e-3
 
 
-def test_bench_collectives_quick_times_both_sums_at_every_size(tmp_path):
+def test_bench_collectives_quick_times_two_sums_that_agree_at_every_size(tmp_path):
     out = tmp_path / "bench.json"
     result = _neorec("bench", "collectives", "--quick", "--nproc", "2", "--json", str(out))
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["nproc"] == 2 and len(report["sizes"]) == 5
-    for size in report["sizes"].values():
-        assert size["speedup"] == pytest.approx(size["all_reduce_ms"] / size["all_to_all_sum_ms"])
+    for size, timed in report["sizes"].items():
+        assert timed["max_difference_from_all_reduce"] <= 1e-5  # randn summed over 2 ranks, float32
+        assert timed["all_reduce_ms"] > 0 and timed["all_to_all_sum_ms"] > 0
+        assert timed["all_to_all_bytes_per_rank"] == 2 * int(size)
+        for precision in ("fp16", "bf16"):
+            assert timed["reduced_precision"][precision]["wire_bytes_over_fp32"] == 0.5
 
 
 def test_train_through_a_reader_service_equals_in_process(criteo_dataset, tmp_path):

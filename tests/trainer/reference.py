@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import torch
+from torch import nn
 
 from neorec.trainer.batch import KeyedJaggedTensor
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
@@ -73,6 +74,19 @@ def reference_pooled(tables: list[TableConfig], weights: dict[str, torch.Tensor]
             outs.append(torch.nn.functional.embedding_bag(ids, weights[t.name], bag_offsets, mode=mode,
                                                           per_sample_weights=psw))
     return torch.cat(outs, dim=1)
+
+
+class ReferenceEmbeddings(nn.Module):
+    """:func:`reference_pooled` as a module: one float32 parameter per table (a copy of
+    ``weights``), trainable by any ``torch.optim`` optimizer."""
+
+    def __init__(self, tables: list[TableConfig], weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.tables = list(tables)
+        self.weights = nn.ParameterDict({t.name: nn.Parameter(weights[t.name].detach().clone()) for t in tables})
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return reference_pooled(self.tables, dict(self.weights), kjt)
 
 
 class ReferenceOptimizer:

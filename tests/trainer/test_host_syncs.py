@@ -26,7 +26,7 @@ SHARDED_STEP_SYNCS = {
     # every rank's invalid-batch flag
     ("tolist", "trainer/sharding/input_dist.py send_values"): 1,
     # how many of the batch's ids the sharded tables look up (the size of the routed ids)
-    ("__int__", "trainer/sharding/input_dist.py _segment_gather"): 1,
+    ("__int__", "trainer/sharding/input_dist.py _concat_ranges"): 1,
     # whether an id is outside its table: the error naming it is made on the host (and
     # flagged to the other ranks before the ids' all-to-all, so none waits in it)
     ("__bool__", "trainer/sharding/input_dist.py _route_torch"): 1,
@@ -38,7 +38,7 @@ def _config(dataset: Dataset, run_dir, steps: int, sharded: bool) -> TrainConfig
         "data": {"path": str(dataset.root)},
         "model": {"max_table_rows": 300, "embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16, 1]},
         "train": {"batch_size": 64, "eval_batch_size": 1000, "log_every": 1000, "max_steps": steps,
-                  "prefetch": 0, "kernels": "torch", "device": "cpu", "threads": 1},
+                  "background_batches": 0, "kernels": "torch", "device": "cpu", "threads": 1},
         "sharding": {"tables": {"t_C1": "row_wise", "t_C2": "column_wise", "t_C3": "table_wise",
                                 "t_C4": "data_parallel"}} if sharded else {},
         "run": {"dir": str(run_dir)},

@@ -2,10 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer.reference import random_kjt
+from tests.trainer.reference import ReferenceEmbeddings, random_kjt
 from neorec.trainer.batch import Batch
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
-from neorec.benchmarks.baselines import EmbeddingBagCollectionReference
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 from neorec.trainer.model import DLRM
 
@@ -13,7 +12,7 @@ from neorec.trainer.model import DLRM
 def _models():
     tables = [TableConfig(f"t{i}", 30 + i, 8, (f"f{i}",)) for i in range(4)]
     fused = FusedEmbeddingBagCollection(tables, SparseOptimizer("sgd", 0.5), seed=1)
-    reference = EmbeddingBagCollectionReference(tables, [fused.table_weight(t.name).clone() for t in tables])
+    reference = ReferenceEmbeddings(tables, {t.name: fused.table_weight(t.name) for t in tables})
     make = lambda emb: DLRM(num_dense=5, num_sparse=4, embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[32, 16, 1],
                             embeddings=emb, seed=3)
     return tables, make(fused), make(reference)
@@ -41,7 +40,7 @@ def test_dlrm_with_fused_embeddings_equals_reference_through_training():
             losses.append(loss.item())
         assert abs(losses[0] - losses[1]) < 1e-6
     for t in tables:
-        torch.testing.assert_close(ours.embeddings.table_weight(t.name), ref.embeddings.bags[t.name].weight.detach(),
+        torch.testing.assert_close(ours.embeddings.table_weight(t.name), ref.embeddings.weights[t.name].detach(),
                                    rtol=1e-5, atol=1e-6)
     for a, b in zip(ours.dense_parameters(), ref.dense_parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

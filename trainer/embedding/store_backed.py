@@ -10,7 +10,7 @@ missing rows come from the tier, or start at their initial value (a pure functio
 table and row) if the tier never held them; rows whose cache set is full of this batch's
 rows go to a scratch area after the cache; the batch's ids become slots. The tier reads of
 batch *i+1*'s misses run in a background thread while batch *i* trains
-(:meth:`prefetch`). Each row's update is the one it gets in memory, so training through
+(:meth:`read_ahead`). Each row's update is the one it gets in memory, so training through
 the store gives the numbers of training in memory, bit for bit.
 """
 
@@ -333,7 +333,7 @@ class StoreBackedEmbeddings(nn.Module):
         slotted = self.admit(sparse)
         if self._expected is not None:
             upcoming, self._expected = self._expected, None
-            self.prefetch(upcoming)
+            self.read_ahead(upcoming)
         return self.module(slotted)
 
     def expect(self, sparse: KeyedJaggedTensor) -> None:
@@ -354,7 +354,7 @@ class StoreBackedEmbeddings(nn.Module):
             raise IndexError(f"table {table.config.name!r}: ids must lie in [0, {table.config.num_embeddings})")
         return ids, spans
 
-    def prefetch(self, sparse: KeyedJaggedTensor) -> None:
+    def read_ahead(self, sparse: KeyedJaggedTensor) -> None:
         """Start reading from the tiers the rows of ``sparse`` (the next batch) that the caches
         do not hold; its :meth:`admit` takes them. Call after the current batch's admit."""
         self._join_ahead()
@@ -366,7 +366,7 @@ class StoreBackedEmbeddings(nn.Module):
             except BaseException as err:  # raised by the admit that waits for it
                 self._ahead_error = err
 
-        thread = threading.Thread(target=read, daemon=True, name="store-prefetch")
+        thread = threading.Thread(target=read, daemon=True, name="store-read-ahead")
         thread.start()
         self._ahead = (sparse, thread)
 

@@ -12,7 +12,7 @@ T = TypeVar("T")
 _END = object()
 
 
-class Prefetcher(Iterator[T]):
+class BackgroundIterator(Iterator[T]):
     """Iterates ``source`` in a daemon thread, keeping at most ``depth`` items ready.
 
     An exception raised by ``source`` is re-raised by ``__next__`` in the consumer.

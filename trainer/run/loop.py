@@ -30,15 +30,15 @@ from neorec.trainer.run.affinity import pin_rank
 from neorec.trainer.batch import Batch, DistributedSparse
 from neorec.trainer.run.build import (build_model, decode_options, dense_optimizer, sparse_optimizer, store_settings,
                            table_configs)
-from neorec.trainer.checkpoint import restore_store_tables
+from neorec.trainer.checkpoint import restore_model
 from neorec.trainer.checkpoint.checkpointer import Checkpointer, check_resumable
-from neorec.trainer.checkpoint.restore import choose, load_dense, restore_embeddings
+from neorec.trainer.checkpoint.restore import choose
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.distributed import DistributedContext, check_same_steps, gather_arrays, global_sum, wrap_data_parallel
 from neorec.trainer.run.metrics import MetricsLog, evaluate
 from neorec.trainer.model import DLRM
 from neorec.trainer.planner.from_config import job_plan
-from neorec.trainer.run.background import Prefetcher
+from neorec.trainer.run.background import BackgroundIterator
 from neorec.trainer.run.elastic import mark_claimed
 from neorec.trainer.sharding.input_pipeline import InputPipeline
 from neorec.trainer.sharding.sharded_embedding import PreparedSparse
@@ -119,10 +119,10 @@ class TrainingRun:
         if context.is_main:
             run_directory.claim(self.run_dir, overwrite=overwrite, resume=resume)
             mark_claimed(self.run_dir)
-        self.early: Prefetcher | None = None
+        self.early: BackgroundIterator | None = None
         """The first epoch's batches, read from before the model exists (a fresh run's)."""
-        if loop.prefetch and not context.distributed and not resume and self.follower is None:
-            self.early = Prefetcher(batches(self.train_reader, 0, 0, context.device), loop.prefetch)
+        if loop.background_batches and not context.distributed and not resume and self.follower is None:
+            self.early = BackgroundIterator(batches(self.train_reader, 0, 0, context.device), loop.background_batches)
         if self.follower is not None:
             self.follower.wait_for_first_partition()  # the planner samples lookups from it
         self.plan = job_plan(self.dataset, config, context)
@@ -140,10 +140,10 @@ class TrainingRun:
         self.checkpointer = self._checkpointer()
         if resume:
             self._restore()
-        if loop.prefetch and context.distributed and not resume and self.follower is None:
+        if loop.background_batches and context.distributed and not resume and self.follower is None:
             steps = min(self.steps_per_epoch, self.total_steps)
-            self.early = Prefetcher(_prepared(self.dlrm, batches(self.train_reader, 0, 0, context.device), steps),
-                                    loop.prefetch)
+            self.early = BackgroundIterator(
+                _prepared(self.dlrm, batches(self.train_reader, 0, 0, context.device), steps), loop.background_batches)
         compile_kernels()  # load the Numba kernels now, not in the first steps
         self.model = wrap_data_parallel(self.dlrm, precision=config.sharding.precision()) \
             if context.distributed else self.dlrm
@@ -206,7 +206,7 @@ class TrainingRun:
         steps = min(self.steps_per_epoch - state.step_in_epoch, self.total_steps - state.global_step)
         if steps <= 0:
             return  # resumed at the end of the epoch: only its evaluation is left
-        source: Prefetcher | None
+        source: BackgroundIterator | None
         if self.early is not None:  # the first epoch of a fresh run, already being read
             source, self.early = self.early, None
             stream: Iterator[Any] = source
@@ -214,7 +214,8 @@ class TrainingRun:
             stream = batches(self.train_reader, state.epoch, state.step_in_epoch, self.context.device)
             if context.distributed:
                 stream = _prepared(self.dlrm, stream, steps)
-            source = Prefetcher(stream, self.config.train.prefetch) if self.config.train.prefetch else None
+            depth = self.config.train.background_batches
+            source = BackgroundIterator(stream, depth) if depth else None
             stream = source or stream
         if context.distributed:
             stream = _distributed(self.dlrm, stream)
@@ -349,14 +350,7 @@ class TrainingRun:
 
         restorable = choose(root, views, agree, config.checkpoint.fallback, need_dense=True)
         check_resumable(restorable.manifest.config, config)
-        restore_embeddings(restorable, views)
-        if self.store is not None or restorable.manifest.store:
-            restore_store_tables(restorable, self.store, views)
-        self.dlrm.embeddings.set_optimizer_steps(restorable.manifest.sparse_steps)
-        dense = load_dense(restorable, context.device)
-        with torch.no_grad():
-            self.dlrm.bottom.load_state_dict(dense["bottom"])
-            self.dlrm.top.load_state_dict(dense["top"])
+        dense = restore_model(restorable, self.dlrm)
         self.optimizer.load_state_dict(dense["optimizer"])
         torch.set_rng_state(dense["rng"].cpu())
         self.state = LoopState(**dense["state"])
@@ -437,7 +431,7 @@ class _Interval:
 
 def _prepared(model: DLRM, epoch_batches: Iterator[Batch], steps: int) -> Iterator[tuple[Batch, PreparedSparse]]:
     """The first ``steps`` batches, each with its ids routed for the input all-to-all (run
-    in the prefetch thread). Exactly ``steps`` on every rank, so no rank waits for a batch
+    in the background batch thread). Exactly ``steps`` on every rank, so no rank waits for a batch
     another rank never sends."""
     for batch in islice(epoch_batches, steps):
         yield batch, model.embeddings.prepare(batch.sparse)

@@ -45,11 +45,11 @@ class LengthsInFlight:
 
 @dataclass
 class ValuesInFlight:
-    """The ids all-to-all started; ``lengths`` int32 ``[world, slots, B]`` and ``segments``
+    """The ids all-to-all started; ``lengths`` int32 ``[world, slots, B]`` and ``value_counts``
     int64 ``[world, slots]`` (ids per source rank and slot) already received."""
 
     lengths: torch.Tensor
-    segments: torch.Tensor
+    value_counts: torch.Tensor
     values: PendingTensor
     weights: PendingTensor | None
 
@@ -120,25 +120,25 @@ class SparseAllToAll:
         world, batch = layout.world_size, routed.batch_size
         received = lengths.received.wait().view(world, -1)
         received_lengths = received[:, :-1].reshape(world, int(layout.slots_per_rank[layout.rank]), batch)
-        segments = received_lengths.sum(2, dtype=torch.int64)
+        value_counts = received_lengths.sum(2, dtype=torch.int64)
         # one read from the device: every rank's invalid-batch flag and how many ids it sends
-        head = torch.cat([received[:, -1].to(torch.int64), segments.sum(1)]).tolist()
+        head = torch.cat([received[:, -1].to(torch.int64), value_counts.sum(1)]).tolist()
         _raise_if_flagged(routed.bad_id, head[:world])
         value_sizes = head[world:]
         values = start_all_to_all(routed.send_values, routed.send_sizes, value_sizes, lengths.group)
         weights = None if routed.send_weights is None else start_all_to_all(
             routed.send_weights, routed.send_sizes, value_sizes, lengths.group)
-        return ValuesInFlight(received_lengths, segments, values, weights)
+        return ValuesInFlight(received_lengths, value_counts, values, weights)
 
     def receive(self, in_flight: ValuesInFlight) -> KeyedJaggedTensor:
         """Wait for the ids: the local module's input."""
         world, mine = in_flight.lengths.shape[:2]
-        segments = in_flight.segments
+        value_counts = in_flight.value_counts
         values = in_flight.values.wait()
         weights = None if in_flight.weights is None else in_flight.weights.wait()
         # received: rank-major, then slot; the local module wants slot-major, then rank
-        regroup = _segment_gather(exclusive_cumsum(segments.flatten()).view(world, mine).T.flatten(),
-                                  segments.T.flatten(), values.numel())
+        regroup = _concat_ranges(exclusive_cumsum(value_counts.flatten()).view(world, mine).T.flatten(),
+                                  value_counts.T.flatten(), values.numel())
         return KeyedJaggedTensor(
             self.layout.local_feature_names,
             in_flight.lengths.permute(1, 0, 2).flatten().contiguous(),
@@ -176,7 +176,7 @@ class SparseAllToAll:
         offsets = sparse.offsets().to(device)
         starts = offsets[source * batch]
         counts = offsets[(source + 1) * batch] - starts
-        positions = _segment_gather(starts, counts)
+        positions = _concat_ranges(starts, counts)
         unit = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts,
                                        output_size=positions.numel())
         ids = sparse.values[positions]
@@ -229,8 +229,8 @@ def _raise_if_flagged(own_error: str | None, flags: list[int]) -> None:
         raise IndexError(f"rank(s) {ranks} have ids outside their tables' rows in this batch (see their error)")
 
 
-def _segment_gather(starts: torch.Tensor, counts: torch.Tensor, total: int | None = None) -> torch.Tensor:
-    """int64 ``[sum(counts)]``: ``starts[0] .. starts[0] + counts[0] - 1``, then segment 1's…
+def _concat_ranges(starts: torch.Tensor, counts: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """int64 ``[sum(counts)]``: ``starts[0] .. starts[0] + counts[0] - 1``, then range 1's…
     ``total``: ``sum(counts)`` when the caller knows it (else read from the device)."""
     if total is None:
         total = int(counts.sum())
