@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 
-from neorec.orchestration.status import check_address
+from neorec.common.addresses import check_address
 from neorec.orchestration.cli_args import at_least
 
 
@@ -83,10 +83,7 @@ def nodes_from_args(args: argparse.Namespace) -> Nodes:
     if args.node_rank >= args.nnodes:
         raise ValueError(f"--node-rank {args.node_rank}: must be below --nnodes {args.nnodes}")
     if args.rdzv:
-        try:
-            check_address(args.rdzv)
-        except ValueError as err:
-            raise ValueError(f"--rdzv: {err}") from None
+        check_address(args.rdzv, "--rdzv")
     nodes = Nodes(args.nnodes, args.node_rank, args.rdzv or "", args.rdzv_id, args.max_restarts)
     if nodes.standalone and nodes.max_restarts:  # one node that restarts: its own rendezvous, known here
         from neorec.orchestration.launch import free_ports

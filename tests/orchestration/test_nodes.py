@@ -41,7 +41,7 @@ def test_one_node_that_restarts_gets_a_rendezvous_of_its_own():
 @pytest.mark.parametrize("flags, message", [
     (("--nnodes", "2"), "--nnodes 2: the nodes need --rdzv HOST:PORT"),
     (("--nnodes", "2", "--node-rank", "2", "--rdzv", "h:1"), "--node-rank 2: must be below --nnodes 2"),
-    (("--nnodes", "2", "--rdzv", "nohost"), "--rdzv: "),
+    (("--nnodes", "2", "--rdzv", "nohost"), "--rdzv .nohost. is not host:port"),
 ])
 def test_flags_that_do_not_fit_together_are_named(flags, message):
     with pytest.raises(ValueError, match=message):
