@@ -34,6 +34,8 @@ def run_benchmark(name: str, quick: bool = False, nproc: int = 1, threads: int =
         from neorec.benchmarks.checkpoint_bench import run
     elif name == "import":
         from neorec.benchmarks.import_bench import run
+    elif name == "dynamic":
+        from neorec.benchmarks.dynamic_bench import run
     elif name == "store":
         from neorec.benchmarks.store_bench import run
     elif name == "follow":

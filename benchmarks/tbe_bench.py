@@ -11,8 +11,10 @@ process on the same ids, from the same weights, interleaved:
 
 Beside them, the machine's memory-bound limit for the step: a random gather of as many rows
 from huge-page memory of the tables' size (the rows a step must read), and our fraction of
-it; and where our step's time goes (forward, backward with the update). ``threads``: 0 for
-all cores, 1 for the per-core comparison.
+it; where our step's time goes (forward, backward with the update); and what the default
+up-front id check (``bounds_check="fatal"``, which every other figure includes) costs, as a
+fraction of a step, against the same step with ``"none"``. ``threads``: 0 for all cores, 1
+for the per-core comparison.
 """
 
 from __future__ import annotations
@@ -89,9 +91,10 @@ class _Setup:
         self.upstream = torch.randn(config.batch_size, config.num_tables * config.dim,
                                     generator=torch.Generator().manual_seed(1))
 
-    def ours(self, optimizer: str, weight_dtype: str = "fp32") -> FusedEmbeddingBagCollection:
+    def ours(self, optimizer: str, weight_dtype: str = "fp32",
+             bounds_check: str = "fatal") -> FusedEmbeddingBagCollection:
         return FusedEmbeddingBagCollection(self.tables, SparseOptimizer(optimizer, LEARNING_RATE, eps=EPS), seed=0,
-                                           weight_dtype=weight_dtype)
+                                           weight_dtype=weight_dtype, bounds_check=bounds_check)
 
     def weights(self, module: FusedEmbeddingBagCollection) -> list[torch.Tensor]:
         return [module.table_weight(t.name).float() for t in self.tables]
@@ -146,14 +149,17 @@ def _rowwise(setup: _Setup, steps: int, rounds: int, with_fbgemm: bool) -> dict[
 
     candidates["gather_bound"] = gather
     candidates["ours_fp32_forward"] = setup.forward(ours["fp32"])
+    candidates["ours_fp32_unchecked"] = setup.step(setup.ours("rowwise_adagrad", bounds_check="none"))
     rates = interleaved_rates(candidates, steps, rounds)
     step_ms = 1e3 * config.batch_size / rates["ours_fp32"]
     forward_ms = 1e3 * config.batch_size / rates["ours_fp32_forward"]
     result: dict[str, Any] = {
-        "samples_per_s": {k: v for k, v in rates.items() if k != "ours_fp32_forward"},
+        "samples_per_s": {k: v for k, v in rates.items() if k not in ("ours_fp32_forward", "ours_fp32_unchecked")},
         "memory_limit_samples_per_s": rates["gather_bound"],
         "ours_fraction_of_memory_limit": rates["ours_fp32"] / rates["gather_bound"],
         "ours_phases_ms": {"step": step_ms, "forward": forward_ms, "backward_and_update": step_ms - forward_ms},
+        "bounds_check": {"mode": "fatal",
+                         "cost_fraction_of_step": 1.0 - rates["ours_fp32"] / rates["ours_fp32_unchecked"]},
     }
     if theirs:
         difference = max(float((a - b).abs().max()) for a, b in zip(setup.weights(ours["fp32"]),

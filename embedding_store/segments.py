@@ -30,6 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
+from neorec.common.durable import fsync_directory, fsync_file
+from neorec.embedding_store.dir_lock import DirectoryLock
+
 MAGIC = b"NSG1"
 HEADER = struct.Struct("<4sIQI")
 """magic, row bytes, row count, CRC-32 of ids and rows."""
@@ -83,13 +86,25 @@ class SegmentTier:
     """The rows of one table of ``rows`` rows of ``row_bytes`` bytes each, under ``directory``."""
 
     def __init__(self, directory: str | Path, rows: int, row_bytes: int, *, segment_bytes: int = SEGMENT_BYTES,
-                 direct_io: bool = False, read_threads: int = 4, reset: bool = False) -> None:
+                 direct_io: bool = False, read_threads: int = 4, reset: bool = False,
+                 store_root: str | Path | None = None) -> None:
         """``reset``: delete the segments found under ``directory`` (a fresh run's tier);
-        else they are the tier's rows."""
+        else they are the tier's rows. The tier owns ``directory`` until :meth:`close`
+        (:class:`~neorec.embedding_store.dir_lock.DirectoryInUseError` if another owner
+        has it); ``store_root``: the store directory it is a piece of, held shared."""
         if rows <= 0 or row_bytes <= 0:
             raise ValueError("a tier needs rows and row bytes")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self._locks = [] if store_root is None else [DirectoryLock(store_root, shared=True)]
+        try:
+            self._locks.append(DirectoryLock(self.directory))
+            self._open(rows, row_bytes, segment_bytes, direct_io, read_threads, reset)
+        except BaseException:
+            self._release()
+            raise
+
+    def _open(self, rows: int, row_bytes: int, segment_bytes: int, direct_io: bool, read_threads: int,
+              reset: bool) -> None:
         self.rows = rows
         self.row_bytes = row_bytes
         self.segment_bytes = segment_bytes
@@ -105,6 +120,9 @@ class SegmentTier:
         """Row → (buffer piece, position in it) of rows written since the last flush."""
         self._buffer_bytes = 0
         self.segments: dict[int, Segment] = {}
+        self._unsynced: set[int] = set()
+        """Segments written without fsync (auto-flushes, compaction): synced, with the
+        directory, by the next ``flush(sync=True)`` (every snapshot and close)."""
         for leftover in self.directory.glob("*.seg.tmp"):  # a flush a crash cut short
             leftover.unlink()
         if reset:
@@ -203,8 +221,9 @@ class SegmentTier:
                 self.flush()
 
     def flush(self, sync: bool = False) -> None:
-        """Write the buffered rows as a segment (``sync``: and fsync it), then compact
-        segments that have become mostly garbage."""
+        """Write the buffered rows as a segment, then compact segments that have become
+        mostly garbage; ``sync``: then make every segment and the directory durable (those
+        written unsynced before included)."""
         with self.lock:
             if self._buffered:
                 rows = np.fromiter(self._buffered, dtype=np.int64, count=len(self._buffered))
@@ -216,6 +235,16 @@ class SegmentTier:
                 self._append(rows, data, sync)
                 self._buffer_rows, self._buffer_data, self._buffered, self._buffer_bytes = [], [], {}, 0
             self._compact(sync)
+            if sync:
+                self._sync()
+
+    def _sync(self) -> None:
+        """fsync the segments written unsynced (still present), then the directory."""
+        for number in sorted(self._unsynced):
+            if number in self.segments:
+                fsync_file(self.segments[number].path)
+        self._unsynced.clear()
+        fsync_directory(self.directory)
 
     def _append(self, rows: np.ndarray, data: np.ndarray, sync: bool) -> None:
         number = self._next
@@ -232,6 +261,8 @@ class SegmentTier:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+        if not sync:
+            self._unsynced.add(number)
         self.stats.bytes_written += len(header) + len(ids) + len(body)
         self._add(number, path, rows)
 
@@ -272,8 +303,8 @@ class SegmentTier:
     def snapshot(self, directory: Path) -> list[tuple[str, int]]:
         """Make ``directory`` hold the tier's rows as they are now: every buffered row
         written and fsynced, then each segment hard-linked there (copied across file
-        systems). Segments are never changed once named, so a link is a snapshot that
-        costs no bytes. Returns the segments' names and sizes."""
+        systems), the links made durable. Segments are never changed once named, so a link
+        is a snapshot that costs no bytes. Returns the segments' names and sizes."""
         directory.mkdir(parents=True, exist_ok=True)
         with self.lock:
             self.flush(sync=True)
@@ -281,6 +312,7 @@ class SegmentTier:
             for segment in sorted(self.segments.values(), key=lambda s: s.number):
                 _link_or_copy(segment.path, directory / segment.path.name)
                 out.append((segment.path.name, segment.path.stat().st_size))
+            fsync_directory(directory)
             return out
 
     def load(self, directory: Path, names: list[str]) -> None:
@@ -293,6 +325,7 @@ class SegmentTier:
                 segment.path.unlink()
             for name in names:
                 _link_or_copy(directory / name, self.directory / name)
+            fsync_directory(self.directory)
             self._open_index()
 
     # ------------------------------------------------------------------ the rest
@@ -316,6 +349,11 @@ class SegmentTier:
             if self._pool is not None:
                 self._pool.shutdown()
             self.index.flush()
+            self._release()
+
+    def _release(self) -> None:
+        for lock in self._locks:
+            lock.release()
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
@@ -324,6 +362,7 @@ def _link_or_copy(source: Path, target: Path) -> None:
         os.link(source, target)
     except OSError:  # another file system, or links not allowed
         shutil.copyfile(source, target)
+        fsync_file(target)
 
 
 def read_segments(paths: list[Path], row_bytes: int) -> tuple[np.ndarray, np.ndarray]:

@@ -17,11 +17,13 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import grpc
 import numpy as np
 
+from neorec.common.confine import confined, resolve_roots
+from neorec.embedding_store.dir_lock import DirectoryLock
 from neorec.embedding_store.segments import SEGMENT_NAME, SegmentError, SegmentTier
 from neorec.common.transport import (MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, RequestError, ServerSecurity,
                                      ServiceHost, abort)
@@ -40,11 +42,14 @@ KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,199}")
 
 
 class StoreServicer:
-    """The ``Store`` service over the tiers under ``directory``."""
+    """The ``Store`` service over the tiers under ``directory``; ``Snapshot`` and ``Load``
+    use directories under ``data_roots`` only (default: ``directory``)."""
 
-    def __init__(self, directory: str | Path, direct_io: bool = False) -> None:
+    def __init__(self, directory: str | Path, direct_io: bool = False,
+                 data_roots: Sequence[str | Path] | None = None) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self._owner = DirectoryLock(self.directory)  # the service owns its directory while it runs
+        self.data_roots = resolve_roots(data_roots or [self.directory])
         self.direct_io = direct_io
         self._tiers: dict[str, SegmentTier] = {}
         self._lock = threading.Lock()
@@ -94,18 +99,18 @@ class StoreServicer:
     def Snapshot(self, request: store_pb2.SnapshotRequest,
                  context: grpc.ServicerContext) -> store_pb2.SnapshotReply:
         def snapshot() -> store_pb2.SnapshotReply:
-            files = self._tier(request.key).snapshot(_directory(request.directory))
+            files = self._tier(request.key).snapshot(self._directory(request.directory))
             return store_pb2.SnapshotReply(files=[store_pb2.SegmentFile(name=n, bytes=b) for n, b in files])
 
         return self._serve(context, snapshot)
 
     def Load(self, request: store_pb2.LoadRequest, context: grpc.ServicerContext) -> store_pb2.LoadReply:
         def load() -> store_pb2.LoadReply:
-            directory = _directory(request.directory)
             names = list(request.names)
             bad = [n for n in names if not SEGMENT_NAME.fullmatch(n)]
             if bad:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"not a segment file name: {bad[0]!r}")
+            directory = self._directory(request.directory)
             missing = [n for n in names if not (directory / n).is_file()]
             if missing:
                 raise RequestError(grpc.StatusCode.NOT_FOUND, f"{directory / missing[0]} does not exist")
@@ -144,6 +149,7 @@ class StoreServicer:
             tiers, self._tiers = list(self._tiers.values()), {}
         for tier in tiers:
             tier.close()
+        self._owner.release()
 
     # ------------------------------------------------------------------ helpers
     def _serve(self, context: grpc.ServicerContext, handle: Callable):
@@ -184,6 +190,17 @@ class StoreServicer:
                 self._tiers[key] = tier
         return store_pb2.OpenReply(stored_rows=tier.counters().live_rows)
 
+    def _directory(self, path: str) -> Path:
+        """``path``, an absolute directory, if it resolves under a data root: else
+        INVALID_ARGUMENT (not absolute) or PERMISSION_DENIED naming it."""
+        if not path or not Path(path).is_absolute():
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"directory {path[:200]!r} must be an absolute path")
+        if confined(path, self.data_roots) is None:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"directory {path[:200]} is outside this service's data roots "
+                               f"(neorec store serve --data-root)")
+        return Path(path)
+
     def _tier(self, key: str) -> SegmentTier:
         with self._lock:
             tier = self._tiers.get(_key(key))
@@ -208,12 +225,6 @@ def _ids(raw: bytes, tier: SegmentTier) -> np.ndarray:
     return rows
 
 
-def _directory(path: str) -> Path:
-    if not path or not Path(path).is_absolute():
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"directory {path[:200]!r} must be an absolute path")
-    return Path(path)
-
-
 def store_handler(servicer: StoreServicer) -> grpc.GenericRpcHandler:
     methods = {
         "Open": (store_pb2.OpenRequest, store_pb2.OpenReply),
@@ -235,8 +246,9 @@ class StoreServer(HostedServer):
     """A store service process's server: ``Store`` and ``Health`` on one port (0: a free one)."""
 
     def __init__(self, directory: str | Path, host: str = "127.0.0.1", port: int = 0, direct_io: bool = False,
-                 threads: int = DEFAULT_THREADS, security: ServerSecurity = ServerSecurity()) -> None:
-        self.servicer = StoreServicer(directory, direct_io)
+                 threads: int = DEFAULT_THREADS, security: ServerSecurity = ServerSecurity(),
+                 data_roots: Sequence[str | Path] | None = None) -> None:
+        self.servicer = StoreServicer(directory, direct_io, data_roots)
         self.host = ServiceHost(host, port, security, threads + RESERVED_THREADS, [store_handler(self.servicer)],
                                 [SERVICE_NAME], MAX_REQUEST_BYTES, MAX_REPLY_BYTES)
 

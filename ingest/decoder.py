@@ -33,11 +33,14 @@ class DecodeOptions:
         id_mapping: ``modulo`` maps id ``i`` of a feature to row ``i % table_rows``;
             ``strict`` rejects ids ``>= table_rows``. Negative ids are always rejected.
         table_rows: per sparse feature (schema order), the rows of the table it feeds.
+        raw_features: features whose ids pass unchanged, any int64 (raw 64-bit ids of a
+            dynamic table, mapped to rows in the trainer).
     """
 
     table_rows: tuple[int, ...]
     dense_transform: str = "log1p"
     id_mapping: str = "modulo"
+    raw_features: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dense_transform not in DENSE_TRANSFORMS:
@@ -117,7 +120,8 @@ def decode_table(
     values = []
     for feature, rows in zip(schema.sparse, options.table_rows):
         bag_lengths, ids = _ids(table, feature.name, feature.multi_hot, where)
-        values.append(_map_ids(ids, rows, options.id_mapping, where, feature.name, bag_lengths))
+        raw = feature.name in options.raw_features
+        values.append(ids if raw else _map_ids(ids, rows, options.id_mapping, where, feature.name, bag_lengths))
         lengths.append(bag_lengths)
     return HostBatch(
         dense=dense,

@@ -19,7 +19,8 @@
 
     [categorical]
     columns = ["user", "item"]
-    encoding = "vocab"               # vocab (train split only) or hash
+    encoding = "vocab"               # vocab (train split only), hash, or raw (64-bit hashes for
+                                     # dynamic tables)
     min_count = 1                    # vocab: rarer values map to 0 with the unseen
     max_rows = 0                     # vocab: a cap on the table (0: none)
     hash_rows = 1048576              # hash: rows of each table
@@ -51,7 +52,7 @@ from neorec.ingest.sections import build_section
 
 FORMATS = ("csv", "tsv", "parquet")
 DENSE_TRANSFORMS = ("none", "log1p", "standardize")
-ENCODINGS = ("vocab", "hash")
+ENCODINGS = ("vocab", "hash", "raw")
 SPLITS = ("chronological", "ordered", "random", "files")
 LABEL_TRANSFORM = re.compile(r"\s*(>=|<=|==|!=|>|<)\s*(-?\d+(\.\d*)?)\s*")
 """A label transform: a comparison with a number (``>= 4``)."""

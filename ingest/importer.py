@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from neorec.ingest.errors import DataError
 from neorec.common.hashing import combine, splitmix64, unit_floats
 from neorec.ingest.import_spec import LABEL_TRANSFORM, ImportSpec
-from neorec.ingest.schema import Dataset, DatasetSchema, SparseFeature
+from neorec.ingest.schema import RAW_CARDINALITY, Dataset, DatasetSchema, SparseFeature
 from neorec.ingest.sources import Block, expand, read_blocks
 from neorec.ingest.vocab import ValueCounter, Vocabulary, as_strings, hash_encode
 
@@ -86,7 +86,9 @@ class Encoding:
 
     def rows(self, spec: ImportSpec, column: str) -> int:
         vocabulary = self.vocabularies.get(column)
-        return vocabulary.rows if vocabulary is not None else spec.categorical.hash_rows
+        if vocabulary is not None:
+            return vocabulary.rows
+        return RAW_CARDINALITY if spec.categorical.encoding == "raw" else spec.categorical.hash_rows
 
 
 def import_dataset(spec: ImportSpec, out_dir: str | Path, *, source: BlockSource | None = None,
@@ -135,7 +137,8 @@ def import_dataset(spec: ImportSpec, out_dir: str | Path, *, source: BlockSource
 def dataset_schema(spec: ImportSpec, encoding: Encoding) -> DatasetSchema:
     """The schema of the dataset ``spec`` encoded with ``encoding`` writes."""
     return DatasetSchema(label="label", dense=tuple(spec.dense.columns), sparse=tuple(
-        SparseFeature(c, encoding.rows(spec, c), multi_hot=c in spec.multivalued.columns)
+        SparseFeature(c, encoding.rows(spec, c), multi_hot=c in spec.multivalued.columns,
+                      raw=spec.categorical.encoding == "raw")
         for c in spec.feature_columns))
 
 
@@ -295,7 +298,8 @@ def encode_block(spec: ImportSpec, encoding: Encoding, block: Block, misses: Voc
         values = pc.list_flatten(lists) if multi else as_strings(_column(block, column))
         vocabulary = encoding.vocabularies.get(column)
         ids = vocabulary.encode(values) if vocabulary is not None else hash_encode(
-            values, spec.categorical.hash_rows, combine(HASH_KEY, *column.encode()))
+            values, 0 if spec.categorical.encoding == "raw" else spec.categorical.hash_rows,
+            combine(HASH_KEY, *column.encode()))
         if misses is not None and vocabulary is not None:
             misses.add(column, ids, values)
         arrays[column] = pa.ListArray.from_arrays(pa.array(_list_offsets(lists).astype(np.int32)), pa.array(ids)) \

@@ -30,14 +30,20 @@ DATASET_FORMAT = "neorec-dataset/1"
 DATASET_FILE = "dataset.json"
 
 
+RAW_CARDINALITY = 2**64
+"""The cardinality of a feature of raw 64-bit ids."""
+
+
 @dataclass(frozen=True)
 class SparseFeature:
-    """One categorical feature: a Parquet column of ids in ``[0, cardinality)``."""
+    """One categorical feature: a Parquet column of ids in ``[0, cardinality)``, or, when
+    ``raw``, of any int64 (64-bit hashes of the values, for a dynamic table)."""
 
     name: str
     cardinality: int
     multi_hot: bool = False
     table: str = ""
+    raw: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -47,8 +53,9 @@ class SparseFeature:
         if isinstance(self.cardinality, bool) or not isinstance(self.cardinality, int) or self.cardinality <= 0:
             raise ValueError(f"sparse feature {self.name!r}: cardinality must be a positive integer, "
                              f"got {self.cardinality!r}")
-        if not isinstance(self.multi_hot, bool) or not isinstance(self.table, str):
-            raise ValueError(f"sparse feature {self.name!r}: multi_hot must be true or false and table a string")
+        if not isinstance(self.multi_hot, bool) or not isinstance(self.raw, bool) or not isinstance(self.table, str):
+            raise ValueError(f"sparse feature {self.name!r}: multi_hot and raw must be true or false and table "
+                             f"a string")
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,7 @@ class DatasetSchema:
         return {
             "label": self.label,
             "dense": list(self.dense),
-            "sparse": [asdict(f) for f in self.sparse],
+            "sparse": [{k: v for k, v in asdict(f).items() if k != "raw" or v} for f in self.sparse],
         }
 
     @classmethod
@@ -97,10 +104,10 @@ class DatasetSchema:
             raise ValueError("'schema': 'sparse' must be a list of objects")
         features = []
         for f in sparse:
-            unknown = set(f) - {"name", "cardinality", "multi_hot", "table"}
+            unknown = set(f) - {"name", "cardinality", "multi_hot", "table", "raw"}
             if unknown or "name" not in f or "cardinality" not in f:
                 raise ValueError(f"'schema': sparse feature {f!r} needs 'name' and 'cardinality' "
-                                 f"(and optionally 'multi_hot', 'table')")
+                                 f"(and optionally 'multi_hot', 'table', 'raw')")
             features.append(SparseFeature(**f))
         names = [label, *dense, *(f.name for f in features)]
         repeated = sorted({n for n in names if names.count(n) > 1})

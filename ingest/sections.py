@@ -26,6 +26,8 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return to_dict(value)
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, list):

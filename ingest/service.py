@@ -41,6 +41,7 @@ from neorec.ingest.row_group_cache import DEFAULT_CAPACITY_BYTES, RowGroupCache
 from neorec.ingest.rows import RowGroupInfo, RowSpan, Window
 from neorec.ingest.partitions import MARKER, with_partition_split
 from neorec.ingest.schema import Dataset
+from neorec.common.confine import confined, resolve_roots
 from neorec.common.transport import (MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, RequestError, ServerSecurity,
                                      ServiceHost, abort)
 from neorec.ingest.wire import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, SERVICE_NAME, serialize_batch
@@ -94,6 +95,7 @@ def validate_request(request: ingest_pb2.ReadRequest, data_roots: Sequence[Path]
     if request.split not in dataset.splits:
         raise RequestError(grpc.StatusCode.NOT_FOUND, f"dataset {request.dataset} has no split {request.split!r} "
                                                       f"(a partition is read once its {MARKER} marker exists)")
+    _check_files_confined(request.dataset, dataset, data_roots)
     known = set(dataset.splits[request.split])
     for data_file in request.files:
         if data_file.name not in known:
@@ -123,14 +125,23 @@ def _dataset_root(name: str, data_roots: Sequence[Path]) -> Path:
     """The dataset directory a request names, resolved, if it lies under a data root."""
     if not name:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "the request names no dataset")
-    try:
-        root = Path(name).resolve()
-    except (OSError, ValueError) as err:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"dataset path {name!r}: {err}") from None
-    if not any(root == r or r in root.parents for r in data_roots):
+    root = confined(name, data_roots)
+    if root is None:
         raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
                            f"dataset {name} is outside this service's data roots (neorec ingest serve --data-root)")
     return root
+
+
+def _check_files_confined(name: str, dataset: Dataset, data_roots: Sequence[Path]) -> None:
+    """PERMISSION_DENIED naming the first file of the dataset (any split) that resolves
+    (absolute, ``..``, symlinks) outside the data roots."""
+    for files in dataset.splits.values():
+        for file_name in files:
+            if confined(dataset.root / file_name, data_roots) is None:
+                raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                                   f"file {file_name!r} of dataset {name} resolves to "
+                                   f"{(dataset.root / file_name).resolve()}, outside this service's data roots "
+                                   f"(neorec ingest serve --data-root)")
 
 
 def _windows(request: ingest_pb2.ReadRequest, paths: tuple[str, ...]) -> list[Window]:
@@ -267,7 +278,7 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
         if not data_roots:
             raise ValueError("a reader service needs at least one data root")
         self.max_streams = max_streams
-        self.data_roots = tuple(Path(r).resolve() for r in data_roots)
+        self.data_roots = resolve_roots(data_roots)
         self.counters = ServiceCounters()
         self.row_groups = RowGroupCache(cache_bytes)
         self.draining = threading.Event()

@@ -25,6 +25,13 @@ its ``partition.json``. ``drift`` makes the teacher move between partitions: par
 independent hashed vector fields ``E0``, ``E1`` (the dense part stays), so a model that
 stops learning falls behind while one that keeps training can follow.
 
+Raw-id mode (``raw_ids``): each id is a 64-bit hash of its feature and Zipf rank (any
+int64), the columns are marked ``raw``, for dynamic tables; ``id_space`` draws every
+feature's ranks from that many ids instead of the profile's cardinalities (e.g. 10^8, of
+which the data holds a few million). The same spec without ``raw_ids`` holds the same rows
+with ids in ``[0, id_space)`` (a fixed bijection of the ranks), for hashed or vocabulary
+baselines.
+
 Everything is vectorized per row group; the same spec and seed give the same files.
 """
 
@@ -42,10 +49,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from neorec.common.hashing import SALT, splitmix64
+from neorec.common.hashing import SALT, combine, splitmix64
 from neorec.ingest.metrics import binary_metrics
 from neorec.ingest.partitions import MARKER, PARTITION_FILE, partitions_dir
-from neorec.ingest.schema import Dataset, DatasetSchema, SparseFeature
+from neorec.ingest.schema import RAW_CARDINALITY, Dataset, DatasetSchema, SparseFeature
 
 CRITEO_KAGGLE_CARDINALITIES = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
@@ -87,6 +94,10 @@ class SynthSpec:
     """Write the rows as this many time partitions instead of train/eval splits."""
     drift: float = 0.0
     """Quarter turns the teacher's id vectors rotate per partition (see the module doc)."""
+    raw_ids: bool = False
+    """Ids are 64-bit hashes of (feature, rank): raw ids for dynamic tables."""
+    id_space: int = 0
+    """Ids each feature draws from (0: the profile's cardinalities)."""
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -101,24 +112,43 @@ class SynthSpec:
             raise ValueError("partitions and drift must be >= 0")
         if self.partitions and self.rows < self.partitions:
             raise ValueError(f"{self.rows} rows cannot fill {self.partitions} partitions")
+        if self.id_space < 0 or self.id_space >= 2**62:
+            raise ValueError("id_space must lie in [0, 2**62)")
 
 
-def profile_schema(profile: str) -> DatasetSchema:
+def profile_schema(profile: str, id_space: int = 0) -> DatasetSchema:
+    """The profile's columns; ``id_space``: every feature's cardinality instead of the
+    profile's."""
     dense = tuple(f"I{i}" for i in range(1, 14))
     if profile == "criteo":
-        sparse = tuple(SparseFeature(f"C{i + 1}", c) for i, c in enumerate(CRITEO_KAGGLE_CARDINALITIES))
+        sparse = tuple(SparseFeature(f"C{i + 1}", id_space or c) for i, c in enumerate(CRITEO_KAGGLE_CARDINALITIES))
     elif profile == "multihot":
-        sparse = tuple(SparseFeature(f"M{i + 1}", c, multi_hot=True) for i, c in enumerate(MULTIHOT_CARDINALITIES))
+        sparse = tuple(SparseFeature(f"M{i + 1}", id_space or c, multi_hot=True)
+                       for i, c in enumerate(MULTIHOT_CARDINALITIES))
     else:
         raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
     return DatasetSchema(label="label", dense=dense, sparse=sparse)
+
+
+def spec_schema(spec: SynthSpec) -> DatasetSchema:
+    """The schema of ``spec``'s files (what :func:`_rows` draws from, and the raw marks)."""
+    schema = profile_schema(spec.profile, spec.id_space)
+    if not spec.raw_ids:
+        return schema
+    return DatasetSchema(schema.label, schema.dense, tuple(
+        SparseFeature(f.name, RAW_CARDINALITY, f.multi_hot, f.table, raw=True) for f in schema.sparse))
+
+
+def raw_id(ranks: np.ndarray, feature: int) -> np.ndarray:
+    """int64 ``[n]``: the raw 64-bit id of each Zipf rank of feature number ``feature``."""
+    return splitmix64(ranks.astype(np.uint64) ^ np.uint64(combine(SALT, feature))).view(np.int64)
 
 
 def generate(spec: SynthSpec, out_dir: str | Path, progress: ProgressFn | None = None) -> Dataset:
     """Write ``spec``'s dataset into ``out_dir`` and return its description."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    schema = profile_schema(spec.profile)
+    schema = profile_schema(spec.profile, spec.id_space)
     if spec.partitions:
         dataset = partitioned_dataset(spec, out)
         teacher = _Teacher(spec, schema)
@@ -139,7 +169,7 @@ def generate(spec: SynthSpec, out_dir: str | Path, progress: ProgressFn | None =
             oracle["eval_label_rate"] = float(labels.mean())
     dataset = Dataset(
         root=out,
-        schema=schema,
+        schema=spec_schema(spec),
         splits=splits,
         rows=split_rows,
         profile=spec.profile,
@@ -155,7 +185,7 @@ def partitioned_dataset(spec: SynthSpec, out_dir: str | Path) -> Dataset:
     :func:`write_partition` to add partitions to."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    dataset = Dataset(root=out, schema=profile_schema(spec.profile), splits={}, profile=spec.profile,
+    dataset = Dataset(root=out, schema=spec_schema(spec), splits={}, profile=spec.profile,
                       generator={"kind": "neorec-synth", **asdict(spec)})
     dataset.save()
     return dataset
@@ -171,7 +201,7 @@ def write_partition(spec: SynthSpec, out_dir: str | Path, index: int, progress: 
     """Write partition ``index`` of ``spec`` (``spec.rows // spec.partitions`` rows; the
     teacher drifted ``index`` times) under ``out_dir``, marker last; returns its name.
     Partitions past ``spec.partitions`` may be written too (more data landing later)."""
-    schema = profile_schema(spec.profile)
+    schema = profile_schema(spec.profile, spec.id_space)
     teacher = (teacher or _Teacher(spec, schema)).drifted(index * spec.drift * math.pi / 2)
     name = partition_name(index)
     directory = partitions_dir(out_dir) / name
@@ -251,13 +281,14 @@ def _rows(
             lengths = rng.poisson(spec.mean_pooling, n).astype(np.int32)
             ranks = _zipf_ranks(rng, feature.cardinality, spec.zipf_alpha, int(lengths.sum()))
             offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-            ids = _rank_to_id(ranks, feature.cardinality, f)
+            ids = raw_id(ranks, f) if spec.raw_ids else _rank_to_id(ranks, feature.cardinality, f)
             columns.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids)))
             pooled.append(teacher.pooled_mean(f, ranks, lengths))
         else:
             ranks = _zipf_ranks(rng, feature.cardinality, spec.zipf_alpha, n)
             missing = rng.random(n) < (CRITEO_SPARSE_MISSING[f] if spec.profile == "criteo" else 0.0)
-            columns.append(pa.array(_rank_to_id(ranks, feature.cardinality, f), mask=missing))
+            ids = raw_id(ranks, f) if spec.raw_ids else _rank_to_id(ranks, feature.cardinality, f)
+            columns.append(pa.array(ids, mask=missing))
             emb = teacher.embedding(f, ranks)
             emb[missing] = 0.0
             pooled.append(emb)

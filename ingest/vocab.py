@@ -98,13 +98,14 @@ class Vocabulary:
 
 
 def hash_encode(values: pa.Array, rows: int, seed: int) -> np.ndarray:
-    """int64 ids in ``[1, rows)`` of ``values`` (strings) hashed with ``seed``; 0 when missing."""
+    """int64 ids in ``[1, rows)`` of ``values`` (strings) hashed with ``seed``; 0 when missing.
+    ``rows`` 0: the whole 64-bit hash, as int64 of any sign (raw ids for a dynamic table)."""
     values = values.cast(pa.large_string()) if not pa.types.is_large_string(values.type) else values
     validity, offsets, data = values.buffers()
     offsets = np.frombuffer(offsets, dtype=np.int64)[values.offset : values.offset + len(values) + 1]
     chars = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
     ids = np.empty(len(values), dtype=np.int64)
-    _hash_strings(offsets, chars, np.uint64(seed), np.uint64(rows - 1), ids)
+    _hash_strings(offsets, chars, np.uint64(seed), np.uint64(rows - 1 if rows else 0), ids)
     if values.null_count:
         ids[values.is_null().to_numpy(zero_copy_only=False)] = 0
     return ids
@@ -112,9 +113,10 @@ def hash_encode(values: pa.Array, rows: int, seed: int) -> np.ndarray:
 
 @numba.njit(cache=True, nogil=True)
 def _hash_strings(offsets, chars, seed, buckets, out):  # pragma: no cover - compiled
-    """FNV-1a over each string's bytes, mixed with the seed by splitmix64's finalizer."""
+    """FNV-1a over each string's bytes, mixed with the seed by splitmix64's finalizer, in
+    ``[1, buckets]`` (``buckets`` 0: all 64 bits)."""
     for i in range(out.size):
         h = FNV_OFFSET
         for k in range(offsets[i], offsets[i + 1]):
             h = (h ^ np.uint64(chars[k])) * FNV_PRIME
-        out[i] = np.int64(mix64_jit(h ^ seed) % buckets) + 1
+        out[i] = np.int64(mix64_jit(h ^ seed)) if buckets == 0 else np.int64(mix64_jit(h ^ seed) % buckets) + 1

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from tqdm import tqdm
 
+from neorec.common.errors import UserError
+from neorec.ingest.staging import staged_output
 from neorec.embedding_store.client import StoreServiceError
 from neorec.embedding_store.segments import SegmentError
 from neorec.ingest.client import IngestError
@@ -39,6 +41,7 @@ USER_ERROR = 2
 INTERRUPTED = 130
 BAD_ARGUMENTS = 1
 """``neorec status``'s exit status for bad arguments (grpc_health_probe's)."""
+OVERWRITE_HELP = "replace what --out holds (the old dataset stays until the new one is complete)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -54,8 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("neorec: interrupted", file=sys.stderr)
         return INTERRUPTED
-    except (ConfigError, DataError, IngestError, PlanError, RankSilentError, CheckpointError, StoreServiceError,
-            SegmentError, StoreError, ValueError, OSError) as err:
+    except (UserError, ConfigError, DataError, IngestError, PlanError, RankSilentError, CheckpointError,
+            StoreServiceError, SegmentError, StoreError, ValueError, OSError) as err:
         print(f"neorec: error: {_one_line(err)}", file=sys.stderr)
         return USER_ERROR
 
@@ -77,15 +80,20 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--out", required=True)
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--eval-fraction", type=float, default=0.2)
+    synth.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     synth.add_argument("--partitions", type=at_least(0), default=0,
                        help="write the rows as this many time partitions (partitions/NAME/ + _SUCCESS) instead of "
                             "train/eval splits")
     synth.add_argument("--drift", type=float, default=0.0,
                        help="with --partitions: quarter turns the planted teacher's id vectors rotate per partition")
+    synth.add_argument("--raw-ids", action="store_true", help="raw 64-bit ids, for dynamic tables")
+    synth.add_argument("--id-space", type=at_least(0), default=0,
+                       help="ids each feature draws from (Zipf; default: the profile's cardinalities)")
     synth.set_defaults(run=_synth)
     importer = data.add_parser("import", help="import CSV/TSV/Parquet click logs (an import spec, or flags)")
     importer.add_argument("spec", nargs="?", help="import spec (TOML; see ingest/import_spec.py)")
     importer.add_argument("--out", required=True)
+    importer.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     importer.add_argument("--files", nargs="+", help="input files, globs or URIs (input.files)")
     importer.add_argument("--format", choices=("csv", "tsv", "parquet"), help="input.format")
     importer.add_argument("--label", help="the label column (label.column)")
@@ -108,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("format", choices=PRESETS)
     convert.add_argument("files", nargs="+", help="criteo: TSV files; avazu: the train CSV; movielens: its directory")
     convert.add_argument("--out", required=True)
+    convert.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     convert.add_argument("--eval-fraction", type=float, default=0.1,
                          help="the newest rows that form the eval split")
     convert.add_argument("--eval-files", nargs="+", default=[], help="instead: these files are the eval split")
@@ -194,7 +203,7 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks: ours against a baseline, side by side")
     bench.add_argument("name", choices=("train", "tbe", "ingest", "collectives", "checkpoint", "store", "import",
-                                                "follow"))
+                                        "follow", "dynamic"))
     bench.add_argument("--json", help="write the results to this file")
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (for smoke tests)")
     bench.add_argument("--threads", type=at_least(0), default=0,
@@ -212,16 +221,17 @@ def _synth(args: argparse.Namespace) -> int:
     from neorec.ingest.synth import SynthSpec, generate
 
     spec = SynthSpec(profile=args.profile, rows=args.rows, seed=args.seed, eval_fraction=args.eval_fraction,
-                     partitions=args.partitions, drift=args.drift)
-    with tqdm(total=spec.rows, unit="rows", desc=f"synth {spec.profile}") as bar:
-        dataset = generate(spec, args.out, progress=bar.update)
+                     partitions=args.partitions, drift=args.drift, raw_ids=args.raw_ids, id_space=args.id_space)
+    with staged_output(args.out, args.overwrite) as staging, \
+            tqdm(total=spec.rows, unit="rows", desc=f"synth {spec.profile}") as bar:
+        dataset = generate(spec, staging, progress=bar.update)
     if spec.partitions:
         from neorec.ingest.partitions import open_partition, partition_names
 
-        described = {name: open_partition(dataset.root, name).info for name in partition_names(dataset.root)}
-        print(json.dumps({"out": str(dataset.root), "partitions": described}, indent=2))
+        described = {name: open_partition(Path(args.out), name).info for name in partition_names(Path(args.out))}
+        print(json.dumps({"out": args.out, "partitions": described}, indent=2))
         return 0
-    print(json.dumps({"out": str(dataset.root), "rows": dataset.rows, "oracle": dataset.oracle}, indent=2))
+    print(json.dumps({"out": args.out, "rows": dataset.rows, "oracle": dataset.oracle}, indent=2))
     return 0
 
 
@@ -256,7 +266,7 @@ def _import(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.spec or 'import flags'}: {err}") from None
     if args.partition is not None:
         return _import_partition(spec, args)
-    return _write_import(spec, None, args.out, args.vocab_from, "import")
+    return _write_import(spec, None, args, "import")
 
 
 def _import_partition(spec, args: argparse.Namespace) -> int:
@@ -281,16 +291,17 @@ def _convert(args: argparse.Namespace) -> int:
     spec, source = preset(args.format, args.files, PresetOptions(
         eval_fraction=args.eval_fraction, eval_files=tuple(args.eval_files), min_count=args.min_count,
         hash_rows=args.hash_rows))
-    return _write_import(spec, source, args.out, None, args.format)
+    return _write_import(spec, source, args, args.format)
 
 
-def _write_import(spec, source, out: str, vocab_from: str | None, profile: str) -> int:
+def _write_import(spec, source, args: argparse.Namespace, profile: str) -> int:
     from neorec.ingest.importer import import_dataset
 
-    with tqdm(unit="rows", desc=f"{profile} → {out}", unit_scale=True) as bar:
-        dataset = import_dataset(spec, out, source=source, vocab_from=vocab_from, progress=bar.update,
-                                 profile=profile)
-    print(json.dumps({"out": str(dataset.root), "rows": dataset.rows,
+    with staged_output(args.out, args.overwrite) as staging, \
+            tqdm(unit="rows", desc=f"{profile} → {args.out}", unit_scale=True) as bar:
+        dataset = import_dataset(spec, staging, source=source, vocab_from=getattr(args, "vocab_from", None),
+                                 progress=bar.update, profile=profile)
+    print(json.dumps({"out": args.out, "rows": dataset.rows,
                       "tables": {f.table: f.cardinality for f in dataset.schema.sparse}}, indent=2))
     return 0
 

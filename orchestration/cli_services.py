@@ -41,6 +41,8 @@ def add_service_commands(commands: "argparse._SubParsersAction") -> None:
                           grace_help="seconds calls in flight get on shutdown")
     serve.add_argument("--dir", required=True, help="local disk directory for the tiers' segment files")
     serve.add_argument("--direct-io", action="store_true", help="read segments with O_DIRECT (not the page cache)")
+    serve.add_argument("--data-root", action="append", dest="data_roots", metavar="DIR",
+                       help="Snapshot and Load only into/from directories under this one (repeatable; default: --dir)")
     serve.add_argument("--threads", type=at_least(1), default=16, help="requests served at once")
     _status_parser(store, "print a store service's counters", _store_status)
 
@@ -106,7 +108,7 @@ def _store_serve(args: argparse.Namespace) -> int:
     from neorec.common.transport import serve_until_signal
 
     server = StoreServer(args.dir, host=args.host, port=args.port, direct_io=args.direct_io, threads=args.threads,
-                         security=server_security(args))
+                         security=server_security(args), data_roots=[args.dir, *(args.data_roots or [])])
 
     def ready(address: str) -> None:
         print(f"neorec store: serving {args.dir} on {address}", flush=True)

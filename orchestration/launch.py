@@ -110,7 +110,7 @@ class Job:
             port = ports[self.launch.ingest_workers]
             address = f"{bracketed(host)}:{port}"
             command = [*python, "store", "serve", "--dir", str(self.run_dir / STORE_SERVICE_DIR), "--host", host,
-                       "--port", str(port), "--grace", "1"]
+                       "--port", str(port), "--grace", "1", "--data-root", str(self.run_dir)]  # its checkpoints
             process = ManagedProcess("store", 0, command, self.logs / "store-0.log", echo)
             self.services.append(Watched(process, address, self._probe(address, STORE_SERVICE), self.launch.restarts))
             settings += ["--set", f"embedding_store.service='{address}'"]

@@ -68,4 +68,6 @@ class TrainerStatusServer(HostedServer, trainer_pb2_grpc.TrainerServicer):
             reply.partition = report.partition
             if report.marker_time:
                 reply.partition_lag_seconds = max(0.0, time.time() - report.marker_time)
+            for table, counts in report.dynamic.items():
+                reply.dynamic[table].CopyFrom(trainer_pb2.DynamicTableCounters(**counts))
         return reply

@@ -24,17 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bneorec/protos/trainer.proto\x12\x0eneorec.trainer\"\x0f\n\rStatusRequest\"\x95\x02\n\x0bStatusReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\r\x12\x0b\n\x03qps\x18\x04 \x01(\x01\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x17\n\x0finput_wait_frac\x18\x06 \x01(\x01\x12\x17\n\x0flast_checkpoint\x18\x07 \x01(\t\x12\x1a\n\x12seconds_since_step\x18\x08 \x01(\x01\x12\x12\n\nworld_size\x18\t \x01(\r\x12\x16\n\x0euptime_seconds\x18\n \x01(\x01\x12\r\n\x05phase\x18\x0b \x01(\t\x12\x11\n\tpartition\x18\x0c \x01(\t\x12\x1d\n\x15partition_lag_seconds\x18\r \x01(\x01\x32O\n\x07Trainer\x12\x44\n\x06Status\x12\x1d.neorec.trainer.StatusRequest\x1a\x1b.neorec.trainer.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bneorec/protos/trainer.proto\x12\x0eneorec.trainer\"\x0f\n\rStatusRequest\"Y\n\x14\x44ynamicTableCounters\x12\x10\n\x08\x61\x64mitted\x18\x01 \x01(\x04\x12\x10\n\x08rejected\x18\x02 \x01(\x04\x12\x0f\n\x07\x65victed\x18\x03 \x01(\x04\x12\x0c\n\x04live\x18\x04 \x01(\x04\"\xa6\x03\n\x0bStatusReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\r\x12\x0b\n\x03qps\x18\x04 \x01(\x01\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x17\n\x0finput_wait_frac\x18\x06 \x01(\x01\x12\x17\n\x0flast_checkpoint\x18\x07 \x01(\t\x12\x1a\n\x12seconds_since_step\x18\x08 \x01(\x01\x12\x12\n\nworld_size\x18\t \x01(\r\x12\x16\n\x0euptime_seconds\x18\n \x01(\x01\x12\r\n\x05phase\x18\x0b \x01(\t\x12\x11\n\tpartition\x18\x0c \x01(\t\x12\x1d\n\x15partition_lag_seconds\x18\r \x01(\x01\x12\x39\n\x07\x64ynamic\x18\x0e \x03(\x0b\x32(.neorec.trainer.StatusReply.DynamicEntry\x1aT\n\x0c\x44ynamicEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x33\n\x05value\x18\x02 \x01(\x0b\x32$.neorec.trainer.DynamicTableCounters:\x02\x38\x01\x32O\n\x07Trainer\x12\x44\n\x06Status\x12\x1d.neorec.trainer.StatusRequest\x1a\x1b.neorec.trainer.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'neorec.protos.trainer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STATUSREPLY_DYNAMICENTRY']._loaded_options = None
+  _globals['_STATUSREPLY_DYNAMICENTRY']._serialized_options = b'8\001'
   _globals['_STATUSREQUEST']._serialized_start=47
   _globals['_STATUSREQUEST']._serialized_end=62
-  _globals['_STATUSREPLY']._serialized_start=65
-  _globals['_STATUSREPLY']._serialized_end=342
-  _globals['_TRAINER']._serialized_start=344
-  _globals['_TRAINER']._serialized_end=423
+  _globals['_DYNAMICTABLECOUNTERS']._serialized_start=64
+  _globals['_DYNAMICTABLECOUNTERS']._serialized_end=153
+  _globals['_STATUSREPLY']._serialized_start=156
+  _globals['_STATUSREPLY']._serialized_end=578
+  _globals['_STATUSREPLY_DYNAMICENTRY']._serialized_start=494
+  _globals['_STATUSREPLY_DYNAMICENTRY']._serialized_end=578
+  _globals['_TRAINER']._serialized_start=580
+  _globals['_TRAINER']._serialized_end=659
 # @@protoc_insertion_point(module_scope)

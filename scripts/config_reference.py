@@ -50,6 +50,8 @@ def _type_name(hint: Any) -> str:
         return f"list of {_type_name(typing.get_args(hint)[0])}"
     if origin is dict:
         return f"table of {_type_name(typing.get_args(hint)[1])}"
+    if dataclasses.is_dataclass(hint):
+        return f"`{hint.__name__}`"
     return {bool: "bool", int: "integer", float: "number", str: "string"}.get(hint, str(hint))
 
 

@@ -28,10 +28,35 @@ class KeyedJaggedTensor:
     weights: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.lengths.dtype != torch.int32 or self.values.dtype != torch.int64:
-            raise TypeError("lengths must be int32 and values int64")
-        if len(self.keys) and self.lengths.numel() % len(self.keys):
+        """Check the invariants the kernels rely on (``TypeError`` for a wrong type or
+        dtype, ``ValueError`` for a wrong shape or inconsistent lengths): O(1) checks and
+        one reduction over ``lengths``. Non-contiguous tensors are made contiguous."""
+        self.keys = tuple(self.keys)
+        for name, tensor, dtype in (("lengths", self.lengths, torch.int32), ("values", self.values, torch.int64),
+                                    ("weights", self.weights, torch.float32)):
+            if name == "weights" and tensor is None:
+                continue
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+            if tensor.dtype != dtype:
+                raise TypeError(f"{name} must be {dtype}, got {tensor.dtype}")
+            if tensor.dim() != 1:
+                raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
+        self.lengths, self.values = self.lengths.contiguous(), self.values.contiguous()
+        if self.weights is not None:
+            self.weights = self.weights.contiguous()
+            if self.weights.numel() != self.values.numel():
+                raise ValueError(f"{self.weights.numel()} weights for {self.values.numel()} values")
+        if (self.lengths.numel() % len(self.keys) if self.keys else self.lengths.numel()):
             raise ValueError(f"{self.lengths.numel()} lengths do not split into {len(self.keys)} features")
+        if self.lengths.numel():
+            low, total = torch.stack([self.lengths.min().to(torch.int64), self.lengths.sum(dtype=torch.int64)]).tolist()
+            if low < 0:
+                raise ValueError(f"lengths must be >= 0, got {low}")
+            if total != self.values.numel():
+                raise ValueError(f"the lengths add up to {total} ids, values holds {self.values.numel()}")
+        elif self.values.numel():
+            raise ValueError(f"no lengths for {self.values.numel()} values")
 
     @property
     def batch_size(self) -> int:

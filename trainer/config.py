@@ -12,7 +12,9 @@ from neorec.ingest.client import COMPRESSIONS
 from neorec.ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
 from neorec.ingest.plan import REMAINDER_POLICIES, SHUFFLE_MODES
 from neorec.ingest.sections import build_section, to_dict
+from neorec.trainer.embedding.bounds import BOUNDS_CHECK_MODES
 from neorec.trainer.embedding.config import POOLINGS, SPARSE_OPTIMIZERS, WEIGHT_DTYPES
+from neorec.trainer.embedding.dynamic.config import DynamicTableConfig
 from neorec.trainer.model import MLP_INITS
 from neorec.trainer.planner.enumerate import Constraint
 from neorec.trainer.planner.inputs import parse_bytes
@@ -112,9 +114,18 @@ class ModelConfig:
     """Embedding weight storage: fp32, fp16 or bf16 (compute and optimizer state stay fp32)."""
     stochastic_rounding: bool = True
     """Round fp16/bf16 weight updates stochastically (else to nearest even)."""
+    dynamic: dict[str, DynamicTableConfig] = field(default_factory=dict)
+    """Dynamic tables (``[model.dynamic.t_C1] capacity = 1000000``, keys ``capacity``,
+    ``min_count``, ``ttl``, ``ttl_unit``, ``sketch_width``, ``sketch_depth``): raw 64-bit ids
+    mapped to ``capacity`` rows (see docs/dynamic-tables.md)."""
 
     def validate(self) -> None:
         _positive("model.embedding_dim", self.embedding_dim)
+        for table, dynamic in self.dynamic.items():
+            try:
+                dynamic.validate()
+            except ValueError as err:
+                raise ConfigError(f"model.dynamic.{table}.{err}") from None
         _positive("model.max_table_rows", self.max_table_rows)
         for name, sizes in (("model.bottom_mlp", self.bottom_mlp), ("model.top_mlp", self.top_mlp)):
             if not sizes or any(s <= 0 for s in sizes):
@@ -187,6 +198,9 @@ class TrainLoopConfig:
     kernels: str = "auto"
     """Embedding kernels: ``numba`` (CPU), ``torch`` (torch ops, any device: the code a GPU
     runs) or ``auto`` (Numba on CPU, torch ops on CUDA)."""
+    bounds_check: str = "fatal"
+    """``fatal``: a batch with an id outside its table is refused, naming it, before any
+    embedding kernel runs; ``none``: trust the ids (see docs/guarantees.md)."""
     collective_timeout_s: float = 300.0
     """A collective that waits longer than this for another rank fails, naming the ranks
     that went silent (stopped or hung), instead of hanging the job."""
@@ -199,6 +213,7 @@ class TrainLoopConfig:
             _positive(f"train.{key}", getattr(self, key))
         _one_of("train.device", self.device, DEVICES)
         _one_of("train.kernels", self.kernels, KERNELS)
+        _one_of("train.bounds_check", self.bounds_check, BOUNDS_CHECK_MODES)
         if self.device == "cuda" and self.kernels == "numba":
             raise ConfigError("train.kernels: numba kernels run on the CPU; with train.device = 'cuda' use 'torch' "
                               "or 'auto'")
@@ -435,6 +450,8 @@ class TrainConfig:
         for section in (self.data, self.model, self.optimizer, self.train, self.sharding, self.checkpoint, self.run,
                         self.security, self.launch, self.embedding_store):
             section.validate()
+        if self.model.dynamic and self.launch.nproc > 1:
+            raise ConfigError("model.dynamic: dynamic tables train in one process for now (launch.nproc = 1)")
         if self.train.device == "cuda" and self.embedding_store.tables:
             raise ConfigError("embedding_store.tables: store-backed tables train on the CPU only; with "
                               "train.device = 'cuda' keep every table in device memory (or train on the CPU)")

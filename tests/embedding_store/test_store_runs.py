@@ -88,7 +88,7 @@ def test_a_run_with_tables_on_the_store_equals_the_run_in_memory(criteo_dataset,
 
 
 def test_a_run_through_a_store_service_equals_the_run_in_memory(criteo_dataset, tmp_path):
-    server = StoreServer(tmp_path / "service")
+    server = StoreServer(tmp_path / "service", data_roots=[tmp_path])  # it snapshots into the run's checkpoints
     server.start()
     try:
         memory = train(_config(criteo_dataset, tmp_path / "memory"))

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from neorec.trainer.checkpoint.layout import CheckpointError, checkpoints_root
-from neorec.trainer.checkpoint.restore import Restorable, load_dense, open_checkpoint, restore_embeddings
+from neorec.trainer.checkpoint.restore import Restorable, load_dense, load_dense_chain, open_checkpoint, restore_embeddings
 from neorec.trainer.checkpoint.store import check_store, restore_store
+from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings
 from neorec.trainer.embedding.fused import ShardView
 from neorec.trainer.model import DLRM
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, store_of
@@ -39,14 +40,16 @@ def restore_store_tables(restorable: Restorable, store: StoreBackedEmbeddings | 
 
 
 def restore_model(restorable: Restorable, model: DLRM) -> dict:
-    """Restore ``model`` (its embeddings, whatever their sharding, and its MLPs) from a
-    checkpoint; returns the checkpoint's dense state (optimizer, RNG, position)."""
+    """Restore ``model`` (its embeddings, whatever their sharding, with their dynamic tables'
+    id maps, and its MLPs) from a checkpoint; returns the checkpoint's dense state (optimizer, RNG, position)."""
     embeddings = model.embeddings
     views = embeddings.shard_views()
     restore_embeddings(restorable, views)
     restore_store_tables(restorable, store_of(embeddings), views)
     embeddings.set_optimizer_steps(restorable.manifest.sparse_steps)
     dense = load_dense(restorable, next(model.bottom.parameters()).device)
+    if isinstance(embeddings, DynamicEmbeddings):  # the id maps, kept incrementally over the chain
+        embeddings.restore_dynamic([d["incremental"] for d in load_dense_chain(restorable)])
     with torch.no_grad():
         model.bottom.load_state_dict(dense["bottom"])
         model.top.load_state_dict(dense["top"])

@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from neorec.trainer.checkpoint.layout import BEST, CheckpointError, best_checkpoint, read_manifest, step_name, write_durably
+from neorec.common.durable import write_durably
+from neorec.trainer.checkpoint.layout import BEST, CheckpointError, best_checkpoint, read_manifest, step_name
 from neorec.trainer.checkpoint.snapshot import take_snapshot
 from neorec.trainer.checkpoint.store import snapshot_store
 from neorec.trainer.checkpoint.writer import CheckpointJob, CheckpointWriter, manifest_fields
@@ -33,14 +34,17 @@ class Checkpointer:
     ``views()`` gives this rank's embedding pieces in memory, ``store()`` its pieces on the
     embedding store (their rows written back); ``tables`` describes every table of the
     model (rows, dim, storage, optimizer, states) for the manifest; ``attempt`` is shared
-    by the attempt's ranks.
+    by the attempt's ranks. ``incremental_state(full)`` gives rank 0's state that is kept
+    like the rows, as what changed since the last checkpoint (all of it for a full one): it
+    goes into the dense state as ``incremental``.
     """
 
     def __init__(self, root: Path, config: CheckpointConfig, *, rank: int, world_size: int, attempt: str,
                  views: Callable[[], list[ShardView]], store: Callable[[], list[StorePiece]],
                  local_optimizer_steps: Callable[[], int],
                  tables: dict[str, dict[str, Any]], run_config: dict[str, Any], plan: dict[str, Any] | None,
-                 sum_over_ranks: SumFn, commit_timeout_s: float) -> None:
+                 sum_over_ranks: SumFn, commit_timeout_s: float,
+                 incremental_state: Callable[[bool], dict[str, Any]] | None = None) -> None:
         self.root = root
         self.config = config
         self.rank = rank
@@ -54,6 +58,7 @@ class Checkpointer:
         self.plan = plan
         self.sum_over_ranks = sum_over_ranks
         self.commit_timeout_s = commit_timeout_s
+        self.incremental_state = incremental_state
         self.writer = CheckpointWriter(config.asynchronous)
         self.chain: list[str] = []
         """The chain the next incremental checkpoint extends (empty: the next is full)."""
@@ -112,6 +117,8 @@ class Checkpointer:
         name = step_name(global_step)
         store = snapshot_store(self.store(), self.root / name)
         dense_bytes = None
+        if dense is not None and self.incremental_state is not None:
+            dense = {**dense, "incremental": self.incremental_state(full)}
         if dense is not None:
             buffer = io.BytesIO()
             torch.save(dense, buffer)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -26,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from neorec.common.durable import write_durably
+from neorec.common.errors import UserError
 from neorec.embedding_store.segments import SegmentError, read_segments
 
 FORMAT = "neorec-checkpoint/2"
@@ -37,7 +38,7 @@ DENSE_FILE = "dense.pt"
 PREFIX = "step-"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint cannot be restored: missing, incomplete, corrupt (the message names the
     file), or made for another model."""
 
@@ -172,25 +173,6 @@ def sha256_of(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def write_durably(path: Path, data: bytes) -> None:
-    """``path`` holds ``data`` once this returns (written, fsynced, renamed into place)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_directory(path.parent)
-
-
-def fsync_directory(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def commit(directory: Path, manifest: Manifest) -> None:

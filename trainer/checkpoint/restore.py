@@ -20,7 +20,8 @@ agree to restore the newest checkpoint that all of them found whole instead.
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+import pickle
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,6 +44,8 @@ class Restorable:
     root: Path
     manifest: Manifest
     chain: list[Manifest]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """Newer checkpoints :func:`choose` passed over, each with the reason (``checkpoint.fallback``)."""
 
     @property
     def directory(self) -> Path:
@@ -68,16 +71,19 @@ def choose(root: Path, views: list[ShardView], agree: AgreeFn, fallback: bool, n
     if not candidates:
         raise CheckpointError(f"{root} holds no complete checkpoint")
     first_error: CheckpointError | None = None
+    skipped: list[tuple[str, str]] = []
     for name in candidates:
+        error: CheckpointError | None = None
         try:
             restorable = open_checkpoint(root, name)
             check(restorable, views, need_dense)
-            whole = True
         except CheckpointError as err:
+            error = err
             first_error = first_error or err
-            whole = False
-        if agree(whole):
+        if agree(error is None):
+            restorable.skipped = skipped
             return restorable
+        skipped.append((name, str(error) if error else "another rank found a file of it corrupt (see its error)"))
         if not fallback:
             raise first_error or CheckpointError(f"checkpoint {root / name}: another rank found a file of it corrupt "
                                                  f"(see its error)")
@@ -120,9 +126,24 @@ def restore_embeddings(restorable: Restorable, views: list[ShardView]) -> None:
 
 def load_dense(restorable: Restorable, device: torch.device | str = "cpu") -> dict[str, Any]:
     """Rank 0's dense state (MLPs, dense optimizer, RNG, position), its tensors on ``device``
-    (the run's: a checkpoint written on one device restores onto another)."""
+    (the run's: a checkpoint written on one device restores onto another): tensors, numbers,
+    strings and their dicts and lists only. The file is read without unpickling anything
+    else, so a crafted file is refused, never run (:class:`CheckpointError` naming it)."""
     path = restorable.directory / DENSE_FILE
-    return torch.load(io.BytesIO(path.read_bytes()), weights_only=False, map_location=device)
+    try:
+        dense = torch.load(io.BytesIO(path.read_bytes()), weights_only=True, map_location=device)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path} holds more than tensors and plain values, refused: {first_line}") from None
+    if not isinstance(dense, dict):
+        raise CheckpointError(f"{path} is not a dense state (a dict): corrupt")
+    return dense
+
+
+def load_dense_chain(restorable: Restorable) -> list[dict[str, Any]]:
+    """Rank 0's dense state of every checkpoint of the chain, oldest (the full one) first:
+    the state kept incrementally is spread over them."""
+    return [load_dense(Restorable(restorable.root, manifest, [])) for manifest in restorable.chain]
 
 
 def _check_tables(manifest: Manifest, views: list[ShardView]) -> dict[str, list[int]]:

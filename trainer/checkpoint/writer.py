@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from neorec.trainer.checkpoint import records
+from neorec.common.durable import fsync_directories, write_durably
 from neorec.trainer.checkpoint.layout import (BEST, DENSE_FILE, CheckpointError, FileEntry, Manifest, RankRecord, RecordEntry,
-                                       StoreEntry, commit, fsync_directory, prune, rank_file, rank_record,
-                                       write_durably)
+                                       StoreEntry, commit, prune, rank_file, rank_record)
 from neorec.trainer.checkpoint.snapshot import ShardSnapshot, split
 from neorec.trainer.run.run_dir import RunDirError, describe
 
@@ -135,7 +135,9 @@ def _write_rank(job: CheckpointJob) -> RankRecord:
     if job.dense is not None:
         write_durably(job.directory / DENSE_FILE, job.dense)
         files.append(FileEntry(DENSE_FILE, len(job.dense), hashlib.sha256(job.dense).hexdigest()))
-    fsync_directory(job.directory)
+    for piece in job.store:  # its segments are durable (the tier's snapshot); now their names here
+        fsync_directories(job.directory / piece.directory, job.directory)
+    fsync_directories(job.directory, job.directory.parent)
     touched: dict[str, int] = {}
     for snapshot in job.shards:
         touched[snapshot.rows.table] = touched.get(snapshot.rows.table, 0) + snapshot.touched

@@ -19,6 +19,7 @@ from torch import nn
 
 from neorec.embedding_store.initial import initial_block
 from neorec.trainer.batch import KeyedJaggedTensor
+from neorec.trainer.embedding.bounds import BoundsCheck
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.kernels import backward as backward_kernels
 from neorec.trainer.embedding.kernels import torch_ops
@@ -53,7 +54,7 @@ class FusedEmbeddingBagCollection(nn.Module):
                  initial_weights: Sequence[torch.Tensor] | None = None, weight_dtype: str = "fp32",
                  stochastic_rounding: bool = True,
                  shard_origins: Sequence[tuple[int, int, int, int]] | None = None, kernels: str = "auto",
-                 slot_tables: Sequence[str] = ()) -> None:
+                 slot_tables: Sequence[str] = (), bounds_check: str = "fatal") -> None:
         """``initial_weights``: float32 ``[rows, dim]`` per table; default
         :func:`initial_table_weight` of each table from ``seed``.
 
@@ -69,6 +70,9 @@ class FusedEmbeddingBagCollection(nn.Module):
 
         ``slot_tables``: tables whose rows are slots of a cache (the store tier); each slot's
         row in its table is set in :meth:`slot_rows`, and rounding noise follows it.
+
+        ``bounds_check``: ``"fatal"`` refuses a batch with an id outside its table before any
+        kernel runs, ``"none"`` trusts the caller (:mod:`neorec.trainer.embedding.bounds`).
         """
         super().__init__()
         if not tables:
@@ -135,6 +139,9 @@ class FusedEmbeddingBagCollection(nn.Module):
         self.register_buffer("optimizer_step", torch.zeros((), dtype=torch.int64))
         self.register_buffer("touched", torch.zeros(int(rows.sum()), dtype=torch.uint8), persistent=False)
         self._anchor = torch.zeros((), requires_grad=True)
+        self._bounds = BoundsCheck(bounds_check, self.feature_names,
+                                   [t.name for t in tables for _ in t.feature_names],
+                                   [t.num_embeddings for t in tables for _ in t.feature_names])
         self._source_cache: dict[tuple[str, ...], np.ndarray] = {}
         self._torch_tables: dict[torch.device, torch_ops.TorchTables] = {}
         self._torch_sources: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
@@ -236,6 +243,7 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     # ---------------------------------------------------------------------------- compute
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        self._bounds(sparse)
         if self.training and torch.is_grad_enabled():
             return _FusedLookup.apply(self._anchor, self, sparse)
         out = self._lookup(sparse)[0]

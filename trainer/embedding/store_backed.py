@@ -31,6 +31,7 @@ from neorec.embedding_store.cache import SetAssociativeCache
 from neorec.embedding_store.segments import TierStats
 from neorec.embedding_store.initial import initial_rows
 from neorec.trainer.batch import KeyedJaggedTensor
+from neorec.trainer.embedding.bounds import BoundsCheck
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection, ShardView, initial_table_weight
 
@@ -290,8 +291,11 @@ class StoreBackedEmbeddings(nn.Module):
                  stochastic_rounding: bool = True, kernels: str = "auto",
                  initial_weights: Sequence[torch.Tensor | None] | None = None,
                  shard_origins: Sequence[tuple[int, int, int, int]] | None = None,
-                 table_rows: Sequence[int] | None = None) -> None:
+                 table_rows: Sequence[int] | None = None, bounds_check: str = "fatal") -> None:
         super().__init__()
+        self._bounds = BoundsCheck(bounds_check, [f for t in tables for f in t.feature_names],
+                                   [t.name for t in tables for _ in t.feature_names],
+                                   [t.num_embeddings for t in tables for _ in t.feature_names])
         self.tables = tuple(tables)
         self.optimizer = optimizer
         self.seed = seed
@@ -319,7 +323,7 @@ class StoreBackedEmbeddings(nn.Module):
         self.module = FusedEmbeddingBagCollection(
             module_tables, optimizer, seed=seed, initial_weights=initial, weight_dtype=weight_dtype,
             stochastic_rounding=stochastic_rounding, shard_origins=origins, kernels=kernels,
-            slot_tables=[t.name for t in tables if t.name in specs])
+            slot_tables=[t.name for t in tables if t.name in specs], bounds_check="none")  # checked here, by id
         self.feature_names = self.module.feature_names
         self.output_dim = self.module.output_dim
         self.stats = StoreStats()
@@ -330,6 +334,7 @@ class StoreBackedEmbeddings(nn.Module):
         self._expected: KeyedJaggedTensor | None = None
 
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        self._bounds(sparse)
         slotted = self.admit(sparse)
         if self._expected is not None:
             upcoming, self._expected = self._expected, None
@@ -464,6 +469,28 @@ class StoreBackedEmbeddings(nn.Module):
             weights.append(piece.view(rows.size, target.shape[1]).clone())
             start += width
         return weights[0].to(torch.float32), weights[1:]
+
+    def write_rows(self, name: str, rows: torch.Tensor, weights: torch.Tensor, states: list[torch.Tensor]) -> None:
+        """Overwrite rows ``rows`` (int64 ``[n]``, distinct) of table ``name`` with ``weights``
+        ``[n, dim]`` and optimizer ``states`` (as the fused module's :meth:`write_rows`),
+        wherever they are: a cached row in the cache (dirty), any other on the tier."""
+        table = self.store.get(name)
+        if table is None:
+            self.module.write_rows(name, rows, weights, states)
+            return
+        self._join_ahead()
+        table.flush_scratch()
+        rows = rows.to(torch.int64).numpy()
+        parts = [_bytes(weights.to(table.weight.dtype))] + [_bytes(s.to(torch.float32)) for s in states]
+        data = np.concatenate(parts, axis=1)
+        slots = table.cache.lookup(rows)
+        cached = slots >= 0
+        if cached.any():
+            table.scatter(slots[cached], data[cached])
+            table.cache.dirty[slots[cached]] = True
+        if (~cached).any():
+            table.tier.write(rows[~cached], data[~cached])
+        table.staged = {}
 
     def shard_views(self) -> list[ShardView]:
         """The tables held in memory as views (store tables are checkpointed with their tier)."""

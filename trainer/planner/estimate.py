@@ -55,6 +55,7 @@ def estimate(table: TableSpec, option: Option, topology: Topology, batch_size: i
         misses = shard_ids * (1.0 - table.hit_rate(option.cache_fraction))
         compute = compute + STORE_PASSES * misses * row_traffic / topology.store_bandwidth
         memory = np.ceil(rows * option.cache_fraction) * table.row_bytes(cols)
+    memory = memory + table.index_bytes * rows / table.rows  # a dynamic table's map, beside its rows
     return ShardCosts(compute, comm, memory)
 
 

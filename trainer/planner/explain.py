@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from neorec.trainer.planner.inputs import TableSpec, Topology, format_bytes
@@ -28,8 +30,7 @@ def explain_unplaceable(table: TableSpec, topology: Topology, free_memory: np.nd
         verdict = "which fits" if row_wise <= least_free else "which does not fit either"
         fixes.append(f"row-wise over {world} ranks it needs {format_bytes(row_wise)} per rank, {verdict}")
     if table.weight_bytes == 4:
-        half = TableSpec(table.name, table.rows, table.dim, table.num_features, table.pooling_factor, 2,
-                         table.optimizer).bytes()
+        half = replace(table, weight_bytes=2).bytes()
         fixes.append(f"fp16 weights make it {format_bytes(half)}")
     need = min(whole, row_wise) + (topology.memory_per_rank - least_free if row_wise < whole else
                                    topology.memory_per_rank - most_free)

@@ -86,7 +86,7 @@ def table_specs(tables: list[TableConfig], config: TrainConfig, sample: Sample) 
         TableSpec(t.name, t.num_embeddings, t.embedding_dim, num_features=len(t.feature_names),
                   pooling_factor=max(float(np.mean([sample.pooling[f] for f in t.feature_names])), 1e-3),
                   weight_bytes=WEIGHT_DTYPES[config.model.weight_dtype], optimizer=config.optimizer.sparse,
-                  id_counts=sample.id_counts.get(t.name, ()))
+                  id_counts=sample.id_counts.get(t.name, ()), dynamic=config.model.dynamic.get(t.name))
         for t in tables
     ]
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from neorec.trainer.embedding.config import SPARSE_OPTIMIZERS, SparseOptimizer
+from neorec.trainer.embedding.dynamic.config import DynamicTableConfig
+from neorec.trainer.embedding.dynamic.id_map import map_bytes
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -32,6 +34,9 @@ class TableSpec:
     id_counts: tuple[int, ...] = ()
     """How often each distinct row appeared in a sample of the train split, most frequent
     first (what the planner estimates a store cache's hit rate from); empty: no sample."""
+    dynamic: DynamicTableConfig | None = None
+    """A dynamic table's settings: its ``rows`` are its capacity and the default row, and
+    its id map and admission sketch take :attr:`index_bytes` beside them."""
 
     def __post_init__(self) -> None:
         if self.rows <= 0 or self.dim <= 0 or self.num_features <= 0:
@@ -50,8 +55,13 @@ class TableSpec:
         one-byte modified mask."""
         return cols * self.weight_bytes + 4 * self.state_floats(cols) + 1
 
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of a dynamic table's id map and admission sketch (0 for a static table)."""
+        return 0 if self.dynamic is None else map_bytes(self.dynamic.capacity) + self.dynamic.sketch_bytes()
+
     def bytes(self) -> int:
-        return self.rows * self.row_bytes(self.dim)
+        return self.rows * self.row_bytes(self.dim) + self.index_bytes
 
     def hit_rate(self, cached_fraction: float) -> float:
         """The share of lookups a cache of ``cached_fraction`` of the table's rows serves,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from neorec.trainer.planner.estimate import miss_rate
-from neorec.trainer.planner.inputs import format_bytes
+from neorec.trainer.planner.inputs import TableSpec, format_bytes
 from neorec.trainer.planner.planner import PlanResult
 
 
@@ -26,6 +28,7 @@ def render(result: PlanResult, baseline: PlanResult | None = None) -> str:
             cached = sum(int(s.rows * sharding.cache_fraction) for s in sharding.shards)
             tier = f"store, {cached:,} cached, {miss_rate(specs[sharding.table], sharding.cache_fraction):.0%} miss"
         lines.append(f"{sharding.table:<16} {sharding.sharding_type:<15} {ranks:<16} {tier:<28} {shape_text}")
+    lines += dynamic_lines(result.tables)
     lines += ["", f"{'rank':<6} {'memory':>12} {'compute ms':>11} {'comm ms':>9} {'step ms':>9}"]
     for rank in range(topo.world_size):
         compute, comm = result.compute[rank] * 1e3, result.comm[rank] * 1e3
@@ -37,3 +40,15 @@ def render(result: PlanResult, baseline: PlanResult | None = None) -> str:
         lines.append(f"round-robin table-wise would take {baseline.step_seconds * 1e3:.3f} ms "
                      f"({baseline.step_seconds / result.step_seconds:.2f}x the plan)")
     return "\n".join(lines)
+
+
+def dynamic_lines(tables: Sequence[TableSpec]) -> list[str]:
+    """How the plan sized the dynamic tables (none: no lines)."""
+    dynamic = [t for t in tables if t.dynamic is not None]
+    if not dynamic:
+        return []
+    lines = ["", "dynamic tables (raw 64-bit ids mapped to slots; sized by capacity, not by the ids in the data):"]
+    for t in dynamic:
+        lines.append(f"  {t.name}: {t.dynamic.describe()}; rows {format_bytes(t.bytes() - t.index_bytes)} "
+                     f"+ id map and sketch {format_bytes(t.index_bytes)}")
+    return lines

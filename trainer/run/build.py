@@ -11,7 +11,9 @@ import torch
 from neorec.embedding_store.segments import SegmentTier
 from neorec.ingest.decoder import DecodeOptions
 from neorec.ingest.schema import Dataset, DatasetSchema
-from neorec.trainer.config import TrainConfig
+from neorec.trainer.config import ConfigError, TrainConfig
+from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings
+from neorec.trainer.embedding.dynamic.table import DynamicTable
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 from neorec.trainer.model import DLRM
@@ -22,16 +24,19 @@ from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StoreSe
 
 def table_configs(schema: DatasetSchema, config: TrainConfig) -> list[TableConfig]:
     """One table per distinct ``table`` of the schema, in first-use order, holding
-    ``min(cardinality, model.max_table_rows)`` rows."""
+    ``min(cardinality, model.max_table_rows)`` rows (a dynamic table: its capacity and the
+    default row that ids without a slot read)."""
     model = config.model
     features: dict[str, list[str]] = {}
     for feature in schema.sparse:
         features.setdefault(feature.table, []).append(feature.name)
+    check_dynamic(schema, config)
     cardinality = schema.table_cardinalities()
     return [
         TableConfig(
             name=table,
-            num_embeddings=min(cardinality[table], model.max_table_rows),
+            num_embeddings=model.dynamic[table].capacity + 1 if table in model.dynamic
+            else min(cardinality[table], model.max_table_rows),
             embedding_dim=model.embedding_dim,
             feature_names=tuple(names),
             pooling=model.pooling,
@@ -40,13 +45,29 @@ def table_configs(schema: DatasetSchema, config: TrainConfig) -> list[TableConfi
     ]
 
 
+def check_dynamic(schema: DatasetSchema, config: TrainConfig) -> None:
+    """:class:`ConfigError` when ``model.dynamic`` names a table the data does not have, or
+    a feature of raw 64-bit ids feeds a table that is not dynamic."""
+    tables = {f.table for f in schema.sparse}
+    for name in config.model.dynamic:
+        if name not in tables:
+            raise ConfigError(f"model.dynamic.{name}: the dataset has no table {name!r} "
+                              f"(it has {', '.join(sorted(tables))})")
+    for feature in schema.sparse:
+        if feature.raw and feature.table not in config.model.dynamic:
+            raise ConfigError(f"model.dynamic: feature {feature.name!r} holds raw 64-bit ids (encoding = \"raw\"); "
+                              f"declare its table dynamic: [model.dynamic.{feature.table}] capacity = ROWS")
+
+
 def decode_options(schema: DatasetSchema, config: TrainConfig) -> DecodeOptions:
-    """Decoding that maps every feature's ids into the rows of its table."""
+    """Decoding that maps every feature's ids into the rows of its table (a dynamic table's
+    ids pass unchanged: the trainer maps them)."""
     rows = {t.name: t.num_embeddings for t in table_configs(schema, config)}
     return DecodeOptions(
         table_rows=tuple(rows[f.table] for f in schema.sparse),
         dense_transform=config.data.dense_transform,
         id_mapping=config.data.id_mapping,
+        raw_features=tuple(f.name for f in schema.sparse if f.table in config.model.dynamic),
     )
 
 
@@ -73,7 +94,7 @@ def store_settings(config: TrainConfig, directory: Path, reset: bool) -> StoreSe
 
 
 def _segment_tier(directory: Path, direct_io: bool, reset: bool, key: str, rows: int, row_bytes: int) -> SegmentTier:
-    return SegmentTier(directory / key, rows, row_bytes, direct_io=direct_io, reset=reset)
+    return SegmentTier(directory / key, rows, row_bytes, direct_io=direct_io, reset=reset, store_root=directory)
 
 
 def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None = None,
@@ -87,8 +108,10 @@ def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None
     seed = config.train.seed
     tables = table_configs(schema, config)
     storage = {"weight_dtype": config.model.weight_dtype, "stochastic_rounding": config.model.stochastic_rounding,
-               "kernels": config.train.kernels}
+               "kernels": config.train.kernels, "bounds_check": config.train.bounds_check}
     on_store = {} if plan is None else plan.on_store()
+    if config.model.dynamic and plan is not None and plan.world_size > 1:
+        raise ConfigError("model.dynamic: dynamic tables train in one process for now (launch.nproc = 1)")
     if plan is not None and plan.world_size > 1:
         embeddings = ShardedEmbeddingBagCollection(
             tables, sparse_optimizer(config), plan, seed=seed,
@@ -106,6 +129,10 @@ def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None
         initial = None if table_weights is None else [table_weights[t.name] for t in tables]
         embeddings = FusedEmbeddingBagCollection(tables, sparse_optimizer(config), seed=seed,
                                                  initial_weights=initial, **storage)
+    if config.model.dynamic:
+        embeddings = DynamicEmbeddings(embeddings, [
+            DynamicTable(t.name, i, t.embedding_dim, config.model.dynamic[t.name])
+            for i, t in enumerate(tables) if t.name in config.model.dynamic], seed)
     if embeddings.feature_names != schema.feature_names:
         raise AssertionError("tables must list the schema's features in schema order")
     return DLRM(

@@ -13,6 +13,7 @@ never stopped.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -48,9 +49,12 @@ from neorec.trainer.run.readers import (batches, check_dense_transform, check_sp
                                          train_reader_config)
 from neorec.trainer.run.step import ProgressFn, StepReport, set_threads, train_step
 from neorec.trainer.embedding.fused import check_ids
+from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings
 from neorec.trainer.run.tensorboard import open_board
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StorePiece, store_of
 from neorec.trainer.run.warmup import compile_kernels
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -138,6 +142,8 @@ class TrainingRun:
         self.logged_loss = 0.0
         """The mean loss of the last logging interval (the progress reports' loss)."""
         self.checkpointer = self._checkpointer()
+        self.resume_skipped: list[dict[str, str]] = []
+        """Newer checkpoints a resume skipped (``checkpoint.fallback``), with the reason."""
         if resume:
             self._restore()
         if loop.background_batches and context.distributed and not resume and self.follower is None:
@@ -153,6 +159,8 @@ class TrainingRun:
                 run_directory.write_json(self.run_dir / run_directory.PLAN, self.plan.to_dict())
         self.log = MetricsLog(self.run_dir / run_directory.METRICS if context.is_main else None,
                               keep_bytes=self.metrics_bytes)
+        for skipped in self.resume_skipped:
+            self.log.write({"event": "resume_skipped", "step": self.state.global_step, **skipped})
         if loop.tensorboard and context.is_main:
             self.log.listeners.append(open_board(self.run_dir).record)
         if self.follower is None:
@@ -219,8 +227,8 @@ class TrainingRun:
             stream = source or stream
         if context.distributed:
             stream = _distributed(self.dlrm, stream)
-        if self.store is not None:
-            stream = _announced(stream, self.store)
+        if self.store is not None and not isinstance(self.dlrm.embeddings, DynamicEmbeddings):
+            stream = _announced(stream, self.store)  # (a dynamic table's slots are known only at its step)
         interval = _Interval(context, state)
         full_batches = self.config.data.remainder == "drop"
         try:
@@ -234,13 +242,15 @@ class TrainingRun:
                     progress(StepReport(state.global_step, state.epoch, self.logged_loss, interval.qps(),
                                         self.total_steps,
                                         state.wait_seconds / state.train_seconds if state.train_seconds else 0.0,
-                                        committed.name if committed else ""))
+                                        committed.name if committed else "",
+                                        dynamic=_dynamic_counters(self.dlrm).get("dynamic", {})))
                 time_due = False
                 if state.global_step % self.config.train.log_every == 0 or state.global_step == self.total_steps:
                     check_ids(self.dlrm)
                     report, time_due = interval.close(self.checkpointer.due_by_time())
                     self.log.write({"split": "train", "step": state.global_step, "epoch": state.epoch,
-                                    **({"partition": state.partition} if state.partition else {}), **report})
+                                    **({"partition": state.partition} if state.partition else {}), **report,
+                                    **_dynamic_counters(self.dlrm)})
                     self.logged_loss = report["loss"]
                     interval = _Interval(context, state)
                 best = False
@@ -295,6 +305,9 @@ class TrainingRun:
             summary["checkpoint_stall_s"] = sum(self.checkpointer.stall_seconds)
         if self.store is not None:
             summary["store"] = self.store_report
+        if self.resume_skipped:
+            summary["resume_skipped"] = self.resume_skipped
+        summary.update(_dynamic_counters(self.dlrm))
         if self.follower is not None:
             summary.update(self.follower.summary())
         if self.context.is_main:
@@ -317,7 +330,8 @@ class TrainingRun:
             world_size=context.world_size, attempt=attempt[0], views=embeddings.shard_views, store=self._store_pieces,
             local_optimizer_steps=embeddings.local_optimizer_steps, tables=tables, run_config=config.to_dict(),
             plan=None if self.plan is None else self.plan.to_dict(),
-            sum_over_ranks=partial(global_sum, context), commit_timeout_s=config.train.collective_timeout_s)
+            sum_over_ranks=partial(global_sum, context), commit_timeout_s=config.train.collective_timeout_s,
+            incremental_state=embeddings.dynamic_state if isinstance(embeddings, DynamicEmbeddings) else None)
 
     def _store_pieces(self) -> list[StorePiece]:
         """This rank's store pieces, every changed row written back to their tiers."""
@@ -349,6 +363,11 @@ class TrainingRun:
             return global_sum(context, [0.0 if ok else 1.0])[0] == 0.0
 
         restorable = choose(root, views, agree, config.checkpoint.fallback, need_dense=True)
+        self.resume_skipped = [{"checkpoint": name, "reason": reason} for name, reason in restorable.skipped]
+        if context.is_main:
+            for name, reason in restorable.skipped:
+                log.warning("--resume: skipped checkpoint %s (%s); resuming from %s, the steps after it are trained "
+                            "again", name, reason, restorable.manifest.name)
         check_resumable(restorable.manifest.config, config)
         dense = restore_model(restorable, self.dlrm)
         self.optimizer.load_state_dict(dense["optimizer"])
@@ -427,6 +446,13 @@ class _Interval:
         state.interval_by_rank = []
         return ({"loss": loss_sum / max(self.steps, 1), "qps": samples / seconds if seconds else 0.0,
                  "samples": int(samples), "seconds": seconds}, due > 0)
+
+
+def _dynamic_counters(model: DLRM) -> dict[str, Any]:
+    """``{"dynamic": per dynamic table its admitted, rejected, evicted and live counts}``, or
+    nothing without dynamic tables."""
+    embeddings = model.embeddings
+    return {"dynamic": embeddings.counters()} if isinstance(embeddings, DynamicEmbeddings) else {}
 
 
 def _prepared(model: DLRM, epoch_batches: Iterator[Batch], steps: int) -> Iterator[tuple[Batch, PreparedSparse]]:

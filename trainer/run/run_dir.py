@@ -19,6 +19,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from neorec.common.durable import write_durably
+
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
@@ -68,11 +70,9 @@ def claim(directory: str | Path, overwrite: bool = False, resume: bool = False) 
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Replace ``path`` with ``obj`` as JSON, atomically; an ``OSError`` names the file."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Replace ``path`` with ``obj`` as JSON, atomically and durably; an ``OSError`` names the file."""
     try:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        write_durably(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
     except OSError as err:
         raise RunDirError(f"cannot write {path}: {describe(err)}") from None
 

@@ -3,7 +3,7 @@ settings the step runs with."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numba
@@ -41,6 +41,8 @@ class StepReport:
     (wall-clock seconds; the lag is measured from it)."""
     phase: str = "training"
     """``training`` (a step was taken) or ``waiting`` (for the next partition; no step)."""
+    dynamic: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per dynamic table its ``admitted``, ``rejected``, ``evicted`` and ``live`` counts."""
 
 
 ProgressFn = Callable[[StepReport], None]

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from neorec.trainer.batch import DistributedSparse, KeyedJaggedTensor
+from neorec.trainer.embedding.bounds import check_mode
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection, ShardView, initial_table_weight
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StoreSettings
@@ -60,7 +61,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                  full_weights: dict[str, torch.Tensor] | None = None, weight_dtype: str = "fp32",
                  stochastic_rounding: bool = True, kernels: str = "auto",
                  timeout: timedelta | None = None, store: StoreSettings | None = None,
-                 comm_precision: CommPrecision = FULL) -> None:
+                 comm_precision: CommPrecision = FULL, bounds_check: str = "fatal") -> None:
         """``full_weights``: float32 ``[rows, dim]`` of any table (each rank slices its
         shards); other tables start from :func:`initial_table_weight` with ``seed``.
         ``weight_dtype`` and ``stochastic_rounding`` as for the fused module (rounding noise
@@ -70,8 +71,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         (``torch.distributed``'s default for a new group otherwise, half an hour).
         ``store``: where the shards of the plan's store tables keep their rows (the local
         module is then a :class:`~neorec.trainer.embedding.store_backed.StoreBackedEmbeddings`).
-        ``comm_precision``: the wire type of the pooled embeddings' all-to-all and its gradient."""
+        ``comm_precision``: the wire type of the pooled embeddings' all-to-all and its gradient.
+        ``bounds_check``: validated only; routing an id to its shard checks it, on every rank
+        at once (an ``IndexError`` everywhere, naming the id on its rank), in every mode."""
         super().__init__()
+        check_mode(bounds_check)
         if dist.get_world_size(group) != plan.world_size:
             raise ValueError(f"the plan is for {plan.world_size} ranks, the process group has "
                              f"{dist.get_world_size(group)}")
@@ -103,7 +107,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         origins = [(s.table, s.shard.row_offset, s.shard.col_offset, tables[s.table].embedding_dim)
                    for s in self.layout.local_shards]
         storage = {"weight_dtype": weight_dtype, "stochastic_rounding": stochastic_rounding, "seed": seed,
-                   "shard_origins": origins, "kernels": kernels}
+                   "shard_origins": origins, "kernels": kernels, "bounds_check": "none"}  # routing checked the ids
         on_store_here = [s for s in self.layout.local_shards if tables[s.table].name in on_store]
         if on_store_here:
             if store is None:

@@ -112,6 +112,10 @@ def pooled_forward(weights: torch.Tensor, tables: TorchTables, source: list[int]
     ``module_feature_of`` int64 ``[F]`` (device): its inverse, -1 for a batch feature of no
     table here."""
     device, n = values.device, values.numel()
+    if batch_size == 0:  # no bags: every feature looks up nothing
+        nothing = values.new_zeros(0)
+        return torch.zeros(0, tables.width, dtype=torch.float32, device=device), TorchLookup(
+            nothing, nothing, nothing, nothing, nothing.float(), nothing.sum())
     bag_lengths = lengths.to(torch.int64)
     bag = torch.repeat_interleave(torch.arange(bag_lengths.numel(), device=device), bag_lengths, output_size=n)
     feature = module_feature_of[bag // batch_size]

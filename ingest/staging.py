@@ -1,0 +1,60 @@
+"""Writing a dataset directory all at once: the output goes to a temporary sibling and is
+renamed into place only when complete, so a failed or interrupted ``neorec data import``,
+``convert`` or ``synth`` leaves the directory as it was (empty, absent, or the old dataset).
+A non-empty output directory is refused unless the caller means to replace it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from neorec.common.durable import fsync_directory
+from neorec.common.errors import UserError
+
+
+class OutputExistsError(UserError):
+    """The output directory already holds something, and replacing it was not asked for."""
+
+
+@contextmanager
+def staged_output(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """A new empty directory beside ``out`` to write the dataset into; when the block ends
+    without an exception it becomes ``out`` (the old ``out``, if any, removed only then),
+    else it is removed and ``out`` is untouched. :class:`OutputExistsError` for a non-empty
+    ``out`` unless ``overwrite``."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise OutputExistsError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise OutputExistsError(f"{out} is not empty: give --overwrite to replace what it holds, or another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _swap_in(staging, out)
+
+
+def _swap_in(staging: Path, out: Path) -> None:
+    """Rename ``staging`` to ``out``; an existing ``out`` is moved aside first and removed
+    once the new one is in place."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+        os.replace(out, old / out.name)
+    try:
+        os.replace(staging, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old / out.name, out)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    fsync_directory(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

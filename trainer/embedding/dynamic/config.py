@@ -1,0 +1,59 @@
+"""Configuration of a dynamic embedding table: raw 64-bit ids mapped to a bounded number of
+slots, admitted by count and evicted by recency (see :mod:`neorec.trainer.embedding.dynamic`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TTL_UNITS = ("steps", "partitions")
+
+
+@dataclass
+class DynamicTableConfig:
+    """One dynamic table (``[model.dynamic.TABLE]`` in a training config).
+
+    ``capacity``: rows (slots) of the table, its memory bound. An id gets a slot once it has
+    been seen ``min_count`` times (counted in a count-min sketch of ``sketch_depth`` rows of
+    ``sketch_width`` counters, 0: the power of two at or above twice the capacity; its memory
+    does not grow with the ids seen); until then it
+    reads zeros and gets no update. A full table gives the least recently used id's slot to
+    a new one; ``ttl`` (0: none) evicts an id not seen in the last ``ttl`` steps, or
+    partitions of a continuous-training run (``ttl_unit``).
+    """
+
+    capacity: int = 0
+    min_count: int = 1
+    ttl: int = 0
+    ttl_unit: str = "steps"
+    sketch_width: int = 0
+    sketch_depth: int = 4
+
+    def validate(self) -> None:
+        """``ValueError`` naming the key of the first bad value."""
+        if self.capacity <= 0:
+            raise ValueError(f"capacity: must be a positive number of rows, got {self.capacity}")
+        if self.capacity >= 2**31:
+            raise ValueError(f"capacity: must be below 2**31 rows, got {self.capacity}")
+        if self.min_count <= 0:
+            raise ValueError(f"min_count: must be positive, got {self.min_count}")
+        if self.ttl < 0:
+            raise ValueError(f"ttl: must be >= 0 (0: no expiry), got {self.ttl}")
+        if self.ttl_unit not in TTL_UNITS:
+            raise ValueError(f"ttl_unit: must be one of {', '.join(TTL_UNITS)}; got {self.ttl_unit!r}")
+        if self.sketch_width < 0 or self.sketch_width & (self.sketch_width - 1):
+            raise ValueError(f"sketch_width: must be a power of two (or 0: from the capacity), got {self.sketch_width}")
+        if not 1 <= self.sketch_depth <= 16:
+            raise ValueError(f"sketch_depth: must lie in [1, 16], got {self.sketch_depth}")
+
+    def sketch_columns(self) -> int:
+        """Counters per row of the sketch: ``sketch_width``, or from the capacity when 0."""
+        return self.sketch_width or 1 << max(1, (2 * self.capacity - 1).bit_length())
+
+    def sketch_bytes(self) -> int:
+        """Bytes of the admission sketch (0 when every id is admitted at once)."""
+        return 0 if self.min_count == 1 else 4 * self.sketch_columns() * self.sketch_depth
+
+    def describe(self) -> str:
+        """The settings in words (``neorec plan``)."""
+        ttl = f"ttl {self.ttl} {self.ttl_unit}" if self.ttl else "no ttl"
+        return f"capacity {self.capacity:,} rows, min_count {self.min_count}, {ttl}, LRU when full"

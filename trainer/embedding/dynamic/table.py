@@ -1,0 +1,126 @@
+"""A dynamic table's state (map, admission sketch, clock) and the step that turns a batch's
+raw ids into slots before the fused kernel runs.
+
+The table holds ``capacity + 1`` rows: a slot per admitted id, and the last row, the
+*default* row, which every id without a slot reads; it is zero whenever a batch reads it
+(its update is discarded: it is zeroed again before the next lookup that reads it).
+
+A slot that held another id before is re-initialised before its new id reads it: its row
+becomes the initial row of "virtual row" ``generation * (capacity + 1) + slot`` of the table
+(:func:`neorec.embedding_store.initial.initial_rows`, a pure function of seed, table and that
+row; generation 0 is the table's initial weights) and its optimizer state zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from neorec.embedding_store.initial import initial_rows
+from neorec.trainer.batch import KeyedJaggedTensor
+from neorec.trainer.embedding.dynamic.admission import CountMinSketch
+from neorec.trainer.embedding.dynamic.config import DynamicTableConfig
+from neorec.trainer.embedding.dynamic.id_map import IdMap, remap_train
+
+
+@dataclass
+class Reinit:
+    """Slots (int64 ``[k]``, distinct) to re-initialise before a batch's lookup, with the
+    generation (int64 ``[k]``) each starts."""
+
+    slots: np.ndarray
+    generations: np.ndarray
+
+
+class DynamicTable:
+    """Map, sketch and clock of the dynamic table ``name`` (number ``index`` in the model:
+    its initial rows' key) of ``dim`` columns."""
+
+    def __init__(self, name: str, index: int, dim: int, config: DynamicTableConfig) -> None:
+        config.validate()
+        self.name = name
+        self.index = index
+        self.dim = dim
+        self.config = config
+        self.map = IdMap(config.capacity)
+        self.sketch = CountMinSketch(config.sketch_columns() if config.min_count > 1 else 1,
+                                     config.sketch_depth if config.min_count > 1 else 1, index)
+        self.clock = 0
+        """The TTL clock: steps trained, or partitions ended (``ttl_unit``)."""
+
+    @property
+    def rows(self) -> int:
+        """Rows of the table: a slot per id, and the default row."""
+        return self.config.capacity + 1
+
+    @property
+    def default_row(self) -> int:
+        """The row ids without a slot read (zeros)."""
+        return self.config.capacity
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the map and the sketch."""
+        return self.map.nbytes + self.sketch.nbytes
+
+    def train_ids(self, ids: np.ndarray) -> tuple[np.ndarray, Reinit]:
+        """Slots (int64 ``[n]``, -1: reads zeros) of a training batch's ``ids`` (int64 ``[n]``,
+        in batch order), admitting and evicting on the way; the slots to re-initialise."""
+        if self.config.ttl and self.config.ttl_unit == "steps":
+            self.map.expire(self.clock, self.config.ttl)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        out = np.empty(ids.size, dtype=np.int64)
+        reinit = np.empty(min(ids.size, self.config.capacity), dtype=np.int64)
+        generations = np.empty_like(reinit)
+        m, s = self.map, self.sketch
+        count = remap_train(m.entries, m.meta, m.links, m.live, m.dirty, m.ends, m.stats, s.counts, s.dirty,
+                            np.int64(s.shift), s.salts, ids, np.int64(self.config.min_count), np.int64(self.clock),
+                            out, reinit, generations)
+        if self.config.ttl_unit == "steps":
+            self.clock += 1
+        return out, Reinit(reinit[:count], generations[:count])
+
+    def advance_partition(self) -> None:
+        """A partition of a continuous-training run ended: with ``ttl_unit = "partitions"``
+        the clock moves on and ids unseen for more than ``ttl`` partitions leave."""
+        if self.config.ttl_unit == "partitions":
+            self.clock += 1
+            if self.config.ttl:
+                self.map.expire(self.clock, self.config.ttl)
+
+    def initial_rows(self, reinit: Reinit, seed: int) -> torch.Tensor:
+        """float32 ``[k, dim]``: the rows ``reinit``'s slots start their generation with."""
+        virtual = reinit.generations * self.rows + reinit.slots
+        return torch.from_numpy(initial_rows(seed, self.index, virtual, self.rows, self.dim))
+
+    def counters(self) -> dict[str, int]:
+        return self.map.counters()
+
+    def delta(self, full: bool) -> dict[str, Any]:
+        """What changed since the last delta (everything when ``full``): checkpoint state."""
+        return {"clock": self.clock, "map": self.map.delta(full), "sketch": self.sketch.delta(full)}
+
+    def apply(self, deltas: list[dict[str, Any]]) -> None:
+        """Restore from the :meth:`delta` of each checkpoint of a chain, oldest (full) first."""
+        for delta in deltas:
+            self.map.apply(delta["map"])
+            self.sketch.apply(delta["sketch"])
+            self.clock = delta["clock"]
+        self.map.rebuild()
+        self.map.dirty[:] = 0
+        self.sketch.dirty[:] = 0
+
+
+def table_spans(sparse: KeyedJaggedTensor, offsets: np.ndarray, features: tuple[str, ...]) -> list[slice]:
+    """Where the ids of ``features`` lie in ``sparse.values``, feature by feature
+    (``offsets``: ``sparse.offsets()`` as numpy)."""
+    b = sparse.batch_size
+    return [slice(int(offsets[f * b]), int(offsets[(f + 1) * b])) for f in sparse.positions_of(features)]
+
+
+def with_slots(sparse: KeyedJaggedTensor, slots: np.ndarray) -> KeyedJaggedTensor:
+    """``sparse`` with its values replaced by ``slots`` (int64 ``[n]``)."""
+    return KeyedJaggedTensor(sparse.keys, sparse.lengths, torch.from_numpy(slots), sparse.weights)
