@@ -1,11 +1,13 @@
 # `make demo`: generate a criteo-profile dataset (once) and train one epoch on it.
 # `make job`: the same run as a job: two reader services and the trainer, supervised.
+# `make two-nodes`: two trainer nodes on this host beside one node of as many ranks (times, same summary).
+# `make elastic`: two nodes under --max-restarts 1; a rank is SIGKILLed and the run resumes on its own.
 # `make test`: the test suite (`make test-slow`: the slow end-to-end runs, which CI runs too).
 # All set up .venv themselves.
 VENV := .venv/bin
 DEMO_DATA := data/criteo-250k
 
-.PHONY: setup data demo job test test-slow bench
+.PHONY: setup data demo job two-nodes elastic test test-slow bench
 
 setup:
 	@bash scripts/setup.sh
@@ -18,6 +20,12 @@ demo: data
 
 job: data
 	$(VENV)/neorec launch configs/job.toml --overwrite
+
+two-nodes: data
+	@bash scripts/two_nodes.sh
+
+elastic: data
+	@bash scripts/elastic.sh
 
 test: setup
 	$(VENV)/python -m pytest -q

@@ -16,6 +16,7 @@ from neorec.ingest.presets import PRESETS
 from neorec.orchestration.cli_args import add_client_security, at_least, client_security, port, seconds
 from neorec.orchestration.cli_services import add_service_commands
 from neorec.orchestration.progress import LazyBar
+from neorec.orchestration.nodes import add_node_arguments, nodes_from_args, uses_torchrun
 from neorec.orchestration.supervisor import die_with_parent
 from neorec.trainer.config import ConfigError
 
@@ -123,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="read through these reader services instead of in process")
     train.add_argument("--nproc", type=at_least(1), default=1,
                        help="trainer processes on this machine (torchrun; tables sharded by the planner)")
+    add_node_arguments(train)
     train.add_argument("--overwrite", action="store_true",
                        help="replace the run already in run.dir (its files only)")
     train.add_argument("--resume", metavar="RUN_DIR",
@@ -312,7 +314,11 @@ def _train(args: argparse.Namespace) -> int:
             raise ConfigError("--resume continues a run, --overwrite replaces it: give one of them")
         overrides.append(f"run.dir={json.dumps(args.resume)}")
     config = load_config(args.config, overrides)
-    if args.nproc > 1 and not launched_by_torchrun():
+    try:
+        nodes = nodes_from_args(args)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if uses_torchrun(args.nproc, nodes) and not launched_by_torchrun():
         from neorec.trainer.run.warmup import compile_kernels
 
         compile_kernels(config)  # the ranks then load Numba's cache instead of racing to write it
@@ -320,7 +326,7 @@ def _train(args: argparse.Namespace) -> int:
         if args.status_port is not None:
             flags += ["--status-port", str(args.status_port), "--status-host", args.status_host]
         return run_torchrun(args.nproc, ["train", args.config, *[a for o in args.set for a in ("--set", o)],
-                                         *(["--ingest", args.ingest] if args.ingest else []), *flags])
+                                         *(["--ingest", args.ingest] if args.ingest else []), *flags], nodes)
     loop = config.train
     context = (init_from_torchrun(loop.device, loop.collective_timeout_s) if launched_by_torchrun()
                else single_process(loop.device))

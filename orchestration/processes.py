@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from neorec.common.cpus import available_cpus
+from neorec.orchestration.nodes import ONE_NODE, Nodes
 
 _READY = re.compile(r"serving on (\S+)")
 
@@ -59,19 +60,20 @@ def start_reader_service(*args: str, host: str = "127.0.0.1", data_roots: Sequen
     return ServiceProcess(process, match.group(1))
 
 
-def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:
+def torchrun_command(nproc: int, module: str, args: list[str], nodes: Nodes = ONE_NODE) -> list[str]:
     """The command running ``python -m MODULE ARGS`` as ``nproc`` ranks on this host under
-    torchrun (its standalone rendezvous on a free local port)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    torchrun: this host's share of the job ``nodes`` describes (default: the whole job,
+    torchrun's standalone rendezvous on a free local port)."""
+    return [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_flags(), f"--nproc-per-node={nproc}",
             "--module", module, *args]
 
 
-def run_torchrun(nproc: int, neorec_args: list[str]) -> int:
-    """Run ``neorec NEOREC_ARGS`` as ``nproc`` ranks on this host under torchrun; returns
-    torchrun's exit status."""
+def run_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes = ONE_NODE) -> int:
+    """Run ``neorec NEOREC_ARGS`` as ``nproc`` ranks on this host under torchrun (this
+    node's share of ``nodes``); returns torchrun's exit status."""
     threads = str(max(1, available_cpus() // nproc))  # the ranks share the CPUs this process may use
-    command = torchrun_command(nproc, "neorec.orchestration.cli", neorec_args)
-    process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": threads})
+    command = torchrun_command(nproc, "neorec.orchestration.cli", neorec_args, nodes)
+    process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": threads, **nodes.worker_environment()})
     # Ctrl-C reaches torchrun and the ranks from the terminal, and SIGTERM is passed on:
     # either way the ranks stop as they choose (following partitions: after a checkpoint),
     # so this process waits for them instead of killing them; interrupted, it exits 130

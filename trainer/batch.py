@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, replace
+from typing import Callable, Sequence
 
 import torch
 
@@ -118,6 +119,17 @@ class Batch:
             raise TypeError("move a batch to its device before its ids are distributed")
         return replace(self, dense=self.dense.to(device, non_blocking=True), sparse=self.sparse.to(device),
                        labels=self.labels.to(device, non_blocking=True))
+
+    def moved(self, move: Callable[[Sequence[torch.Tensor | None]], list[torch.Tensor | None]]) -> "Batch":
+        """The batch with its tensors passed through ``move`` (e.g. a
+        :class:`~neorec.trainer.device.HostToDevice`), before its ids are distributed."""
+        if not isinstance(self.sparse, KeyedJaggedTensor):
+            raise TypeError("move a batch to its device before its ids are distributed")
+        sparse = self.sparse
+        dense, labels, lengths, values, weights = move([self.dense, self.labels, sparse.lengths, sparse.values,
+                                                        sparse.weights])
+        return replace(self, dense=dense, labels=labels,
+                       sparse=KeyedJaggedTensor(sparse.keys, lengths, values, weights))
 
     @classmethod
     def from_host(cls, host: HostBatch) -> "Batch":

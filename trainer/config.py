@@ -215,6 +215,9 @@ class TrainLoopConfig:
         _one_of("train.device", self.device, DEVICES)
         _one_of("train.kernels", self.kernels, KERNELS)
         _one_of("train.bounds_check", self.bounds_check, BOUNDS_CHECK_MODES)
+        if self.device == "cuda" and self.kernels == "numba":
+            raise ConfigError("train.kernels: numba kernels run on the CPU; with train.device = 'cuda' use 'torch' "
+                              "or 'auto'")
         for key in ("max_steps", "eval_every", "threads", "background_batches"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key}: must be >= 0, got {getattr(self, key)}")
@@ -450,6 +453,9 @@ class TrainConfig:
             section.validate()
         if self.model.dynamic and self.launch.nproc > 1:
             raise ConfigError("model.dynamic: dynamic tables train in one process for now (launch.nproc = 1)")
+        if self.train.device == "cuda" and self.embedding_store.tables:
+            raise ConfigError("embedding_store.tables: store-backed tables train on the CPU only; with "
+                              "train.device = 'cuda' keep every table in device memory (or train on the CPU)")
 
     def to_dict(self) -> dict[str, Any]:
         """The config as TOML would write it (``from_dict`` reads it back)."""

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from neorec.trainer.device import make_current, resolve_device
 from neorec.trainer.sharding.collectives import start_sum
 from neorec.trainer.sharding.comm_precision import FULL, CommPrecision, sum_in
 
@@ -47,17 +48,6 @@ SINGLE_PROCESS = DistributedContext()
 HEARTBEAT_INTERVAL_S = 1.0
 
 
-def resolve_device(kind: str, local_rank: int = 0) -> torch.device:
-    """``cpu``, ``cuda`` (this rank's GPU: ``cuda:local_rank``) or ``auto`` (CUDA when present)."""
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("train.device is cuda, but torch sees no CUDA device")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
 def single_process(device_kind: str = "auto") -> DistributedContext:
     return DistributedContext(device=resolve_device(device_kind))
 
@@ -69,14 +59,12 @@ def launched_by_torchrun() -> bool:
 def init_from_torchrun(device_kind: str = "auto", timeout_s: float = 300.0) -> DistributedContext:
     """Join the process group torchrun describes in the environment: NCCL on CUDA, gloo on
     the CPU. A collective that waits more than ``timeout_s`` for another rank fails."""
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = resolve_device(device_kind, local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    local_rank, local_world_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    device = resolve_device(device_kind, local_rank, local_world_size)
+    make_current(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
     heartbeat = Heartbeat(dist.get_rank(), dist.get_world_size())
-    return DistributedContext(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"]),
-                              local_rank, device, heartbeat)
+    return DistributedContext(dist.get_rank(), dist.get_world_size(), local_world_size, local_rank, device, heartbeat)
 
 
 COLLECTIVE_SETTLE_S = 0.2
@@ -215,6 +203,17 @@ def check_same_steps(context: DistributedContext, steps: int, what: str) -> None
     if len(set(everyone.tolist())) > 1:
         raise RuntimeError(f"ranks plan different numbers of {what} steps: {everyone.tolist()} (rank: steps); "
                            "every rank must run the same number of steps")
+
+
+def check_same_local_world(context: DistributedContext) -> None:
+    """Raise unless every node runs the same number of ranks (the planner's node topology
+    and hierarchical sharding assume it)."""
+    everyone = torch.zeros(context.world_size, dtype=torch.int64, device=context.device)
+    dist.all_gather_single(everyone, torch.tensor([context.local_world_size], dtype=torch.int64,
+                                                  device=context.device))
+    if len(set(everyone.tolist())) > 1:
+        raise RuntimeError(f"nodes run different numbers of ranks ({everyone.tolist()}, LOCAL_WORLD_SIZE by rank): "
+                           "start every node with the same --nproc (or set sharding.ranks_per_node)")
 
 
 def gather_arrays(context: DistributedContext, array: np.ndarray) -> np.ndarray:

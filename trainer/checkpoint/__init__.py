@@ -47,7 +47,7 @@ def restore_model(restorable: Restorable, model: DLRM) -> dict:
     restore_embeddings(restorable, views)
     restore_store_tables(restorable, store_of(embeddings), views)
     embeddings.set_optimizer_steps(restorable.manifest.sparse_steps)
-    dense = load_dense(restorable)
+    dense = load_dense(restorable, next(model.bottom.parameters()).device)
     if isinstance(embeddings, DynamicEmbeddings):  # the id maps, kept incrementally over the chain
         embeddings.restore_dynamic([d["incremental"] for d in load_dense_chain(restorable)])
     with torch.no_grad():

@@ -124,13 +124,14 @@ def restore_embeddings(restorable: Restorable, views: list[ShardView]) -> None:
                     views[index].weight.device))
 
 
-def load_dense(restorable: Restorable) -> dict[str, Any]:
-    """Rank 0's dense state (MLPs, dense optimizer, RNG, position): tensors, numbers,
+def load_dense(restorable: Restorable, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Rank 0's dense state (MLPs, dense optimizer, RNG, position), its tensors on ``device``
+    (the run's: a checkpoint written on one device restores onto another): tensors, numbers,
     strings and their dicts and lists only. The file is read without unpickling anything
     else, so a crafted file is refused, never run (:class:`CheckpointError` naming it)."""
     path = restorable.directory / DENSE_FILE
     try:
-        dense = torch.load(io.BytesIO(path.read_bytes()), weights_only=True)
+        dense = torch.load(io.BytesIO(path.read_bytes()), weights_only=True, map_location=device)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{path} holds more than tensors and plain values, refused: {first_line}") from None

@@ -143,6 +143,11 @@ class FusedEmbeddingBagCollection(nn.Module):
                                    [t.name for t in tables for _ in t.feature_names],
                                    [t.num_embeddings for t in tables for _ in t.feature_names])
         self._source_cache: dict[tuple[str, ...], np.ndarray] = {}
+        self._torch_tables: dict[torch.device, torch_ops.TorchTables] = {}
+        self._torch_sources: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
+        self._bad_ids: torch.Tensor | None = None
+        """Ids outside their table's rows that torch-ops lookups left out, counted on the
+        device (no host sync per step); :meth:`check_ids` raises when there were any."""
 
     # ----------------------------------------------------------------------------- layout
     def feature_columns(self, feature: str) -> slice:
@@ -241,7 +246,9 @@ class FusedEmbeddingBagCollection(nn.Module):
         self._bounds(sparse)
         if self.training and torch.is_grad_enabled():
             return _FusedLookup.apply(self._anchor, self, sparse)
-        return self._lookup(sparse)[0]
+        out = self._lookup(sparse)[0]
+        self.check_ids()
+        return out
 
     def _feature_source(self, sparse: KeyedJaggedTensor) -> np.ndarray:
         source = self._source_cache.get(sparse.keys)
@@ -255,11 +262,11 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     def _lookup(self, sparse: KeyedJaggedTensor) -> tuple[torch.Tensor, "_LookupContext | torch_ops.TorchLookup"]:
         if self._uses_torch_ops():
-            return torch_ops.pooled_forward(
-                [self._table_view(t) for t in range(len(self.tables))], self._feature_table.tolist(),
-                self._feature_source(sparse).tolist(), self._out_columns.tolist(), self._mean_pooling.tolist(),
-                sparse.lengths, sparse.values, sparse.weights, sparse.batch_size,
-            )
+            out, lookup = torch_ops.pooled_forward(
+                self.weights, self._tables_on(self.weights.device), self._feature_source(sparse).tolist(),
+                self._module_features(sparse), sparse.lengths, sparse.values, sparse.weights, sparse.batch_size)
+            self._bad_ids = lookup.bad_ids if self._bad_ids is None else self._bad_ids + lookup.bad_ids
+            return out, lookup
         batch_size = sparse.batch_size
         num_ids = sparse.values.numel()
         scaled = sparse.weights is not None or bool(self._mean_pooling.any())
@@ -283,6 +290,32 @@ class FusedEmbeddingBagCollection(nn.Module):
             raise IndexError(f"{bad} ids are outside their table's rows {self._describe_ranges()}")
         return out, ctx
 
+    def _tables_on(self, device: torch.device) -> torch_ops.TorchTables:
+        """The layout the torch ops index, on ``device`` (copied there once)."""
+        if device not in self._torch_tables:
+            self._torch_tables[device] = torch_ops.TorchTables.build(
+                device, self._table_offsets, self._state_offsets, self._row_offsets, self._rows, self._dims,
+                self._state_width, self._mean_pooling, self._learning_rates, self._noise_origin, self._slot_base,
+                self._feature_table, self._out_columns)
+        return self._torch_tables[device]
+
+    def _module_features(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        """int64 ``[F]`` on the batch's device: the module feature of each batch feature
+        (-1: none)."""
+        key = (sparse.keys, sparse.values.device)
+        if key not in self._torch_sources:
+            inverse = np.full(len(sparse.keys), -1, dtype=np.int64)
+            inverse[self._feature_source(sparse)] = np.arange(len(self.feature_names))
+            self._torch_sources[key] = torch.from_numpy(inverse).to(sparse.values.device)
+        return self._torch_sources[key]
+
+    def check_ids(self) -> None:
+        """Raise ``IndexError`` if a torch-ops lookup since the last check met ids outside
+        their table's rows (they were left out); reads one number from the device."""
+        bad, self._bad_ids = self._bad_ids, None
+        if bad is not None and int(bad):
+            raise IndexError(f"{int(bad)} ids are outside their table's rows {self._describe_ranges()}")
+
     def _kernel_weights(self) -> tuple[np.ndarray, np.ndarray, int]:
         """The kernels' view of the weights: float32 array, uint16 half array (one of them
         empty) and the precision code."""
@@ -296,16 +329,11 @@ class FusedEmbeddingBagCollection(nn.Module):
     def _backward_update(self, ctx: "_LookupContext | torch_ops.TorchLookup", grad_out: torch.Tensor) -> None:
         self.optimizer_step += 1
         if isinstance(ctx, torch_ops.TorchLookup):
-            tables = range(len(self.tables))
             torch_ops.apply_updates(
-                [self._table_view(t) for t in tables], [self._state_views(t) for t in tables],
-                [self._touched_view(t) for t in tables], self._feature_table.tolist(),
-                self._out_columns.tolist(), ctx, grad_out, self.optimizer, self._learning_rates.tolist(),
-                int(self.optimizer_step), torch_ops.Rounding(
-                    None if self._precision == FP32 else self.weights.dtype, self._rounding_seed),
-                [tuple(o) for o in self._noise_origin.tolist()],
-                [None if b < 0 else torch.from_numpy(self._slot_rows[b : b + int(n)])
-                 for b, n in zip(self._slot_base.tolist(), self._rows.tolist())],
+                self.weights, [self.state1, self.state2][: self.optimizer.num_states], self.touched,
+                self._tables_on(self.weights.device), ctx, grad_out, self.optimizer, self.optimizer_step,
+                torch_ops.Rounding(None if self._precision == FP32 else self.weights.dtype, self._rounding_seed),
+                torch.from_numpy(self._slot_rows).to(self.weights.device) if self._slot_rows.size else None,
             )
             return
         positions, table_starts = self._positions_by_table(ctx)
@@ -366,6 +394,15 @@ class _LookupContext:
         self.batch_size = batch_size
         self.upstream_of_id = upstream_of_id
         self.scale_of_id = scale_of_id
+
+
+def check_ids(model: nn.Module) -> None:
+    """Raise ``IndexError`` if a torch-ops lookup of any fused module in ``model`` met ids
+    outside their table's rows since the last check (a training step only counts them on
+    the device; the loop checks at its log lines)."""
+    for module in model.modules():
+        if isinstance(module, FusedEmbeddingBagCollection):
+            module.check_ids()
 
 
 class _FusedLookup(torch.autograd.Function):

@@ -11,8 +11,8 @@ from neorec.ingest.partitions import PARTITIONS, PartitionError, first_ready, pa
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.schema import Dataset
 from neorec.trainer.run.build import decode_options, table_configs
-from neorec.trainer.config import TrainConfig
-from neorec.trainer.distributed import DistributedContext
+from neorec.trainer.config import ConfigError, TrainConfig
+from neorec.trainer.distributed import DistributedContext, check_same_local_world
 from neorec.trainer.embedding.config import WEIGHT_DTYPES, TableConfig
 from neorec.trainer.planner.enumerate import Constraint
 from neorec.trainer.planner.inputs import TableSpec, Topology, parse_bytes
@@ -141,9 +141,28 @@ def shared_plan(dataset: Dataset, config: TrainConfig, context: DistributedConte
 
 def job_plan(dataset: Dataset, config: TrainConfig, context: DistributedContext) -> ShardingPlan | None:
     """The plan a run trains with: the ranks' shared plan, or a single process's when it
-    may need the embedding store (else None: every table in memory, unsharded)."""
+    may need the embedding store (else None: every table in memory, unsharded).
+
+    The plan is made for the job's real topology: ``sharding.ranks_per_node`` = 0 means
+    the ranks per node torchrun started (``LOCAL_WORLD_SIZE``, the same on every node). On
+    CUDA the store is not a tier (it trains on the CPU only), so no table goes there.
+    """
+    config = for_job(config, context)
     if context.distributed:
         return shared_plan(dataset, config, context)
     if may_use_store(table_configs(dataset.schema, config), config):
         return plan_for_config(dataset, config, 1).plan
     return None
+
+
+def for_job(config: TrainConfig, context: DistributedContext) -> TrainConfig:
+    """``config`` with the topology and store settings of the job ``context`` runs in."""
+    if context.device.type == "cuda":
+        if config.embedding_store.tables:
+            raise ConfigError("embedding_store.tables: store-backed tables train on the CPU only; this run is on "
+                              f"{context.device} (set train.device = 'cpu' or keep every table in device memory)")
+        config = replace(config, embedding_store=replace(config.embedding_store, cache_fraction=0.0))
+    if context.distributed and not config.sharding.ranks_per_node:
+        check_same_local_world(context)
+        config = replace(config, sharding=replace(config.sharding, ranks_per_node=context.local_world_size))
+    return config

@@ -42,6 +42,7 @@ from neorec.trainer.run.metrics import MetricsLog, evaluate
 from neorec.trainer.model import DLRM
 from neorec.trainer.planner.from_config import job_plan
 from neorec.trainer.run.background import BackgroundIterator
+from neorec.trainer.run.elastic import mark_claimed
 from neorec.trainer.sharding.input_pipeline import InputPipeline
 from neorec.trainer.sharding.sharded_embedding import PreparedSparse
 from neorec.ingest.reader import BatchReader
@@ -49,6 +50,7 @@ from neorec.trainer.run.follow import Follower
 from neorec.trainer.run.readers import (batches, check_dense_transform, check_splits, eval_reader_config, make_reader,
                                          train_reader_config)
 from neorec.trainer.run.step import ProgressFn, StepReport, set_threads, train_step
+from neorec.trainer.embedding.fused import check_ids
 from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings
 from neorec.trainer.run.tensorboard import open_board
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StorePiece, store_of
@@ -141,6 +143,7 @@ class TrainingRun:
         self.run_dir = Path(config.run.dir)
         if context.is_main:
             run_directory.claim(self.run_dir, overwrite=overwrite, resume=resume)
+            mark_claimed(self.run_dir)
         self.early: BackgroundIterator | None = None
         """The first epoch's batches, read from before the model exists (a fresh run's)."""
         if loop.background_batches and not context.distributed and not resume and self.follower is None:
@@ -160,6 +163,8 @@ class TrainingRun:
         self.optimizer = dense_optimizer(self.dlrm, config)
         self.state = LoopState()
         self.metrics_bytes: int | None = None
+        self.logged_loss = 0.0
+        """The mean loss of the last logging interval (the progress reports' loss)."""
         self.checkpointer = self._checkpointer()
         self.resume_skipped: list[dict[str, str]] = []
         """Newer checkpoints a resume skipped (``checkpoint.fallback``), with the reason."""
@@ -251,13 +256,13 @@ class TrainingRun:
         full_batches = self.config.data.remainder == "drop"
         try:
             for batch in stream:
-                share = float(train_step(self.model, self.optimizer, batch, context, full_batches))
+                share = train_step(self.model, self.optimizer, batch, context, full_batches)
                 state.global_step += 1
                 state.step_in_epoch += 1
                 interval.add(share, batch.num_valid)
                 if progress is not None:
                     committed = self.checkpointer.writer.last_committed
-                    progress(StepReport(state.global_step, state.epoch, share * context.world_size, interval.qps(),
+                    progress(StepReport(state.global_step, state.epoch, self.logged_loss, interval.qps(),
                                         self.total_steps,
                                         state.wait_seconds / state.train_seconds if state.train_seconds else 0.0,
                                         committed.name if committed else "",
@@ -298,9 +303,12 @@ class TrainingRun:
 
     def _log_interval(self, interval: "_Interval", checkpoint_due: bool = False) -> bool:
         """Close ``interval`` and write its line (none for an interval without steps, the
-        same on every rank); returns whether any rank's checkpoint is due by time."""
+        same on every rank); returns whether any rank's checkpoint is due by time. Raises
+        the out-of-range ids the steps since the last line counted (:func:`check_ids`)."""
+        check_ids(self.dlrm)
         report, due = interval.close(checkpoint_due)
         if report["steps"]:
+            self.logged_loss = report["loss"]
             state = self.state
             self.log.write({"split": "train", "step": state.global_step, "epoch": state.epoch,
                             **({"partition": state.partition} if state.partition else {}), **report,
@@ -416,7 +424,7 @@ class TrainingRun:
         check_resumable(restorable.manifest.config, config)
         dense = restore_model(restorable, self.dlrm)
         self.optimizer.load_state_dict(dense["optimizer"])
-        torch.set_rng_state(dense["rng"])
+        torch.set_rng_state(dense["rng"].cpu())
         self.state = LoopState(**dense["state"])
         _Interval.resume(self.state, context)
         self.metrics_bytes = dense["metrics_bytes"]
@@ -434,12 +442,14 @@ class _Interval:
         self.started = time.perf_counter()
         self.eval_before = state.eval_seconds
         self.checkpoint_before = state.checkpoint_seconds
-        self.loss_shares = state.interval_loss_shares
+        self.loss_shares = torch.tensor(state.interval_loss_shares, dtype=torch.float64, device=context.device)
+        """float64 scalar on the run's device: the steps' loss shares summed there, read at
+        log lines and checkpoints only (the steps in between never wait for the device)."""
         self.steps = state.interval_steps
         self.samples = state.interval_samples
 
-    def add(self, loss_share: float, samples: int) -> None:
-        """A step's loss share and valid samples on this rank."""
+    def add(self, loss_share: torch.Tensor, samples: int) -> None:
+        """A step's loss share (float32 scalar on the device) and valid samples on this rank."""
         self.loss_shares += loss_share
         self.steps += 1
         self.samples += samples
@@ -464,9 +474,9 @@ class _Interval:
         all-reduce, exact: each rank adds zeros to the others' values)."""
         world, rank = self.context.world_size, self.context.rank
         mine = [0.0] * (2 * world)
-        mine[rank], mine[world + rank] = self.loss_shares, float(self.samples)
+        mine[rank], mine[world + rank] = float(self.loss_shares), float(self.samples)
         self.state.interval_by_rank = global_sum(self.context, mine)
-        self.state.interval_loss_shares = self.loss_shares
+        self.state.interval_loss_shares = mine[rank]
         self.state.interval_steps = self.steps
         self.state.interval_samples = self.samples
 
@@ -494,7 +504,7 @@ class _Interval:
         ranks."""
         seconds = self.seconds()
         eval_seconds, checkpoint_seconds = self.paused()
-        loss_sum, samples, due = global_sum(self.context, [self.loss_shares, float(self.samples),
+        loss_sum, samples, due = global_sum(self.context, [float(self.loss_shares), float(self.samples),
                                                            float(checkpoint_due)])
         state = self.state
         if self.steps:  # an interval without steps (after the last log line) trained nothing

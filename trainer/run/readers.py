@@ -16,6 +16,7 @@ from neorec.ingest.reader import BatchReader, InProcessReader, ReaderConfig
 from neorec.ingest.schema import Dataset
 from neorec.trainer.batch import Batch
 from neorec.trainer.config import TrainConfig
+from neorec.trainer.device import HostToDevice
 from neorec.trainer.distributed import SINGLE_PROCESS, DistributedContext
 
 
@@ -72,4 +73,7 @@ def check_splits(train_plan: RankPlan, eval_plan: RankPlan, config: TrainConfig)
 
 def batches(reader: BatchReader, epoch: int, first_step: int = 0,
             device: torch.device = torch.device("cpu")) -> Iterator[Batch]:
-    return (Batch.from_host(b).to(device) for b in reader.epoch(epoch, first_step))
+    """The batches of ``epoch`` from ``first_step`` on, on ``device`` (copied from pinned
+    memory on a side stream there: :class:`~neorec.trainer.device.HostToDevice`)."""
+    move = HostToDevice(device)
+    return (Batch.from_host(b).moved(move) for b in reader.epoch(epoch, first_step))

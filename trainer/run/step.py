@@ -25,7 +25,8 @@ class StepReport:
     global_step: int
     epoch: int
     loss: float
-    """The step's mean loss (sharded runs: estimated from rank 0's samples alone)."""
+    """The mean loss of the last logging interval (``train.log_every`` steps; 0 before the
+    first): reading each step's loss would make every step wait for the device."""
     qps: float
     total_steps: int
     input_wait_frac: float = 0.0

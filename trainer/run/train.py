@@ -12,17 +12,19 @@ from neorec.ingest.schema import Dataset
 from neorec.trainer import checkpoint
 from neorec.trainer.checkpoint.layout import best_checkpoint
 from neorec.trainer.config import DEFAULT_CACHE_FRACTION, TrainConfig
-from neorec.trainer.distributed import SINGLE_PROCESS, DistributedContext, explain_collective_failure
+from neorec.trainer.device import resolve_device
+from neorec.trainer.distributed import DistributedContext, explain_collective_failure, single_process
 from neorec.trainer.embedding.store_backed import store_of
 from neorec.trainer.planner.from_config import plan_for_config
 from neorec.trainer.run.build import build_model, decode_options, store_settings
+from neorec.trainer.run.elastic import after_restart
 from neorec.trainer.run.loop import TrainingRun
 from neorec.trainer.run.metrics import evaluate
 from neorec.trainer.run.readers import batches, eval_reader_config, make_reader
 from neorec.trainer.run.step import ProgressFn, set_threads
 
 
-def train(config: TrainConfig, progress: ProgressFn | None = None, context: DistributedContext = SINGLE_PROCESS,
+def train(config: TrainConfig, progress: ProgressFn | None = None, context: DistributedContext | None = None,
           overwrite: bool = False, resume: bool = False) -> dict[str, Any]:
     """Train as ``config`` says and write the run directory; returns the summary.
 
@@ -32,8 +34,15 @@ def train(config: TrainConfig, progress: ProgressFn | None = None, context: Dist
     rates are global. A run directory that holds another run is refused unless
     ``overwrite``; ``resume`` continues the run in it from its newest complete checkpoint
     (same epoch, step, next batch and RNG). A collective that fails because a rank went
-    silent raises :class:`~neorec.trainer.distributed.RankSilentError` naming it.
+    silent raises :class:`~neorec.trainer.distributed.RankSilentError` naming it. Without a
+    ``context`` the run is one process on ``config.train.device``.
+
+    A worker that torchrun's elastic agent restarted resumes the run its job started in
+    the run directory (:func:`~neorec.trainer.run.elastic.after_restart`).
     """
+    if context is None:
+        context = single_process(config.train.device)
+    overwrite, resume = after_restart(config, context, overwrite, resume)
     try:
         run = TrainingRun(config, context, overwrite=overwrite, resume=resume)
         return run.run(progress)
@@ -50,7 +59,8 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None =
     ``checkpoint_dir``: a run directory, its checkpoints directory, or one checkpoint;
     ``best``: the run's best checkpoint (``keep_best``). The split is read in process
     unless ``ingest`` names reader services (the services a run trained through are
-    usually gone by the time it is evaluated)."""
+    usually gone by the time it is evaluated). The model runs on ``config.train.device``,
+    as in training."""
     root, named = checkpoint.checkpoints_root(checkpoint_dir)
     name = None if named is None else named.name
     if best:
@@ -63,6 +73,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None =
     config = replace(config, data=replace(config.data, ingest=list(ingest)))
     config.data.validate()
     set_threads(config.train.threads)
+    device = resolve_device(config.train.device)
     dataset = with_partition_split(Dataset.load(config.data.path), config.data.eval_split)
     on_store = {entry.table for entry in restorable.manifest.store}
     with tempfile.TemporaryDirectory(prefix="neorec-eval-store-") as store_dir:
@@ -73,12 +84,12 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None =
                 config.embedding_store, tables={t: config.embedding_store.tables.get(t, fraction) for t in on_store},
                 service=""))
             plan = plan_for_config(dataset, config, 1).plan
-        model = build_model(dataset, config, plan, store=store_settings(config, Path(store_dir), reset=True))
+        model = build_model(dataset, config, plan, store=store_settings(config, Path(store_dir), reset=True)).to(device)
         checkpoint.restore_model(restorable, model)
         reader = make_reader(dataset, config.data.eval_split, decode_options(dataset.schema, config),
                              eval_reader_config(config), config)
         try:
-            return evaluate(model, batches(reader, 0))
+            return evaluate(model, batches(reader, 0, device=device))
         finally:
             reader.close()
             store = store_of(model.embeddings)

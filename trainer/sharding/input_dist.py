@@ -64,7 +64,7 @@ class SparseAllToAll:
         rather than the Numba kernel."""
         self.layout = layout
         self.torch_routing = torch_routing
-        self._source_cache: dict[tuple[str, ...], torch.Tensor] = {}
+        self._source_cache: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
         # torch routing: route r of unit u starts at key u * stride + its first row
         self._stride = max(t.num_embeddings for t in layout.tables) + 1
         unit_of_route = np.repeat(np.arange(len(layout.unit_feature)), np.diff(layout.unit_routes))
@@ -119,10 +119,12 @@ class SparseAllToAll:
         layout, routed = self.layout, lengths.routed
         world, batch = layout.world_size, routed.batch_size
         received = lengths.received.wait().view(world, -1)
-        _raise_if_flagged(routed.bad_id, received[:, -1])
         received_lengths = received[:, :-1].reshape(world, int(layout.slots_per_rank[layout.rank]), batch)
         value_counts = received_lengths.sum(2, dtype=torch.int64)
-        value_sizes = value_counts.sum(1).tolist()
+        # one read from the device: every rank's invalid-batch flag and how many ids it sends
+        head = torch.cat([received[:, -1].to(torch.int64), value_counts.sum(1)]).tolist()
+        _raise_if_flagged(routed.bad_id, head[:world])
+        value_sizes = head[world:]
         values = start_all_to_all(routed.send_values, routed.send_sizes, value_sizes, lengths.group)
         weights = None if routed.send_weights is None else start_all_to_all(
             routed.send_weights, routed.send_sizes, value_sizes, lengths.group)
@@ -136,7 +138,7 @@ class SparseAllToAll:
         weights = None if in_flight.weights is None else in_flight.weights.wait()
         # received: rank-major, then slot; the local module wants slot-major, then rank
         regroup = _concat_ranges(exclusive_cumsum(value_counts.flatten()).view(world, mine).T.flatten(),
-                                 value_counts.T.flatten())
+                                  value_counts.T.flatten(), values.numel())
         return KeyedJaggedTensor(
             self.layout.local_feature_names,
             in_flight.lengths.permute(1, 0, 2).flatten().contiguous(),
@@ -170,12 +172,13 @@ class SparseAllToAll:
         route by ``searchsorted`` over ``unit * stride + first row``, stable-sort by slot."""
         layout, batch, device = self.layout, sparse.batch_size, sparse.values.device
         tables = self._tables(device)
-        source = self.feature_positions(sparse).to(device)[tables["unit_feature"]]
+        source = self.feature_positions(sparse, device)[tables["unit_feature"]]
         offsets = sparse.offsets().to(device)
         starts = offsets[source * batch]
         counts = offsets[(source + 1) * batch] - starts
         positions = _concat_ranges(starts, counts)
-        unit = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts)
+        unit = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts,
+                                       output_size=positions.numel())
         ids = sparse.values[positions]
         rows = tables["unit_rows"][unit]
         bad = (ids < 0) | (ids >= rows)
@@ -188,7 +191,8 @@ class SparseAllToAll:
         slot = tables["route_slot"][route]
         local_ids = ids - tables["route_rows"][route]
         bag_of_value = torch.repeat_interleave(torch.arange(sparse.lengths.numel(), device=device) % batch,
-                                               sparse.lengths.to(torch.int64))[positions]
+                                               sparse.lengths.to(torch.int64),
+                                               output_size=sparse.values.numel())[positions]
         order = torch.argsort(slot, stable=True)
         lengths = torch.bincount(slot * batch + bag_of_value, minlength=len(layout.slots) * batch)
         weights = None if sparse.weights is None else sparse.weights[positions][order]
@@ -205,25 +209,30 @@ class SparseAllToAll:
         feature = layout.feature_names[int(layout.unit_feature[unit])]
         return f"feature {feature!r}: id {bad_id} is outside its table's rows [0, {int(layout.unit_rows[unit])})"
 
-    def feature_positions(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        """int64 ``[F]``: index in the batch's keys of each feature of the collection."""
-        source = self._source_cache.get(sparse.keys)
+    def feature_positions(self, sparse: KeyedJaggedTensor, device: torch.device | None = None) -> torch.Tensor:
+        """int64 ``[F]`` on ``device`` (default: the CPU): index in the batch's keys of each
+        feature of the collection (computed, and copied to a device, once per key set)."""
+        device = torch.device("cpu") if device is None else device
+        source = self._source_cache.get((sparse.keys, device))
         if source is None:
-            source = torch.tensor(sparse.positions_of(self.layout.feature_names), dtype=torch.int64)
-            self._source_cache[sparse.keys] = source
+            source = torch.tensor(sparse.positions_of(self.layout.feature_names), dtype=torch.int64).to(device)
+            self._source_cache[(sparse.keys, device)] = source
         return source
 
 
-def _raise_if_flagged(own_error: str | None, flags: torch.Tensor) -> None:
+def _raise_if_flagged(own_error: str | None, flags: list[int]) -> None:
+    """Raise on this rank's invalid batch, else if any rank's ``flags`` entry is set."""
     if own_error is not None:
         raise IndexError(own_error)
-    if bool(flags.any()):
-        ranks = torch.nonzero(flags).flatten().tolist()
+    if any(flags):
+        ranks = [rank for rank, flag in enumerate(flags) if flag]
         raise IndexError(f"rank(s) {ranks} have ids outside their tables' rows in this batch (see their error)")
 
 
-def _concat_ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """int64 ``[sum(counts)]``: ``starts[0] .. starts[0] + counts[0] - 1``, then range 1's…"""
-    total = int(counts.sum())
+def _concat_ranges(starts: torch.Tensor, counts: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """int64 ``[sum(counts)]``: ``starts[0] .. starts[0] + counts[0] - 1``, then range 1's…
+    ``total``: ``sum(counts)`` when the caller knows it (else read from the device)."""
+    if total is None:
+        total = int(counts.sum())
     shift = torch.repeat_interleave(starts - exclusive_cumsum(counts), counts, output_size=total)
     return shift + torch.arange(total, device=starts.device)

@@ -28,6 +28,16 @@ class PooledAllToAll:
         self.layout = layout
         self.group = group
         self.precision = precision
+        self._columns: dict[torch.device, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+
+    def _columns_on(self, device: torch.device) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The layout's output column indices (``primary``, ``extra``) on ``device``, copied
+        there once (a copy per step would make each step wait for the device)."""
+        if device not in self._columns:
+            layout = self.layout
+            self._columns[device] = (layout.primary.to(device),
+                                     [(o.to(device), c.to(device)) for o, c in layout.extra])
+        return self._columns[device]
 
     def __call__(self, pooled: torch.Tensor, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
         """``lengths`` int ``[F, B]``: the rank's bag lengths, features in collection order
@@ -44,10 +54,10 @@ class PooledAllToAll:
         if pooled.shape[1] > sent_cols:
             blocks.append(RankSlice.apply(pooled[:, sent_cols:], self.group))
         columns = torch.cat(blocks, dim=1)
-        device = columns.device
-        out = columns.index_select(1, layout.primary.to(device))
-        for out_cols, src_cols in layout.extra:
-            out = out.index_add(1, out_cols.to(device), columns.index_select(1, src_cols.to(device)))
+        primary, extra = self._columns_on(columns.device)
+        out = columns.index_select(1, primary)
+        for out_cols, src_cols in extra:
+            out = out.index_add(1, out_cols, columns.index_select(1, src_cols))
         if layout.mean_row_split:
             out = self._divide_by_lengths(out, lengths)
         return out

@@ -125,7 +125,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def prepare(self, sparse: KeyedJaggedTensor) -> PreparedSparse:
         """Route ``sparse`` for the input all-to-all (no collective: any thread may call it)."""
-        source = self.input_dist.feature_positions(sparse).to(sparse.lengths.device)
+        source = self.input_dist.feature_positions(sparse, sparse.lengths.device)
         lengths = sparse.lengths.view(len(sparse.keys), sparse.batch_size)[source]
         return PreparedSparse(self.input_dist.prepare(sparse), lengths)
 

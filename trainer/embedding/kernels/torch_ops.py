@@ -1,74 +1,147 @@
 """The fused module's lookup and fused update in torch ops, for CUDA (and any device):
-the same semantics as the Numba kernels, deterministic on every device.
+the same semantics as the Numba kernels, deterministic on every device, and free of host
+synchronisation, so that a GPU step runs without waiting for the host.
 
-Forward: per feature, gather the rows, scale by the per-id weights, ``segment_reduce``
-each bag (sum, then the mean's division). Update: per table, the ids' gradient rows are
-sorted by row (stable, so a row's contributions stay in feature, sample, position order)
-and summed per row with ``segment_reduce``; the optimizer then updates the distinct rows.
-No atomics anywhere, so the result does not depend on scheduling. Half-precision weights
-are read as float32 and each update is rounded back to nearest even or stochastically,
-with the Numba kernels' noise (``precision.noise_bits_of``, here in int64 ops).
+Every size comes from the batch's shapes, never from its contents: there is no
+``.item()``, ``nonzero``, ``unique`` or boolean indexing. Each id of the batch is
+handled where it stands, one embedding dimension at a time (ids of tables of another
+dimension, or of features no table here looks up, weigh zero).
+
+Forward: gather every id's row from the flat weights, scale by the per-id weight,
+``segment_reduce`` each bag (sum, then the mean's division). Update: the ids are sorted by
+(table, row), stable, so a row's contributions stay in batch order; each run of one row is
+summed with ``segment_reduce`` over ``n`` segments (one per id, the empty ones after the
+last run); the optimizer updates every run's row. A write for a run that is not a row of
+the dimension being updated repeats the write of the first run that is, so that no two
+writes to one element differ. No atomics anywhere, so the result does not depend on
+scheduling. Half-precision weights are read as float32 and each update is rounded back
+to nearest even or stochastically, with the Numba kernels' noise
+(``precision.noise_bits_of``, here in int64 ops).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from neorec.common.hashing import GOLDEN, MIX1, MIX2, SALT, mix64_int64, signed
 from neorec.trainer.embedding.config import SparseOptimizer
 
+
+@dataclass(frozen=True)
+class TorchTables:
+    """A fused module's tables as torch ops index them, on the module's device.
+
+    Per table (int64 ``[T]`` unless said): ``table_offsets`` (first element in the flat
+    weights), ``state_offsets`` (in each flat state array), ``row_offsets`` (first row in
+    the flat ``touched``; ``[T + 1]``, the last is the total), ``rows``, ``mean_pooling``
+    (bool), ``learning_rates`` (float32), ``noise_origin`` (``[T, 4]``, see :func:`_round`)
+    ``slot_base`` (first of the table's slot rows; -1: not a slot table) and ``group``
+    (its dimension's number in ``dim_groups``); per module feature (int64 ``[F]``)
+    ``feature_tables`` and ``feature_columns``. On the host: per module feature its
+    ``feature_table`` and ``out_columns``; per table ``dims``, ``state_widths`` and
+    ``means`` (mean pooling); ``dim_groups``: the tables of each embedding dimension.
+    """
+
+    table_offsets: torch.Tensor
+    state_offsets: torch.Tensor
+    row_offsets: torch.Tensor
+    rows: torch.Tensor
+    mean_pooling: torch.Tensor
+    learning_rates: torch.Tensor
+    noise_origin: torch.Tensor
+    slot_base: torch.Tensor
+    group: torch.Tensor
+    feature_tables: torch.Tensor
+    feature_columns: torch.Tensor
+    feature_table: list[int]
+    out_columns: list[int]
+    dims: list[int]
+    state_widths: list[int]
+    means: list[bool]
+    dim_groups: dict[int, list[int]]
+
+    @classmethod
+    def build(cls, device: torch.device, table_offsets: np.ndarray, state_offsets: np.ndarray,
+              row_offsets: np.ndarray, rows: np.ndarray, dims: np.ndarray, state_widths: np.ndarray,
+              mean_pooling: np.ndarray, learning_rates: np.ndarray, noise_origin: np.ndarray, slot_base: np.ndarray,
+              feature_table: np.ndarray, out_columns: np.ndarray) -> "TorchTables":
+        """From a fused module's layout arrays (numpy, per table / per feature)."""
+        def on(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+        groups: dict[int, list[int]] = {}
+        for t, d in enumerate(dims.tolist()):
+            groups.setdefault(int(d), []).append(t)
+        group = np.array([list(groups).index(int(d)) for d in dims.tolist()], dtype=np.int64)
+        return cls(on(table_offsets), on(state_offsets), on(np.append(row_offsets, rows.sum())), on(rows),
+                   on(mean_pooling), on(learning_rates), on(noise_origin), on(slot_base), on(group),
+                   on(feature_table.astype(np.int64)), on(out_columns.astype(np.int64)), feature_table.tolist(),
+                   out_columns.tolist(), dims.tolist(), state_widths.tolist(), mean_pooling.tolist(), groups)
+
+    @property
+    def width(self) -> int:
+        """Columns of the pooled output."""
+        return sum(self.dims[t] for t in self.feature_table)
+
+
 @dataclass
 class TorchLookup:
-    """What a forward keeps for its update: per feature, its ids int64 ``[n_f]``, their
-    bags ``[n_f]`` and scales float32 ``[n_f]`` (per-id weight, over the bag length for mean
-    pooling)."""
+    """What a forward keeps for its update, per id of the batch (``[n]``, batch order):
+    ``ids`` int64 (its row; 0 where unused), ``table`` int64, ``feature`` int64 (the module
+    feature; -1: a feature no table here looks up, or an id outside its table), ``samples``
+    int64 and ``scales`` float32 (per-id weight, over the bag length for mean pooling);
+    ``bad_ids``: int64 scalar, the ids outside their table's rows (left out)."""
 
-    ids: list[torch.Tensor]
-    bags: list[torch.Tensor]
-    scales: list[torch.Tensor | None]
+    ids: torch.Tensor
+    table: torch.Tensor
+    feature: torch.Tensor
+    samples: torch.Tensor
+    scales: torch.Tensor
+    bad_ids: torch.Tensor
 
 
-def pooled_forward(table_views: list[torch.Tensor], feature_table: list[int], source: list[int],
-                   out_columns: list[int], mean_pooling: list[bool], lengths: torch.Tensor, values: torch.Tensor,
-                   id_weights: torch.Tensor | None, batch_size: int) -> tuple[torch.Tensor, TorchLookup]:
-    """float32 ``[B, C]`` pooled output; ``table_views[t]`` is table ``t`` ``[rows, dim]``
-    (storage dtype), ``lengths``/``values``/``id_weights`` the batch (feature-major)."""
-    width = sum(table_views[t].shape[1] for t in feature_table)
-    out = torch.zeros(batch_size, width, dtype=torch.float32, device=values.device)
+def pooled_forward(weights: torch.Tensor, tables: TorchTables, source: list[int], module_feature_of: torch.Tensor,
+                   lengths: torch.Tensor, values: torch.Tensor, id_weights: torch.Tensor | None,
+                   batch_size: int) -> tuple[torch.Tensor, TorchLookup]:
+    """float32 ``[B, C]`` pooled output of the flat ``weights`` (storage dtype) for the
+    batch ``lengths`` int32 ``[F * B]``, ``values`` int64 ``[n]``, ``id_weights`` float32
+    ``[n]`` (feature-major); ``source[f]``: the batch feature of module feature ``f``;
+    ``module_feature_of`` int64 ``[F]`` (device): its inverse, -1 for a batch feature of no
+    table here."""
+    device, n = values.device, values.numel()
     if batch_size == 0:  # no bags: every feature looks up nothing
         nothing = values.new_zeros(0)
-        return out, TorchLookup([nothing] * len(feature_table), [nothing] * len(feature_table),
-                                [None] * len(feature_table))
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=values.device)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    starts = offsets[::batch_size].tolist()
-    saved = TorchLookup([], [], [])
-    for f, t in enumerate(feature_table):
-        table = table_views[t]
-        lo, hi = starts[source[f]], starts[source[f] + 1]
-        ids = values[lo:hi]
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= table.shape[0]):
-            raise IndexError(f"ids are outside their table's rows [0, {table.shape[0]}) (feature {f})")
-        bag_lengths = lengths[source[f] * batch_size : (source[f] + 1) * batch_size].to(torch.int64)
-        bags = torch.repeat_interleave(torch.arange(batch_size, device=values.device), bag_lengths)
-        scale = None if id_weights is None else id_weights[lo:hi]
-        if mean_pooling[t]:
-            counts = bag_lengths.clamp(min=1).to(torch.float32)[bags]
-            scale = 1.0 / counts if scale is None else scale / counts
-        rows = table.index_select(0, ids).float()
-        if id_weights is not None:
-            rows = rows * id_weights[lo:hi, None]
-        pooled = torch.segment_reduce(rows, "sum", lengths=bag_lengths, unsafe=True) if rows.numel() else \
-            torch.zeros(batch_size, table.shape[1], device=values.device)
-        if mean_pooling[t]:
-            pooled = pooled / bag_lengths.clamp(min=1).to(torch.float32)[:, None]
-        out[:, out_columns[f] : out_columns[f] + table.shape[1]] = pooled
-        saved.ids.append(ids)
-        saved.bags.append(bags)
-        saved.scales.append(scale)
-    return out, saved
+        return torch.zeros(0, tables.width, dtype=torch.float32, device=device), TorchLookup(
+            nothing, nothing, nothing, nothing, nothing.float(), nothing.sum())
+    bag_lengths = lengths.to(torch.int64)
+    bag = torch.repeat_interleave(torch.arange(bag_lengths.numel(), device=device), bag_lengths, output_size=n)
+    feature = module_feature_of[bag // batch_size]
+    table = tables.feature_tables[feature.clamp(min=0)]
+    inside = (values >= 0) & (values < tables.rows[table])
+    bad_ids = ((feature >= 0) & ~inside).sum()
+    feature = torch.where(inside, feature, -1)
+    used = feature >= 0
+    ids = torch.where(used, values, 0)
+    counts = bag_lengths.clamp(min=1).to(torch.float32)
+    weight = used.to(torch.float32) if id_weights is None else torch.where(used, id_weights, 0.0)
+    scales = torch.where(tables.mean_pooling[table], weight / counts[bag], weight)
+    out = torch.zeros(batch_size, tables.width, dtype=torch.float32, device=device)
+    for g, (dim, members) in enumerate(tables.dim_groups.items()):
+        in_group = used & (tables.group[table] == g)
+        element = torch.where(in_group, tables.table_offsets[table] + ids * dim, 0)
+        rows = weights[element[:, None] + torch.arange(dim, device=device)].float()
+        rows = rows * torch.where(in_group, weight, 0.0)[:, None]
+        pooled = torch.segment_reduce(rows, "sum", lengths=bag_lengths, unsafe=True) if n else \
+            torch.zeros(bag_lengths.numel(), dim, device=device)
+        for f, t in enumerate(tables.feature_table):
+            if t in members:
+                bags = slice(source[f] * batch_size, (source[f] + 1) * batch_size)
+                block = pooled[bags] / counts[bags, None] if tables.means[t] else pooled[bags]
+                out[:, tables.out_columns[f] : tables.out_columns[f] + dim] = block
+    return out, TorchLookup(ids, table, feature, bag % batch_size, scales, bad_ids)
 
 
 @dataclass(frozen=True)
@@ -80,70 +153,97 @@ class Rounding:
     seed: int
 
 
-def apply_updates(table_views: list[torch.Tensor], state_views: list[list[torch.Tensor]],
-                  touched_views: list[torch.Tensor], feature_table: list[int], out_columns: list[int],
-                  saved: TorchLookup, grad_out: torch.Tensor, optimizer: SparseOptimizer,
-                  learning_rates: list[float], step: int, rounding: Rounding,
-                  noise_origin: list[tuple[int, int, int, int]], slot_rows: list[torch.Tensor | None]) -> None:
-    """Update every row the lookup touched, table by table, in place. ``slot_rows[t]``: the
-    table row each row of table ``t`` holds when its rows are cache slots (the rounding noise
-    follows the row), else None."""
-    for t, table in enumerate(table_views):
-        features = [f for f, ft in enumerate(feature_table) if ft == t]
-        if not features:
-            continue
-        dim = table.shape[1]
-        ids = torch.cat([saved.ids[f] for f in features])
-        if ids.numel() == 0:
-            continue
-        pieces = []
-        for f in features:
-            g = grad_out[saved.bags[f], out_columns[f] : out_columns[f] + dim]
-            pieces.append(g if saved.scales[f] is None else g * saved.scales[f][:, None])
-        grads = torch.cat(pieces)
-        sorted_ids, order = torch.sort(ids, stable=True)
-        rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-        grad = torch.segment_reduce(grads[order], "sum", lengths=counts, unsafe=True)
-        weights = table.index_select(0, rows).float()
-        new_weights = _optimizer_step(weights, grad, [s.index_select(0, rows) for s in state_views[t]],
-                                      state_views[t], rows, optimizer, learning_rates[t], step)
-        held = rows if slot_rows[t] is None else slot_rows[t].to(rows.device)[rows]
-        table.index_copy_(0, rows, _round(new_weights, rounding, step, held, noise_origin[t]))
-        touched_views[t].index_fill_(0, rows, 1)
+def apply_updates(weights: torch.Tensor, states: list[torch.Tensor], touched: torch.Tensor, tables: TorchTables,
+                  saved: TorchLookup, grad_out: torch.Tensor, optimizer: SparseOptimizer, step: torch.Tensor,
+                  rounding: Rounding, slot_rows: torch.Tensor | None) -> None:
+    """Update every row the lookup touched, in place: the flat ``weights`` (storage dtype),
+    flat optimizer ``states`` (float32), ``touched`` uint8 (one per row of all tables).
+    ``grad_out`` float32 ``[B, C]``; ``step`` int64 scalar (device): the optimizer step;
+    ``slot_rows`` int64: the table row each slot holds, for slot tables (the rounding
+    noise follows the row), else None."""
+    n = saved.ids.numel()
+    if n == 0:
+        return
+    device = saved.ids.device
+    total_rows = tables.row_offsets[-1]
+    key = torch.where(saved.feature >= 0, tables.row_offsets[saved.table] + saved.ids, total_rows)
+    sorted_key, order = torch.sort(key, stable=True)
+    starts = torch.ones(n, dtype=torch.bool, device=device)
+    starts[1:] = sorted_key[1:] != sorted_key[:-1]
+    run = torch.cumsum(starts, 0) - 1
+    run_lengths = torch.zeros(n, dtype=torch.int64, device=device).index_add_(0, run, torch.ones_like(run))
+    run_key = total_rows.expand(n).clone()
+    run_key.scatter_(0, run, sorted_key)  # a run's positions all carry its key
+    valid = run_key < total_rows
+    run_table = (torch.searchsorted(tables.row_offsets, run_key, right=True) - 1).clamp(0, len(tables.dims) - 1)
+    run_row = run_key - tables.row_offsets[run_table]
+    positions = torch.arange(n, device=device)
+    width = grad_out.shape[1]
+    feature_columns = tables.feature_columns[saved.feature.clamp(min=0)]
+    for g, (dim, members) in enumerate(tables.dim_groups.items()):
+        mine = valid & (tables.group[run_table] == g)
+        source = torch.where(mine, positions, torch.argmax(mine.to(torch.int8)))
+        keep = mine[source]  # False only when no run is of this dimension: then every write is a no-op
+        t = torch.where(keep, run_table[source], members[0])
+        row = torch.where(keep, run_row[source], 0)
+        id_in_group = (saved.feature >= 0) & (tables.group[saved.table] == g)
+        column = torch.where(id_in_group, saved.samples * width + feature_columns, 0)
+        gathered = grad_out.reshape(-1)[column[:, None] + torch.arange(dim, device=device)]
+        gathered = gathered * torch.where(id_in_group, saved.scales, 0.0)[:, None]
+        grad = torch.segment_reduce(gathered[order], "sum", lengths=run_lengths, unsafe=True)[source]
+        element = (tables.table_offsets[t] + row * dim)[:, None] + torch.arange(dim, device=device)
+        w = weights[element].float()
+        state_width = tables.state_widths[members[0]]
+        state_element = (tables.state_offsets[t] + row * state_width)[:, None] + \
+            torch.arange(state_width, device=device)
+        current = [s[state_element] for s in states]
+        new_w, new_states = _optimizer_step(w, grad, current, optimizer, tables.learning_rates[t][:, None], step)
+        held = row if slot_rows is None else torch.where(tables.slot_base[t] >= 0,
+                                                         slot_rows[(tables.slot_base[t] + row).clamp(min=0)], row)
+        rounded = _round(new_w, rounding, step, held, tables.noise_origin[t])
+        keep2 = keep[:, None]
+        weights.index_put_((element,), torch.where(keep2, rounded, weights[element]))
+        for target, old, new in zip(states, current, new_states):
+            target.index_put_((state_element,), torch.where(keep2, new, old))
+        touched_at = tables.row_offsets[t] + row
+        touched.index_put_((touched_at,), torch.where(keep, 1, touched[touched_at]).to(touched.dtype))
 
 
-def _optimizer_step(w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor], state_views: list[torch.Tensor],
-                    rows: torch.Tensor, opt: SparseOptimizer, lr: float, step: int) -> torch.Tensor:
-    """New float32 weights of ``rows``; writes their new optimizer state."""
+def _optimizer_step(w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor], opt: SparseOptimizer,
+                    lr: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """New float32 weights ``[n, dim]`` and optimizer states of rows ``w`` with gradient
+    ``g``; ``lr`` float32 ``[n, 1]``, ``step`` int64 scalar tensor."""
     if opt.weight_decay:
         g = g + opt.weight_decay * w
     if opt.kind == "sgd":
-        return w - lr * g
+        return w - lr * g, []
     if opt.kind == "adagrad":
         s = states[0] + g * g
-        state_views[0].index_copy_(0, rows, s)
-        return w - lr * g / (s.sqrt() + opt.eps)
+        return w - lr * g / (s.sqrt() + opt.eps), [s]
     if opt.kind == "rowwise_adagrad":
         s = states[0] + (g * g).mean(dim=1, keepdim=True)
-        state_views[0].index_copy_(0, rows, s)
-        return w - (lr / (s.sqrt() + opt.eps)) * g
+        return w - (lr / (s.sqrt() + opt.eps)) * g, [s]
     m = opt.beta1 * states[0] + (1 - opt.beta1) * g
     v = opt.beta2 * states[1] + (1 - opt.beta2) * g * g
-    state_views[0].index_copy_(0, rows, m)
-    state_views[1].index_copy_(0, rows, v)
-    step_size = (1 - opt.beta2 ** step) ** 0.5 / (1 - opt.beta1 ** step)
-    return w - lr * step_size * m / (v.sqrt() + opt.eps)
+    steps = step.to(torch.float64)
+    beta1 = torch.full((), opt.beta1, dtype=torch.float64, device=w.device)  # filled there: no host copy
+    beta2 = torch.full((), opt.beta2, dtype=torch.float64, device=w.device)
+    step_size = (1 - beta2.pow(steps)).sqrt() / (1 - beta1.pow(steps))
+    return w - (lr.double() * step_size).float() * m / (v.sqrt() + opt.eps), [m, v]
 
 
-def _round(w: torch.Tensor, rounding: Rounding, step: int, rows: torch.Tensor,
-           origin: tuple[int, int, int, int]) -> torch.Tensor:
-    """``w`` float32 ``[n, dim]`` in the storage dtype."""
+def _round(w: torch.Tensor, rounding: Rounding, step: int | torch.Tensor, rows: torch.Tensor,
+           origin: torch.Tensor | tuple[int, int, int, int]) -> torch.Tensor:
+    """``w`` float32 ``[n, dim]`` in the storage dtype; ``rows`` int64 ``[n]`` the rows
+    they are of, ``origin`` where their table lies in the whole table (table id, first row,
+    first column, full width): one tuple, or int64 ``[n, 4]`` per row."""
     if rounding.dtype is None:
         return w
     nearest = w.to(rounding.dtype)
     if rounding.seed < 0:
         return nearest
-    table_id, row0, col0, full_width = origin
+    origin = torch.as_tensor(origin, dtype=torch.int64, device=w.device).reshape(-1, 4)
+    table_id, row0, col0, full_width = (origin[:, i : i + 1] for i in range(4))
     element = (table_id << 40) + (row0 + rows[:, None]) * full_width + col0 + torch.arange(w.shape[1], device=w.device)
     noise = _uniform_noise(rounding.seed, step, element)
     # the two half values around w: nearest and its neighbour on w's other side
@@ -165,8 +265,13 @@ def _from_bits(magnitude: torch.Tensor, sign_of: torch.Tensor, dtype: torch.dtyp
     return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(dtype)
 
 
-def _uniform_noise(seed: int, step: int, element: torch.Tensor) -> torch.Tensor:
+def _uniform_noise(seed: int, step: int | torch.Tensor, element: torch.Tensor) -> torch.Tensor:
     """float64 uniform [0, 1): splitmix64 of ``(seed, step, element)`` as
-    :func:`neorec.trainer.embedding.kernels.precision.noise_bits_of` over 2**53, in int64 (wrapping) arithmetic."""
-    z = mix64_int64(signed(seed * GOLDEN + step * MIX1 + SALT) + element * signed(MIX2))
+    :func:`neorec.trainer.embedding.kernels.precision.noise_bits_of` over 2**53, in int64
+    (wrapping) arithmetic; ``step`` a number or an int64 scalar tensor."""
+    if isinstance(step, torch.Tensor):  # the same sum modulo 2**64, in int64 ops
+        start = signed(seed * GOLDEN + SALT) + step * signed(MIX1)
+    else:
+        start = signed(seed * GOLDEN + step * MIX1 + SALT)
+    z = mix64_int64(start + element * signed(MIX2))
     return ((z >> 11) & ((1 << 53) - 1)).double() * (1.0 / 9007199254740992.0)
