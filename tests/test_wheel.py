@@ -148,6 +148,11 @@ print("public API ok:", len(neorec.__all__), "names")
 """
 
 
+def _without_source_paths() -> dict[str, str]:
+    """This process's environment without the variables that put a source tree on the path."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH")}
+
+
 def _fresh_venv(directory: Path, wheel: Path) -> Path:
     """A virtualenv holding the wheel, which sees this interpreter's site-packages (torch and
     the other dependencies) through a ``.pth`` of plain paths: no source tree and no editable
@@ -156,10 +161,11 @@ def _fresh_venv(directory: Path, wheel: Path) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(directory)], check=True, timeout=120)
     python = directory / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
-                    "--disable-pip-version-check", "-q", str(wheel)], check=True, timeout=300)
+                    "--disable-pip-version-check", "-q", str(wheel)], check=True, timeout=300,
+                   env=_without_source_paths())  # else pip finds the checkout's neorec "already installed"
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                              check=True, capture_output=True, text=True).stdout.strip()
-    shared = [p for p in site.getsitepackages() if p in sys.path and not Path(p).resolve().is_relative_to(ROOT)]
+    shared = [p for p in site.getsitepackages() if p in sys.path]  # (a .venv inside the checkout included)
     Path(purelib, "shared-dependencies.pth").write_text("".join(f"{p}\n" for p in shared))
     return directory
 
@@ -173,7 +179,7 @@ def test_the_installed_wheel_runs_beside_a_users_own_trainer_protos_and_benchmar
         (project / path).write_text('OWNER = "user"\n')
     (project / "config.toml").write_text(USER_CONFIG)
     (project / "check.py").write_text(USER_CHECK)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH")}
+    env = _without_source_paths()
     python, neorec = str(venv / "bin" / "python"), str(venv / "bin" / "neorec")
 
     def run(*command: str) -> str:
@@ -181,8 +187,8 @@ def test_the_installed_wheel_runs_beside_a_users_own_trainer_protos_and_benchmar
         assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
         return done.stdout + done.stderr
 
-    path = run(python, "-c", "import sys; print(sys.path)")
-    assert str(ROOT) not in path
+    path = json.loads(run(python, "-c", "import json, sys; print(json.dumps(sys.path))"))
+    assert str(ROOT) not in path and str(ROOT.parent) not in path, path  # the source tree is not importable
     run(neorec, "data", "synth", "--profile", "criteo", "--rows", "3000", "--out", "data")
     # python -m puts the project first on sys.path: its trainer.py and protos/ are what a
     # top-level `import trainer` would find

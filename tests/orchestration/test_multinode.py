@@ -59,7 +59,8 @@ def _run_nodes(commands: list[list[str]], timeout: float = 300) -> None:
 
 def _train_records(run: Path) -> list[dict]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in ("qps", "seconds")} for r in records]
+    return [{k: v for k, v in r.items() if k not in ("qps", "seconds") and not k.endswith("_seconds")}
+            for r in records]
 
 
 def assert_same_run(run: Path, reference: Path) -> None:
