@@ -2,7 +2,7 @@
 FBGEMM's ``bounds_check_mode``).
 
 ``"fatal"`` (the default): every id of a batch is checked against its table's rows up front,
-with one vectorized pass over the batch's ids, and a bad one raises an ``IndexError``
+with one pass over the batch's ids (a Numba loop on the CPU, vectorized torch ops elsewhere), and a bad one raises an ``IndexError``
 naming the feature, the table, the id and the rows, before any lookup, cache admission or
 update. ``"none"``: the caller vouches for its ids (benchmarks); the kernels keep only their
 own guards.
@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from neorec.trainer.batch import KeyedJaggedTensor
+from neorec.trainer.embedding.kernels.id_range import first_out_of_range
 
 BOUNDS_CHECK_MODES = ("fatal", "none")
 _NO_LIMIT = torch.iinfo(torch.int64).max
@@ -40,20 +41,27 @@ class BoundsCheck:
         self._rows_of = dict(zip(features, (int(r) for r in rows)))
         self._limits: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
 
-    def __call__(self, sparse: KeyedJaggedTensor) -> None:
+    def __call__(self, sparse: KeyedJaggedTensor, host_kernels: bool = True) -> None:
         """Raise ``IndexError`` (naming the first bad id's feature and table) if an id of a
         feature of the collection lies outside ``[0, rows)``; features the collection does
-        not look up are not checked. Nothing is checked in mode ``"none"``."""
+        not look up are not checked. Nothing is checked in mode ``"none"``. ``host_kernels``:
+        the lookup runs the Numba kernels (then a CPU batch is checked in one Numba pass;
+        the torch-ops path checks with torch ops, as it would on a GPU)."""
         if self.mode == "none" or sparse.values.numel() == 0 or not sparse.keys:
             return
-        values = sparse.values
-        per_key = sparse.lengths.view(len(sparse.keys), -1).sum(1, dtype=torch.int64)
-        limit = torch.repeat_interleave(self._limits_for(sparse.keys, values.device), per_key,
-                                        output_size=values.numel())
-        bad = (values < 0) | (values >= limit)
-        if not bool(bad.any()):
-            return
-        first = int(torch.argmax(bad.to(torch.uint8)))
+        values, limits = sparse.values, self._limits_for(sparse.keys, sparse.values.device)
+        batch_size = sparse.lengths.numel() // len(sparse.keys)
+        on_host = host_kernels and values.device.type == "cpu"
+        if on_host:  # one pass, no temporaries
+            first = first_out_of_range(values.numpy(), sparse.lengths.numpy(), batch_size, limits.numpy())
+            if first < 0:
+                return
+        per_key = sparse.lengths.view(len(sparse.keys), batch_size).sum(1, dtype=torch.int64)
+        if not on_host:
+            bad = (values < 0) | (values >= torch.repeat_interleave(limits, per_key, output_size=values.numel()))
+            if not bool(bad.any()):
+                return
+            first = int(torch.argmax(bad.to(torch.uint8)))
         key = sparse.keys[int(torch.searchsorted(torch.cumsum(per_key, 0), first, right=True))]
         raise IndexError(f"id {int(values[first])} of feature {key!r} is outside its table's rows "
                          f"{self._table_of[key]}: [0, {self._rows_of[key]})")

@@ -243,7 +243,7 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     # ---------------------------------------------------------------------------- compute
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        self._bounds(sparse)
+        self._bounds(sparse, host_kernels=not self._uses_torch_ops())
         if self.training and torch.is_grad_enabled():
             return _FusedLookup.apply(self._anchor, self, sparse)
         out = self._lookup(sparse)[0]
