@@ -17,6 +17,7 @@ import pytest
 from neorec.orchestration.supervisor import descendants
 from neorec.trainer.run.run_dir import METRICS
 from tests.ingest.workers import start_worker
+from tests.orchestration.processes import alive
 
 EXIT_WITHIN_S = 5.0
 
@@ -94,7 +95,7 @@ def _interrupt(process: subprocess.Popen, quiet: bool = True) -> str:
     assert process.returncode == 130, stderr[-3000:]
     assert took < EXIT_WITHIN_S, f"exit took {took:.1f} s"
     time.sleep(0.2)  # the ranks' last exits
-    left = [pid for pid in tree[1:] if _alive(pid)]
+    left = [pid for pid in tree[1:] if alive(pid)]
     assert not left, left
     with pytest.raises(ProcessLookupError):  # nothing left in its process group
         os.killpg(process.pid, 0)
@@ -104,13 +105,6 @@ def _interrupt(process: subprocess.Popen, quiet: bool = True) -> str:
         assert "Traceback" not in stderr, stderr[-3000:]
     return stderr
 
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_in_process(criteo_dataset, tmp_path):

@@ -13,18 +13,12 @@ import pytest
 
 from neorec.orchestration import supervisor
 from neorec.orchestration.supervisor import ManagedProcess
+from tests.orchestration.processes import alive
 
 
 def _managed(tmp_path, code: str) -> ManagedProcess:
     return ManagedProcess("test", 0, [sys.executable, "-c", code], tmp_path / "test.log", io.StringIO())
 
-
-def _alive(pid: int) -> bool:
-    try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def _wait_for_exit(process: ManagedProcess) -> int:
@@ -74,7 +68,7 @@ def test_a_pid_that_is_no_longer_a_descendant_is_not_signalled(tmp_path, monkeyp
         process.start()
         process.stop(grace_s=5.0)
         assert process.exit_code() == -signal.SIGTERM
-        assert stranger.poll() is None and _alive(stranger.pid)
+        assert stranger.poll() is None and alive(stranger.pid)
     finally:
         stranger.kill()
         stranger.wait()
@@ -93,9 +87,9 @@ def test_stop_ends_the_whole_tree_a_descendant_in_its_own_session_included(tmp_p
         assert time.monotonic() < deadline
         time.sleep(0.02)
     grandchild = int(process.last_lines[0])
-    assert _alive(grandchild)
+    assert alive(grandchild)
     process.stop(grace_s=0.5)  # the grandchild ignores SIGTERM: SIGKILLed after the grace
     deadline = time.monotonic() + 10
-    while _alive(grandchild):
+    while alive(grandchild):
         assert time.monotonic() < deadline
         time.sleep(0.02)
