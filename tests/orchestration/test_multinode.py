@@ -25,6 +25,7 @@ from tests.ingest.workers import start_worker, stop_all
 from tests.orchestration.test_cli import _neorec
 from tests.orchestration.test_sharded_cli import _rank_processes
 from tests.trainer.spawn import _free_port, run_ranks
+from tests.trainer.checkpoint.test_resume import metrics
 from tests.trainer.test_train import final_state, untimed
 
 SHARDED = "{t_C1='row_wise', t_C2='column_wise', t_C3='table_wise', t_C4='data_parallel'}"
@@ -57,18 +58,13 @@ def _run_nodes(commands: list[list[str]], timeout: float = 300) -> None:
                 node.kill()
 
 
-def _train_records(run: Path) -> list[dict]:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in ("qps", "seconds") and not k.endswith("_seconds")}
-            for r in records]
-
 
 def assert_same_run(run: Path, reference: Path) -> None:
     """The same plan, summary (timings aside), metrics and final model, bit for bit."""
     assert json.loads((run / "plan.json").read_text()) == json.loads((reference / "plan.json").read_text())
     assert untimed(json.loads((run / "summary.json").read_text())) == \
         untimed(json.loads((reference / "summary.json").read_text()))
-    assert _train_records(run) == _train_records(reference)
+    assert metrics(run) == metrics(reference)
     a, b = final_state(run), final_state(reference)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
