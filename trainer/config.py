@@ -12,6 +12,7 @@ from neorec.common.errors import UserError
 from neorec.ingest.client import COMPRESSIONS
 from neorec.ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
 from neorec.ingest.plan import REMAINDER_POLICIES, SHUFFLE_MODES
+from neorec.ingest.renamed_keys import read_renamed
 from neorec.ingest.sections import build_section, to_dict
 from neorec.trainer.embedding.bounds import BOUNDS_CHECK_MODES
 from neorec.trainer.embedding.config import POOLINGS, SPARSE_OPTIMIZERS, WEIGHT_DTYPES
@@ -25,6 +26,9 @@ from neorec.trainer.sharding.plan import PlanError
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
 DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "numba", "torch")
+RENAMED_KEYS = {"train.prefetch": "train.background_batches"}
+"""Old key → its new name: configs (and checkpoints' saved configs) that use the old name
+still load, with a warning (see docs/configuration.md)."""
 
 
 class ConfigError(UserError, ValueError):
@@ -463,7 +467,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> "TrainConfig":
-        config = build_section(cls, obj, "", ConfigError)
+        config = build_section(cls, read_renamed(obj, RENAMED_KEYS, ConfigError), "", ConfigError)
         config.validate()
         return config
 
