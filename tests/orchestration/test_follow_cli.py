@@ -15,7 +15,8 @@ from neorec.ingest.synth import write_partition
 from neorec.trainer.checkpoint.layout import complete, read_manifest
 from neorec.trainer.run.train import train
 from tests.ingest.workers import start_worker, stop_all
-from tests.trainer.follow_helpers import SPEC, follow_config, partitioned, records
+from tests.trainer.follow_helpers import SPEC, follow_config, partitioned
+from tests.trainer.run_records import records
 from tests.trainer.test_follow import STEPS, assert_same_run
 
 
