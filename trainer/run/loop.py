@@ -52,7 +52,7 @@ from neorec.trainer.run.readers import (batches, check_dense_transform, check_sp
 from neorec.trainer.run.step import ProgressFn, StepReport, set_threads, train_step
 from neorec.trainer.embedding.fused import check_ids
 from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings
-from neorec.trainer.run.tensorboard import open_board
+from neorec.trainer.run.tensorboard import Board, open_board
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StorePiece, store_of
 from neorec.trainer.run.warmup import compile_kernels
 
@@ -103,8 +103,8 @@ class TrainingRun:
                  resume: bool = False) -> None:
         self.acquired = ExitStack()
         """What setting up acquired (reader threads and channels, background batch threads, store tiers,
-        the metrics file): released in reverse order when setting up fails half-way (a run
-        that starts releases them as it ends)."""
+        the metrics file, the TensorBoard writer): released in reverse order when setting up fails
+        half-way (a run that starts releases them as it ends)."""
         try:
             self._set_up(config, context, overwrite, resume)
         except BaseException:
@@ -187,8 +187,12 @@ class TrainingRun:
         self.acquired.callback(self.log.close)
         for skipped in self.resume_skipped:
             self.log.write({"event": "resume_skipped", "step": self.state.global_step, **skipped})
+        self.board: Board | None = None
+        """The TensorBoard event writer (``train.tensorboard``, on the main rank)."""
         if loop.tensorboard and context.is_main:
-            self.log.listeners.append(open_board(self.run_dir).record)
+            self.board = open_board(self.run_dir)
+            self.acquired.callback(self.board.close)
+            self.log.listeners.append(self.board.record)
         if self.follower is None:
             check_same_steps(context, self.steps_per_epoch, "train")
             check_same_steps(context, self.eval_reader.plan(0).num_batches, "eval")
@@ -215,6 +219,8 @@ class TrainingRun:
             raise
         finally:
             self.log.close()
+            if self.board is not None:
+                self.board.close()
             self._stop_reading()
         return self._summary()
 
