@@ -1,5 +1,5 @@
 """A run whose setting up fails half-way releases what it had acquired: reader threads and
-gRPC channels, the first epoch's prefetch thread, store tiers, open files, the
+gRPC channels, the first epoch's background batch thread, store tiers, open files, the
 TensorBoard writer (and a run that ends releases its writer too)."""
 
 import os
@@ -71,11 +71,11 @@ def test_a_bad_eval_split_releases_the_reader_services_channels_and_threads(crit
 
 
 class Failed(Exception):
-    """Stands for a failure late in setting up (after the readers, prefetch and store)."""
+    """Stands for a failure late in setting up (after the readers, background batches and store)."""
 
 
 @pytest.mark.parametrize("through_services", [False, True])
-def test_a_late_failure_releases_the_prefetch_thread_and_the_store(criteo_dataset, tmp_path, monkeypatch,
+def test_a_late_failure_releases_the_background_batch_thread_and_the_store(criteo_dataset, tmp_path, monkeypatch,
                                                                    through_services):
     def fail(config) -> None:
         raise Failed()
