@@ -133,15 +133,16 @@ class ThreadGovernor:
         return next((c for c in self.ladder if c <= left), self.ladder[-1])
 
 
-def dense_thread_invariant(model: DLRM, batch_size: int, counts: Sequence[int], seed: int = 0) -> bool:
+def dense_thread_invariant(model: DLRM, batch_sizes: Sequence[int], counts: Sequence[int], seed: int = 0) -> bool:
     """Whether ``model``'s dense layers (bottom MLP, interaction, top MLP and the loss) give
     the same outputs and gradients, bit for bit, with each of ``counts`` threads, on random
-    batches of ``batch_size`` samples and of one sample (a last partial batch's shapes lie
-    between). Runs on copies: the model is not changed. Leaves the threads at ``counts[0]``."""
+    batches of each of ``batch_sizes`` samples and of one sample (a last partial batch's
+    shapes lie between). Runs on copies: the model is not changed. Leaves the threads at
+    ``counts[0]``."""
     results: dict[int, list[list[torch.Tensor]]] = {}
     for count in counts:
         use_threads(count)
-        results[count] = [_dense_step(model, rows, seed) for rows in (batch_size, 1)]
+        results[count] = [_dense_step(model, rows, seed) for rows in (*batch_sizes, 1)]
     use_threads(counts[0])
     first = results[counts[0]]
     return all(torch.equal(a, b) for count in counts[1:] for step, other in zip(first, results[count])
@@ -174,7 +175,8 @@ def governor_for(model: DLRM, config: TrainConfig, threads: int, device: torch.d
     if busy_seconds(cpus) is None:
         return None
     ladder = thread_ladder(threads)
-    if not dense_thread_invariant(model, config.train.batch_size, ladder, config.train.seed):
+    if not dense_thread_invariant(model, (config.train.batch_size, config.train.eval_batch_size), ladder,
+                                  config.train.seed):
         log.info("training threads stay at %d: this model's dense layers give different bits with fewer threads "
                  "on this machine", threads)
         return None
