@@ -76,7 +76,7 @@ class Failed(Exception):
 
 @pytest.mark.parametrize("through_services", [False, True])
 def test_a_late_failure_releases_the_background_batch_thread_and_the_store(criteo_dataset, tmp_path, monkeypatch,
-                                                                   through_services):
+                                                                           through_services):
     def fail(config) -> None:
         raise Failed()
 
@@ -118,7 +118,8 @@ class EventWriter:
 
 @pytest.fixture(params=["stand-in", "tensorboard"])
 def event_writer(request, monkeypatch) -> str:
-    """TensorBoard's writer, or where TensorBoard is not installed, :class:`EventWriter`."""
+    """The writer the run gets: the stand-in :class:`EventWriter` (always), TensorBoard's own
+    (where it is installed)."""
     if request.param == "tensorboard":
         pytest.importorskip("tensorboard")
     else:
