@@ -17,7 +17,9 @@ from neorec.trainer.run.thread_governor import (ThreadGovernor, busy_seconds, de
                                                 thread_ladder)
 from neorec.trainer.run.build import build_model
 from neorec.trainer.run.train import train
-from tests.trainer.checkpoint.test_resume import config_for, final_state, metrics
+from tests.trainer.checkpoint.test_resume import config_for
+from tests.trainer.run_records import records
+from tests.trainer.test_train import final_state
 
 TWO_THREADS = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2 or len(os.sched_getaffinity(0)) < 2,
                                  reason="needs two CPUs")
@@ -110,7 +112,7 @@ def _run(dataset, run_dir: Path, threads: int) -> tuple[list[dict], dict[str, to
     config = config_for(dataset, run_dir)
     config.train.threads = threads
     train(config)
-    return metrics(run_dir), final_state(run_dir)
+    return records(run_dir), final_state(run_dir)
 
 
 def _same(a: tuple[list[dict], dict[str, torch.Tensor]], b: tuple[list[dict], dict[str, torch.Tensor]]) -> bool:
