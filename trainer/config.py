@@ -192,7 +192,8 @@ class TrainLoopConfig:
     eval_every: int = 0
     """Steps between evaluations (0: after every epoch only)."""
     threads: int = 0
-    """Threads of torch, the kernels and decoding (0: the host's cores shared by its ranks)."""
+    """Threads of torch, the kernels and decoding (0: the CPUs this process may use, shared by
+    its host's ranks, fewer while other processes take some: docs/shared-hosts.md)."""
     pin_cores: bool = True
     """When several ranks share a host, run each rank's threads on its own share of the
     host's cores (see :mod:`neorec.trainer.run.affinity`)."""

@@ -50,6 +50,7 @@ from neorec.trainer.run.follow import Follower
 from neorec.trainer.run.readers import (batches, check_dense_transform, check_splits, eval_reader_config, make_reader,
                                          train_reader_config)
 from neorec.trainer.run.step import ProgressFn, StepReport, set_threads, train_step
+from neorec.trainer.run.thread_governor import governor_for
 from neorec.trainer.embedding.fused import check_ids
 from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings
 from neorec.trainer.run.tensorboard import open_board
@@ -115,7 +116,7 @@ class TrainingRun:
         loop = config.train
         self.config = config
         self.context = context
-        set_threads(loop.threads, context.local_world_size)  # from the CPUs of all ranks, so before pinning
+        threads = set_threads(loop.threads, context.local_world_size)  # from the CPUs of all ranks, so before pinning
         if loop.pin_cores:
             pin_rank(context.local_rank, context.local_world_size)
         torch.manual_seed(loop.seed)
@@ -176,6 +177,7 @@ class TrainingRun:
                 _prepared(self.dlrm, batches(self.train_reader, 0, 0, context.device), steps), loop.background_batches)
             self.acquired.callback(self._stop_reading)
         compile_kernels(config)  # load the Numba kernels now, not in the first steps
+        self.governor = governor_for(self.dlrm, config, threads, context.device)
         self.model = wrap_data_parallel(self.dlrm, precision=config.sharding.precision()) \
             if context.distributed else self.dlrm
         if context.is_main:
@@ -257,6 +259,8 @@ class TrainingRun:
         try:
             for batch in stream:
                 share = train_step(self.model, self.optimizer, batch, context, full_batches)
+                if self.governor is not None:
+                    self.governor.after_step()
                 state.global_step += 1
                 state.step_in_epoch += 1
                 interval.add(share, batch.num_valid)
