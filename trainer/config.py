@@ -157,6 +157,10 @@ class OptimizerConfig:
     """Adagrad's and Adam's epsilon for the embeddings."""
     sparse_weight_decay: float = 0.0
     """Adds ``weight_decay * w`` to the gradient of every updated embedding row."""
+    sparse_adagrad_decay: float = 1.0
+    """In (0, 1]: ``adagrad``/``rowwise_adagrad`` multiply a row's sum of squared gradients
+    by it at each update of the row, so its step size stays bounded away from zero and a
+    long run keeps adapting (continuous training); 1 is plain Adagrad."""
     dense: str = "adam"
     """The MLPs' optimizer (``torch.optim``)."""
     dense_lr: float = 1e-3
@@ -170,6 +174,8 @@ class OptimizerConfig:
         _positive("optimizer.sparse_eps", self.sparse_eps)
         if self.sparse_weight_decay < 0:
             raise ConfigError(f"optimizer.sparse_weight_decay: must be >= 0, got {self.sparse_weight_decay}")
+        if not 0 < self.sparse_adagrad_decay <= 1:
+            raise ConfigError(f"optimizer.sparse_adagrad_decay: must lie in (0, 1], got {self.sparse_adagrad_decay}")
 
 
 @dataclass

@@ -124,6 +124,8 @@ def test_bench_follow_quick_prints_the_follow_and_frozen_curves(tmp_path):
     # until the first partition is trained the frozen model is the following one: the same AUC
     assert [r["frozen_auc"] for r in rows[:2]] == [r["follow_auc"] for r in rows[:2]]
     assert rows[2]["frozen_auc"] != rows[2]["follow_auc"] and all(r["lag_s"] >= r["train_s"] for r in rows)
+    # the drift floor: the previous partition's teacher on each partition after the first
+    assert rows[0]["late_oracle_auc"] is None and all(0.5 < r["late_oracle_auc"] < 1 for r in rows[1:])
     assert "\n".join(report["table"]) in result.stdout
 
 
