@@ -3,12 +3,13 @@ service both cut into batches.
 
 A run of rows is decoded in chunks of at most :data:`CHUNK_ROWS`. An unpermuted window's
 chunk is a slice of its row group. A permuted window's chunk (row-level shuffling) is
-gathered from the Arrow tables of the window's row groups (Arrow's take on the raw columns)
-and decoded at once, so each row is still decoded and checked once, an error names the
-file, row group and row the bad value came from, and the gathered rows are decoded while
-they are still in the CPU's caches, not written out for a whole window and read back.
+gathered from the Arrow tables of the window's row groups
+(:func:`~neorec.ingest.take.take_rows` on the raw columns) and decoded at once, so each
+row is still decoded and checked once, an error names the file, row group and row the bad
+value came from, and the gathered rows are decoded while they are still in the CPU's
+caches, not written out for a whole window and read back.
 With an executor, a permuted window's chunks are gathered and decoded on it, a few ahead
-of the one being delivered (Arrow's take and numpy's work run without the GIL).
+of the one being delivered (the gathers and numpy's work run without the GIL).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from neorec.ingest.batch import HostBatch
 from neorec.ingest.decoder import DecodeOptions, decode_table
 from neorec.ingest.rows import RowGroupInfo, RowSpan
 from neorec.ingest.schema import DatasetSchema
+from neorec.ingest.take import take_rows
 
 CHUNK_ROWS = 65_536
 """Rows decoded at once. Larger chunks allocate arrays beyond what the allocator keeps for
@@ -60,16 +62,16 @@ class ChunkDecoder:
                                           file=self.paths[group.file_index], row_group=group.row_group,
                                           first_row=piece.start)
             return
-        table = pa.concat_tables([self.load(g) for g in window.groups])
+        tables = [self.load(g) for g in window.groups]
         pieces = span.pieces(CHUNK_ROWS)
         if self.executor is None:
             for piece in pieces:
-                yield piece, self._gathered(table, piece)
+                yield piece, self._gathered(tables, piece)
             return
         ahead: deque[tuple[RowSpan, Future]] = deque()
         try:
             for piece in pieces:
-                ahead.append((piece, self.executor.submit(self._gathered, table, piece)))
+                ahead.append((piece, self.executor.submit(self._gathered, tables, piece)))
                 if len(ahead) > self.workers:
                     done, future = ahead.popleft()
                     yield done, future.result()
@@ -80,9 +82,9 @@ class ChunkDecoder:
             for _, future in ahead:
                 future.cancel()
 
-    def _gathered(self, table: pa.Table, piece: RowSpan) -> HostBatch:
-        """The rows of ``piece`` of a permuted window, gathered from ``table`` (the window's
-        row groups one after the other) and decoded."""
+    def _gathered(self, tables: list[pa.Table], piece: RowSpan) -> HostBatch:
+        """The rows of ``piece`` of a permuted window, gathered from ``tables`` (the
+        window's row groups) and decoded."""
         window = piece.window
         positions = window.order()[piece.start : piece.stop]
         starts = window.group_starts()
@@ -94,5 +96,5 @@ class ChunkDecoder:
             return self.paths[group.file_index], group.row_group, p - int(starts[g])
 
         first = window.groups[0]
-        return decode_table(table.take(pa.array(positions)), self.schema, self.options,
+        return decode_table(take_rows(tables, starts, positions), self.schema, self.options,
                             file=self.paths[first.file_index], row_group=first.row_group, locate=locate)
