@@ -12,6 +12,7 @@ seeds, so every process that holds the same Parquet footers derives the same row
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Iterable, Sequence
@@ -55,7 +56,11 @@ class Window:
     def order(self) -> np.ndarray:
         """int64 ``[num_rows]``: the window's rows (numbered across its groups) in read order
         (read-only; computed once per window and process, see :func:`_read_order`)."""
-        return _read_order(self.seed, self.num_rows)
+        with _READ_ORDER_LOCK:  # threads that start on one window at once wait for one computation
+            return _read_order(self.seed, self.num_rows)
+
+
+_READ_ORDER_LOCK = threading.Lock()
 
 
 @lru_cache(maxsize=16)
