@@ -1,7 +1,8 @@
 """Rows of a window's row groups taken in a given order, as one Arrow table: what a
 permuted window's chunk is decoded from (row-level shuffling, :mod:`neorec.ingest.chunks`).
 
-Flat columns go through Arrow's take. List columns (multi-hot features) go through a Numba
+Flat columns go through Arrow's take (a column with nulls as two takes, of its values and
+of its validity, which together cost less than one that minds the nulls). List columns (multi-hot features) go through a Numba
 gather of whole bags: Arrow's take of a ``list<int64>`` column costs several times the
 decoding of the same rows, while a bag is one contiguous run of ids that can be copied at
 once. The gather writes the result's bags in order, one row group at a time, and reads
@@ -36,23 +37,39 @@ def take_rows(tables: Sequence[pa.Table], starts: np.ndarray, positions: np.ndar
     besides int64 ``[B]`` scratch arrays.
     """
     window = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-    is_list = [pa.types.is_list(f.type) or pa.types.is_large_list(f.type) for f in window.schema]
-    flat = [name for name, listed in zip(window.column_names, is_list) if not listed]
-    taken = window.select(flat).take(pa.array(positions)) if flat else None
+    indices = pa.array(positions)
     columns: dict[str, pa.Array | pa.ChunkedArray] = {}
+    plain = []  # columns Arrow takes as they are
     sources = None
-    for name, listed in zip(window.column_names, is_list):
-        if not listed:
-            columns[name] = taken.column(name)
-            continue
-        chunks = [_single(t.column(name)) for t in tables]
-        if any(c.values.null_count for c in chunks):
-            columns[name] = window.column(name).take(pa.array(positions))
-            continue
-        if sources is None:
-            sources = _Sources(starts, positions)
-        columns[name] = _take_bags(chunks, sources)
-    return pa.table(columns)
+    for field in window.schema:
+        column = window.column(field.name)
+        if pa.types.is_list(field.type) or pa.types.is_large_list(field.type):
+            chunks = [_single(t.column(field.name)) for t in tables]
+            if not pa.types.is_integer(field.type.value_type) or any(c.values.null_count for c in chunks):
+                columns[field.name] = column.take(indices)
+                continue
+            if sources is None:
+                sources = _Sources(starts, positions)
+            columns[field.name] = _take_bags(chunks, sources)
+        elif column.null_count and (pa.types.is_integer(field.type) or pa.types.is_floating(field.type)):
+            columns[field.name] = _take_nullable(column, indices)
+        else:
+            plain.append(field.name)
+    if plain:
+        taken = window.select(plain).take(indices)
+        columns.update((name, taken.column(name)) for name in plain)
+    return pa.table({field.name: columns[field.name] for field in window.schema})
+
+
+def _take_nullable(column: pa.ChunkedArray, indices: pa.Array) -> pa.Array:
+    """Arrow's take of a fixed-width column with nulls, as a take of its values (read as
+    if none were null) and one of its validity: Arrow's take costs twice as much per
+    value where it handles the nulls itself. The values under the nulls are undefined."""
+    values = pa.chunked_array([pa.Array.from_buffers(c.type, len(c), [None, c.buffers()[1]], offset=c.offset)
+                               for c in column.chunks], type=column.type).take(indices).combine_chunks()
+    valid = pa.chunked_array([c.is_valid() for c in column.chunks], type=pa.bool_()).take(indices).combine_chunks()
+    return pa.Array.from_buffers(column.type, len(indices), [valid.buffers()[1], values.buffers()[1]],
+                                 offset=0)
 
 
 def _single(column: pa.ChunkedArray) -> pa.Array:
