@@ -1,17 +1,17 @@
 """Rows of a window's row groups taken in a given order, as one Arrow table: what a
 permuted window's chunk is decoded from (row-level shuffling, :mod:`neorec.ingest.chunks`).
 
-Flat columns go through Arrow's take (a column with nulls as two takes, of its values and
-of its validity, which together cost less than one that minds the nulls). List columns (multi-hot features) go through a Numba
-gather of whole bags: Arrow's take of a ``list<int64>`` column costs several times the
-decoding of the same rows, while a bag is one contiguous run of ids that can be copied at
-once. The gather writes the result's bags in order, one row group at a time, and reads
-each bag from wherever it lies in its group, prefetching the bags a few rows ahead (the
-reads are random, and without prefetching each waits for memory in turn). It yields a
-``large_list`` column with the same bags: a null list becomes an empty bag, as decoding
-reads it anyway.
-A column whose ids hold a null anywhere goes through Arrow's take, so that decoding
-names the bad row exactly as before.
+Flat columns go through Arrow's take; one with nulls as two takes, of its values and of
+its validity, which together cost less than Arrow's take that minds the nulls. List
+columns (multi-hot features) go through a Numba gather of whole bags: Arrow's take of a
+``list<int64>`` column costs several times the decoding of the same rows, while a bag is
+one contiguous run of ids that can be copied at once. The gather writes the result's bags
+in order, one row group at a time, and reads each bag from wherever it lies in its group,
+prefetching the bags a few rows ahead (the reads are random, and without prefetching each
+waits for memory in turn). It yields a ``large_list`` column with the same bags: a null
+list becomes an empty bag, as decoding reads it anyway. A list column whose ids hold a
+null anywhere goes through Arrow's take, so that decoding names the bad row exactly as
+before.
 """
 
 from __future__ import annotations
