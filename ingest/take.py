@@ -63,8 +63,9 @@ def take_rows(tables: Sequence[pa.Table], starts: np.ndarray, positions: np.ndar
 
 def _take_nullable(column: pa.ChunkedArray, indices: pa.Array) -> pa.Array:
     """Arrow's take of a fixed-width column with nulls, as a take of its values (read as
-    if none were null) and one of its validity: Arrow's take costs twice as much per
-    value where it handles the nulls itself. The values under the nulls are undefined."""
+    if none were null) and one of its validity, which together cost about 0.7 of Arrow's
+    take that handles the nulls itself. The values under the nulls are whatever the
+    source holds there (Arrow's take writes zeros)."""
     values = pa.chunked_array([pa.Array.from_buffers(c.type, len(c), [None, c.buffers()[1]], offset=c.offset)
                                for c in column.chunks], type=column.type).take(indices).combine_chunks()
     valid = pa.chunked_array([c.is_valid() for c in column.chunks], type=pa.bool_()).take(indices).combine_chunks()

@@ -23,10 +23,11 @@ OPTIONS = DecodeOptions.for_schema(SCHEMA)
 
 
 def _bags(rng: np.random.Generator, n: int, cardinality: int, large: bool) -> pa.Array:
-    """``n`` bags of 0-30 ids; about one in five null, one in ten empty."""
+    """``n`` bags of 0-30 ids (``large``: int32 ids in int64 offsets); about one in five
+    null, one in ten empty."""
     bags = [None if rng.random() < 0.2 else rng.integers(0, cardinality, rng.integers(0, 31) * (rng.random() > 0.1))
             .tolist() for _ in range(n)]
-    return pa.array(bags, type=pa.large_list(pa.int64()) if large else pa.list_(pa.int64()))
+    return pa.array(bags, type=pa.large_list(pa.int32()) if large else pa.list_(pa.int64()))
 
 
 def _table(rng: np.random.Generator, n: int) -> pa.Table:
