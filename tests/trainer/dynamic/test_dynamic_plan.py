@@ -1,7 +1,10 @@
-"""The planner sizes a dynamic table by its capacity, counts its id map and sketch, and
-``neorec plan`` explains it; a sharded run is refused (dynamic tables train in one process)."""
+"""The planner sizes a dynamic table by its capacity, counts its id maps and sketches (one
+per map shard), shards it only so that each map shard's rows lie on one rank, and ``neorec
+plan`` explains it."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -10,7 +13,6 @@ from neorec.ingest.synth import SynthSpec, generate
 from neorec.trainer.config import ConfigError, TrainConfig
 from neorec.trainer.embedding.dynamic.table import DynamicTable
 from neorec.trainer.planner.from_config import plan_for_config
-from neorec.trainer.run.build import build_model
 from neorec.trainer.planner.render import render
 
 
@@ -21,20 +23,30 @@ def raw_dataset(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
 
 
 def test_dynamic_tables_are_planned_by_capacity_with_their_map(raw_dataset: Dataset) -> None:
-    dynamic = {f.table: {"capacity": 1000 + i, "min_count": 2, "ttl": 5, "sketch_width": 4096}
+    dynamic = {f.table: {"capacity": 1000 + 2 * i, "min_count": 2, "ttl": 5, "sketch_width": 4096}
                for i, f in enumerate(raw_dataset.schema.sparse)}
     config = TrainConfig.from_dict({"data": {"path": str(raw_dataset.root)},
                                     "model": {"embedding_dim": 8, "bottom_mlp": [16, 8], "dynamic": dynamic}})
-    result = plan_for_config(raw_dataset, config, 2)
+    result = plan_for_config(raw_dataset, config, 2)  # shards 0: one map shard per rank
     specs = {t.name: t for t in result.tables}
-    assert {name: spec.rows for name, spec in specs.items()} == {name: d["capacity"] + 1 for name, d in dynamic.items()}
-    table = DynamicTable("t_C1", 0, 8, config.model.dynamic["t_C1"])
-    assert specs["t_C1"].index_bytes == table.map.nbytes + table.sketch.counts.nbytes
+    assert {name: spec.rows for name, spec in specs.items()} == {name: d["capacity"] + 2 for name, d in dynamic.items()}
+    resolved = replace(config.model.dynamic["t_C1"], shards=2)
+    maps = [DynamicTable("t_C1", 0, 8, resolved, shard) for shard in range(2)]
+    assert specs["t_C1"].index_bytes == sum(t.map.nbytes + t.sketch.counts.nbytes for t in maps)
     total_rows_bytes = sum(t.rows * t.row_bytes(t.dim) for t in result.tables)
     total_index = sum(t.index_bytes for t in result.tables)
     assert sum(result.memory) == pytest.approx(total_rows_bytes + total_index)
-    with pytest.raises(ConfigError, match="dynamic tables train in one process"):
-        build_model(raw_dataset, config, result.plan)
+    assert {t.sharding_type for t in result.plan.tables} <= {"table_wise", "row_wise", "table_row_wise"}
     text = render(result)
     assert "dynamic tables" in text
-    assert "t_C1: capacity 1,000 rows, min_count 2, ttl 5 steps, LRU when full" in text
+    assert "t_C1: capacity 1,000 rows, 2 map shards of 500 slots, min_count 2, ttl 5 steps, LRU when full" in text
+
+
+@pytest.mark.parametrize("kind", ["column_wise", "data_parallel"])
+def test_a_dynamic_table_is_never_split_by_columns_or_replicated(raw_dataset: Dataset, kind: str) -> None:
+    dynamic = {f.table: {"capacity": 64} for f in raw_dataset.schema.sparse}
+    config = TrainConfig.from_dict({"data": {"path": str(raw_dataset.root)},
+                                    "model": {"embedding_dim": 8, "bottom_mlp": [16, 8], "dynamic": dynamic},
+                                    "sharding": {"tables": {"t_C1": kind}}})
+    with pytest.raises(ConfigError, match=f"^sharding.tables.t_C1: t_C1 is a dynamic table, .*not {kind}$"):
+        plan_for_config(raw_dataset, config, 2)
