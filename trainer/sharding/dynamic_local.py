@@ -50,9 +50,10 @@ def summed_counters(local: nn.Module | None, names: list[str], group: dist.Proce
 
 
 def gathered_state(local: nn.Module | None, full: bool, group: dist.ProcessGroup | None) -> dict[str, Any]:
-    """The :meth:`DynamicEmbeddings.dynamic_state` of every rank's map shards, merged (a
-    collective: every rank calls it and gets it)."""
+    """The :meth:`DynamicEmbeddings.dynamic_state` of every rank's map shards, merged on the
+    group's rank 0 (a collective: every rank calls it; the others get nothing)."""
     mine = as_arrays(local.dynamic_state(full)) if isinstance(local, DynamicEmbeddings) else {}
-    everyone: list[dict[str, Any] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)  # (numpy arrays: tensors on numpy memory do not pickle)
-    return as_tensors({key: state for states in everyone for key, state in states.items()})
+    first = dist.get_rank(group) == 0
+    everyone: list[dict[str, Any] | None] | None = [None] * dist.get_world_size(group) if first else None
+    dist.gather_object(mine, everyone, group=group, group_dst=0)  # (numpy: tensors on numpy memory do not pickle)
+    return as_tensors({key: state for states in everyone for key, state in states.items()}) if first else {}

@@ -192,8 +192,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self.local.on_partition_end(name)
 
     def dynamic_state(self, full: bool) -> dict[str, Any]:
-        """Checkpoint state of every rank's map shards, by map shard (a collective; see
-        :meth:`DynamicEmbeddings.dynamic_state`)."""
+        """Checkpoint state of every rank's map shards, by map shard, on rank 0 (a collective;
+        see :meth:`DynamicEmbeddings.dynamic_state`)."""
         return gathered_state(self.local, full, self.group)
 
     def restore_dynamic(self, chain: list[dict[str, Any]]) -> None:

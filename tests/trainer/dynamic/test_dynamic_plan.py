@@ -14,6 +14,8 @@ from neorec.trainer.config import ConfigError, TrainConfig
 from neorec.trainer.embedding.dynamic.table import DynamicTable
 from neorec.trainer.planner.from_config import plan_for_config
 from neorec.trainer.planner.render import render
+from neorec.trainer.run.build import check_dynamic_plan
+from neorec.trainer.sharding.plan import Shard, ShardingPlan, TableSharding
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +52,26 @@ def test_a_dynamic_table_is_never_split_by_columns_or_replicated(raw_dataset: Da
                                     "sharding": {"tables": {"t_C1": kind}}})
     with pytest.raises(ConfigError, match=f"^sharding.tables.t_C1: t_C1 is a dynamic table, .*not {kind}$"):
         plan_for_config(raw_dataset, config, 2)
+
+
+def test_a_plan_must_keep_each_map_shard_on_one_rank_in_memory(raw_dataset: Dataset) -> None:
+    config = TrainConfig.from_dict({"data": {"path": str(raw_dataset.root)},
+                                    "model": {"dynamic": {"t_C1": {"capacity": 8, "shards": 2}}}})
+    rows, dim = config.model.dynamic["t_C1"].rows, config.model.embedding_dim  # 2 map shards of 4 slots + 1
+    row_wise = (Shard(0, 0, 5, 0, dim), Shard(1, 5, 5, 0, dim))
+
+    def plan(kind: str, shards: tuple[Shard, ...], cache_fraction: float | None = None) -> ShardingPlan:
+        return ShardingPlan(2, (TableSharding("t_C1", kind, shards, cache_fraction),))
+
+    check_dynamic_plan(plan("row_wise", row_wise), config)
+    check_dynamic_plan(plan("table_wise", (Shard(1, 0, rows, 0, dim),)), config)
+    with pytest.raises(ConfigError, match=r"^model.dynamic.t_C1: a dynamic table is sharded table_wise, row_wise, "
+                                          r"table_row_wise; the plan makes it column_wise"):
+        check_dynamic_plan(plan("column_wise", (Shard(0, 0, rows, 0, dim // 2), Shard(1, 0, rows, dim // 2, dim // 2))),
+                           config)
+    with pytest.raises(ConfigError, match=r"^model.dynamic.t_C1.shards: the plan's 2 row_wise shards cut its 2 map "
+                                          r"shards of 5 rows"):
+        check_dynamic_plan(plan("row_wise", (Shard(0, 0, 4, 0, dim), Shard(1, 4, 6, 0, dim))), config)
+    with pytest.raises(ConfigError, match=r"^embedding_store.tables: dynamic tables train beside store tables in one "
+                                          r"process only; with 2 ranks keep every table in memory"):
+        check_dynamic_plan(plan("row_wise", row_wise, 0.5), config)
