@@ -1,15 +1,23 @@
 """Training QPS on a shared host: the demo's model (``configs/demo.toml``: 26 tables x dim 16,
-MLPs 64-32-16 / 128-64-1, batch 512, row-wise Adagrad + Adam) trained with the default
-thread count and with one thread, each quiet and while one competing single-threaded
-CPU-bound process (``while True: pass``) runs beside it; the contended/quiet ratio of
-each, and the default's contended QPS against one thread's.
+MLPs 64-32-16 / 128-64-1, batch 512, row-wise Adagrad + Adam) trained three ways, each quiet
+and while one competing single-threaded CPU-bound process (``while True: pass``) runs
+beside it:
 
-Rounds alternate quiet and contended, and the two thread counts inside each, so that
-drift of the machine hits all four alike. The batches are decoded beforehand: this
-measures the step, not the reader."""
+- ``default``: what ``train.threads = 0`` does: the CPUs this process may use, with the
+  :class:`~neorec.trainer.run.thread_governor.ThreadGovernor` following the load (its
+  reaction time inside the measured window);
+- ``fixed``: the same count, never changed (what the default was before the governor);
+- ``one_thread``.
+
+Reported: the contended/quiet ratio of each, and the default's contended QPS against one
+thread's. Rounds alternate quiet and contended, and the cases inside each, so that drift
+of the machine hits all alike. Each case trains for a fixed time (the governor looks at the
+load twice a second). The batches are decoded beforehand: this measures the step, not the
+reader."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import subprocess
@@ -19,13 +27,18 @@ import time
 from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
+import torch
+
 from neorec.benchmarks.train_bench import _load_batches, _step
 from neorec.common.cpus import available_cpus
 from neorec.common.wait_policy import WAIT_VARIABLES
 from neorec.ingest.synth import SynthSpec, generate
+from neorec.trainer.batch import Batch
 from neorec.trainer.config import TrainConfig
+from neorec.trainer.model import DLRM
 from neorec.trainer.run.build import build_model, dense_optimizer
 from neorec.trainer.run.step import set_threads
+from neorec.trainer.run.thread_governor import ThreadGovernor, thread_ladder
 
 DEMO_MODEL = {"embedding_dim": 16, "bottom_mlp": [64, 32, 16], "top_mlp": [128, 64, 1], "max_table_rows": 200_000}
 BATCH_SIZE = 512
@@ -47,7 +60,7 @@ def competing_process() -> Iterator[subprocess.Popen]:
 
 def run(quick: bool = False) -> dict[str, Any]:
     default = set_threads(0)
-    steps, rounds = (4, 1) if quick else (40, 3)
+    seconds, rounds = (1.0, 1) if quick else (4.0, 3)
     with tempfile.TemporaryDirectory() as tmp:
         dataset = generate(SynthSpec(rows=20_000 if quick else 100_000), tmp)
         config = TrainConfig.from_dict({
@@ -59,23 +72,19 @@ def run(quick: bool = False) -> dict[str, Any]:
         batches = _load_batches(dataset, config)
         model = build_model(dataset, config)
         optimizers = [dense_optimizer(model, config)]
-        counts = sorted({default, 1}, reverse=True)
-        rates: dict[tuple[int, bool], list[float]] = {(t, c): [] for t in counts for c in (False, True)}
-        step = 0
+        cases = {"default": default, "fixed": default, "one_thread": 1}
+        rates: dict[tuple[str, bool], list[float]] = {(c, q): [] for c in cases for q in (False, True)}
+        batch_stream = itertools.cycle(batches)
         for _ in range(rounds):
             for contended in (False, True):
                 with competing_process() if contended else nullcontext():
-                    for threads in counts:
+                    for case, threads in cases.items():
                         set_threads(threads)
+                        governor = ThreadGovernor(thread_ladder(threads), sorted(os.sched_getaffinity(0))) \
+                            if case == "default" else None
                         for _ in range(2):  # warm-up: the pools at this size
-                            _step(model, optimizers, batches[step % len(batches)])
-                            step += 1
-                        started = time.perf_counter()
-                        samples = 0
-                        for _ in range(steps):
-                            samples += _step(model, optimizers, batches[step % len(batches)])
-                            step += 1
-                        rates[threads, contended].append(samples / (time.perf_counter() - started))
+                            _step(model, optimizers, next(batch_stream))
+                        rates[case, contended].append(_rate(model, optimizers, batch_stream, governor, seconds))
         set_threads(0)
     qps = {key: statistics.median(values) for key, values in rates.items()}
     return {
@@ -83,12 +92,23 @@ def run(quick: bool = False) -> dict[str, Any]:
         "model": "demo: 26 tables x dim 16, MLPs 64-32-16 / 128-64-1, batch 512, row-wise Adagrad + Adam",
         "cpus": available_cpus(),
         "wait_policy": {name: os.environ[name] for name in WAIT_VARIABLES if name in os.environ},
-        "default": _case(default, qps),
-        "one_thread": _case(1, qps),
-        "contended_default_vs_one_thread": qps[default, True] / qps[1, True],
+        **{case: _case(threads, qps[case, False], qps[case, True]) for case, threads in cases.items()},
+        "contended_default_vs_one_thread": qps["default", True] / qps["one_thread", True],
     }
 
 
-def _case(threads: int, qps: dict[tuple[int, bool], float]) -> dict[str, Any]:
-    return {"threads": threads, "quiet_qps": qps[threads, False], "contended_qps": qps[threads, True],
-            "ratio": qps[threads, True] / qps[threads, False]}
+def _rate(model: DLRM, optimizers: list[torch.optim.Optimizer], batches: Iterator[Batch],
+          governor: ThreadGovernor | None, seconds: float) -> float:
+    """Samples per second of steps on ``batches`` for ``seconds`` (``governor`` looking at
+    the load between steps, as in training)."""
+    samples = 0
+    started = time.perf_counter()
+    while (elapsed := time.perf_counter() - started) < seconds:
+        samples += _step(model, optimizers, next(batches))
+        if governor is not None:
+            governor.after_step()
+    return samples / elapsed
+
+
+def _case(threads: int, quiet: float, contended: float) -> dict[str, Any]:
+    return {"threads": threads, "quiet_qps": quiet, "contended_qps": contended, "ratio": contended / quiet}

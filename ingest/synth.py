@@ -23,7 +23,10 @@ written last, names one hour apart), each with the teacher's metrics on its own 
 its ``partition.json``. ``drift`` makes the teacher move between partitions: partition
 ``k``'s id vectors are ``cos(a) E0 + sin(a) E1`` with ``a = k * drift * pi / 2`` and two
 independent hashed vector fields ``E0``, ``E1`` (the dense part stays), so a model that
-stops learning falls behind while one that keeps training can follow.
+stops learning falls behind while one that keeps training can follow. A drifted partition's
+``partition.json`` also holds ``late_oracle``: the metrics on its rows of the teacher of
+the partition before (a perfect model one partition late), the best a model trained up to
+the previous partition can expect there.
 
 Raw-id mode (``raw_ids``): each id is a 64-bit hash of its feature and Zipf rank (any
 int64), the columns are marked ``raw``, for dynamic tables; ``id_space`` draws every
@@ -164,8 +167,8 @@ def generate(spec: SynthSpec, out_dir: str | Path, progress: ProgressFn | None =
         labels, probabilities, files = _write_split(spec, schema, teacher, out, split, split_id, rows, progress)
         splits[split] = files
         if split == "eval":
-            metrics = binary_metrics(labels, probabilities)
-            oracle = {f"eval_{k}": v for k, v in metrics.items() if k != "calibration"}
+            metrics = binary_metrics(labels, probabilities[0])
+            oracle = {f"eval_{k}": v for k, v in _without_calibration(metrics).items()}
             oracle["eval_label_rate"] = float(labels.mean())
     dataset = Dataset(
         root=out,
@@ -202,18 +205,26 @@ def write_partition(spec: SynthSpec, out_dir: str | Path, index: int, progress: 
     teacher drifted ``index`` times) under ``out_dir``, marker last; returns its name.
     Partitions past ``spec.partitions`` may be written too (more data landing later)."""
     schema = profile_schema(spec.profile, spec.id_space)
-    teacher = (teacher or _Teacher(spec, schema)).drifted(index * spec.drift * math.pi / 2)
+    base = teacher or _Teacher(spec, schema)
+    teacher = base.drifted(index * spec.drift * math.pi / 2)
+    late = base.drifted((index - 1) * spec.drift * math.pi / 2) if index > 0 and spec.drift > 0 else None
     name = partition_name(index)
     directory = partitions_dir(out_dir) / name
     directory.mkdir(parents=True, exist_ok=True)
     rows = spec.rows // max(spec.partitions, 1)
-    labels, probabilities, _ = _write_split(spec, schema, teacher, directory, "part", 2 + index, rows, progress)
-    metrics = binary_metrics(labels, probabilities)
-    info = {"rows": rows, "oracle": {k: v for k, v in metrics.items() if k != "calibration"},
-            "label_rate": float(labels.mean())}
+    labels, probabilities, _ = _write_split(spec, schema, teacher, directory, "part", 2 + index, rows, progress,
+                                            late)
+    metrics = binary_metrics(labels, probabilities[0])
+    info = {"rows": rows, "oracle": _without_calibration(metrics), "label_rate": float(labels.mean())}
+    if late is not None:
+        info["late_oracle"] = _without_calibration(binary_metrics(labels, probabilities[1]))
     (directory / PARTITION_FILE).write_text(json.dumps(info, indent=2) + "\n")
     (directory / MARKER).touch()
     return name
+
+
+def _without_calibration(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if k != "calibration"}
 
 
 def _write_split(
@@ -225,9 +236,14 @@ def _write_split(
     split_id: int,
     rows: int,
     progress: ProgressFn | None,
-) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    late: "_Teacher | None" = None,
+) -> tuple[np.ndarray, list[np.ndarray], list[str]]:
+    """Write ``rows`` rows labelled by ``teacher``; returns the labels (float32 ``[rows]``),
+    the click probabilities (float64 ``[rows]``) of ``teacher`` and, when given, of the
+    ``late`` teacher on the same rows, and the file names."""
     arrow_schema = _arrow_schema(schema)
-    labels, probabilities, files = [], [], []
+    labels, files = [], []
+    probabilities: list[list[np.ndarray]] = [[] for _ in range(1 if late is None else 2)]
     done = 0
     file_index = 0
     while done < rows:
@@ -237,19 +253,23 @@ def _write_split(
         with pq.ParquetWriter(out / name, arrow_schema, compression="zstd") as writer:
             while done < file_end:
                 n = min(spec.row_group_rows, file_end - done)
-                rng = np.random.default_rng([spec.seed, split_id, done])
+                seed = [spec.seed, split_id, done]
+                rng = np.random.default_rng(seed)
                 table, raw = _rows(spec, schema, teacher, rng, n, arrow_schema)
                 p = teacher.probability(raw)
                 y = (rng.random(n) < p).astype(np.float32)
                 table = table.set_column(0, arrow_schema.field(0), pa.array(y))
                 writer.write_table(table, row_group_size=spec.row_group_rows)
                 labels.append(y)
-                probabilities.append(p)
+                probabilities[0].append(p)
+                if late is not None:  # the same rows (same draws), the other teacher's outputs
+                    _, late_raw = _rows(spec, schema, late, np.random.default_rng(seed), n, arrow_schema)
+                    probabilities[1].append(late.probability(late_raw))
                 done += n
                 if progress is not None:
                     progress(n)
         file_index += 1
-    return np.concatenate(labels), np.concatenate(probabilities), files
+    return np.concatenate(labels), [np.concatenate(p) for p in probabilities], files
 
 
 def _arrow_schema(schema: DatasetSchema) -> pa.Schema:

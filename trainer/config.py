@@ -12,6 +12,7 @@ from neorec.common.errors import UserError
 from neorec.ingest.client import COMPRESSIONS
 from neorec.ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
 from neorec.ingest.plan import REMAINDER_POLICIES, SHUFFLE_MODES
+from neorec.ingest.renamed_keys import read_renamed
 from neorec.ingest.sections import build_section, to_dict
 from neorec.trainer.embedding.bounds import BOUNDS_CHECK_MODES
 from neorec.trainer.embedding.config import POOLINGS, SPARSE_OPTIMIZERS, WEIGHT_DTYPES
@@ -25,6 +26,9 @@ from neorec.trainer.sharding.plan import PlanError
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
 DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "numba", "torch")
+RENAMED_KEYS = {"train.prefetch": "train.background_batches"}
+"""Old key → its new name: configs (and checkpoints' saved configs) that use the old name
+still load, with a warning (see docs/configuration.md)."""
 
 
 class ConfigError(UserError, ValueError):
@@ -153,6 +157,10 @@ class OptimizerConfig:
     """Adagrad's and Adam's epsilon for the embeddings."""
     sparse_weight_decay: float = 0.0
     """Adds ``weight_decay * w`` to the gradient of every updated embedding row."""
+    sparse_adagrad_decay: float = 1.0
+    """In (0, 1]: ``adagrad``/``rowwise_adagrad`` multiply a row's sum of squared gradients
+    by it at each update of the row, so its step size stays bounded away from zero and a
+    long run keeps adapting (continuous training); 1 is plain Adagrad."""
     dense: str = "adam"
     """The MLPs' optimizer (``torch.optim``)."""
     dense_lr: float = 1e-3
@@ -166,6 +174,8 @@ class OptimizerConfig:
         _positive("optimizer.sparse_eps", self.sparse_eps)
         if self.sparse_weight_decay < 0:
             raise ConfigError(f"optimizer.sparse_weight_decay: must be >= 0, got {self.sparse_weight_decay}")
+        if not 0 < self.sparse_adagrad_decay <= 1:
+            raise ConfigError(f"optimizer.sparse_adagrad_decay: must lie in (0, 1], got {self.sparse_adagrad_decay}")
 
 
 @dataclass
@@ -186,7 +196,8 @@ class TrainLoopConfig:
     eval_every: int = 0
     """Steps between evaluations (0: after every epoch only)."""
     threads: int = 0
-    """Threads of torch, the kernels and decoding (0: the host's cores shared by its ranks)."""
+    """Threads of torch, the kernels and decoding (0: the CPUs this process may use, shared by
+    its host's ranks, fewer while other processes take some: docs/shared-hosts.md)."""
     pin_cores: bool = True
     """When several ranks share a host, run each rank's threads on its own share of the
     host's cores (see :mod:`neorec.trainer.run.affinity`)."""
@@ -466,7 +477,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> "TrainConfig":
-        config = build_section(cls, obj, "", ConfigError)
+        config = build_section(cls, read_renamed(obj, RENAMED_KEYS, ConfigError), "", ConfigError)
         config.validate()
         return config
 

@@ -54,10 +54,10 @@ def make_current(device: torch.device) -> None:
 
 class HostToDevice:
     """Copies host tensors to ``device``: from pinned (page-locked) memory, on a CUDA side
-    stream of their own, so that the batches a prefetch thread copies overlap the steps the
-    training thread runs. The copying thread waits for its copies to land (the training
-    thread never does) and the tensors are marked as used by the compute stream, so their
-    memory is not reused while a step reads them. On the CPU the tensors come back as
+    stream of their own, so that the batches the background batch thread copies overlap the
+    steps the training thread runs. The copying thread waits for its copies to land (the
+    training thread never does) and the tensors are marked as used by the compute stream, so
+    their memory is not reused while a step reads them. On the CPU the tensors come back as
     they are."""
 
     def __init__(self, device: torch.device) -> None:

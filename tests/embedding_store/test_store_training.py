@@ -45,11 +45,14 @@ def train(module, steps: int, seed: int = 0) -> list[torch.Tensor]:
     return outputs
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+OPTIMIZERS = [*(SparseOptimizer(kind, 0.1) for kind in ("sgd", "adagrad", "rowwise_adagrad", "adam")),
+              SparseOptimizer("rowwise_adagrad", 0.1, adagrad_decay=0.9)]
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: f"{o.kind}-decay{o.adagrad_decay}")
 @pytest.mark.parametrize("weight_dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("cache", ["one set", "0.5%", "all"])
-def test_training_through_the_store_equals_training_in_memory(tmp_path, optimizer, weight_dtype, cache):
-    opt = SparseOptimizer(optimizer, 0.1)
+def test_training_through_the_store_equals_training_in_memory(tmp_path, opt, weight_dtype, cache):
     memory = FusedEmbeddingBagCollection(TABLES, opt, seed=3, weight_dtype=weight_dtype)
     sizes = {"one set": {"big": 32, "wide": 32}, "0.5%": {"big": 100, "wide": 32},
              "all": {"big": 20_000, "wide": 5_000}}[cache]

@@ -52,6 +52,19 @@ def test_drift_changes_the_labels_of_later_partitions_only_as_asked(tmp_path):
     assert (labels(0.0, 1) != labels(0.5, 1)).any()
 
 
+def test_a_drifted_partition_holds_the_metrics_of_the_teacher_one_partition_late(tmp_path):
+    def infos(drift):
+        root = tmp_path / f"d{drift}"
+        generate(SynthSpec(rows=6_000, partitions=2, drift=drift, row_group_rows=1_000, seed=4), root)
+        return [open_partition(root, partition_name(index)).info for index in range(2)]
+
+    assert not any("late_oracle" in info for info in infos(0.0))
+    turned, whole_turn = infos(1.0), infos(4.0)
+    assert "late_oracle" not in turned[0]
+    assert turned[1]["late_oracle"]["auc"] < turned[1]["oracle"]["auc"] - 0.02  # a quarter turn late
+    assert whole_turn[1]["late_oracle"]["auc"] == pytest.approx(whole_turn[1]["oracle"]["auc"], abs=1e-6)
+
+
 def test_a_partition_without_its_marker_is_never_read_even_half_written(dataset):
     root = dataset.root
     _half_written(root, "2026-01-01T02")

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from neorec.trainer.checkpoint.layout import DENSE_FILE, MANIFEST, complete
+from tests.trainer.run_records import logged
 
 ERROR = 2
 
@@ -93,6 +94,5 @@ def test_fallback_names_the_skipped_checkpoint(criteo_dataset, trained, tmp_path
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resume_skipped"] == [{"checkpoint": newest.name, "reason": summary["resume_skipped"][0]["reason"]}]
     assert str(newest / DENSE_FILE) in summary["resume_skipped"][0]["reason"]
-    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    skipped = [e for e in events if e.get("event") == "resume_skipped"]
+    skipped = [e for e in logged(run) if e.get("event") == "resume_skipped"]
     assert [e["checkpoint"] for e in skipped] == [newest.name]

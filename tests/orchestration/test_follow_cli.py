@@ -15,7 +15,8 @@ from neorec.ingest.synth import write_partition
 from neorec.trainer.checkpoint.layout import complete, read_manifest
 from neorec.trainer.run.train import train
 from tests.ingest.workers import start_worker, stop_all
-from tests.trainer.follow_helpers import SPEC, follow_config, partitioned, records
+from tests.trainer.follow_helpers import SPEC, follow_config, partitioned
+from tests.trainer.run_records import records
 from tests.trainer.test_follow import STEPS, assert_same_run
 
 
@@ -123,6 +124,8 @@ def test_bench_follow_quick_prints_the_follow_and_frozen_curves(tmp_path):
     # until the first partition is trained the frozen model is the following one: the same AUC
     assert [r["frozen_auc"] for r in rows[:2]] == [r["follow_auc"] for r in rows[:2]]
     assert rows[2]["frozen_auc"] != rows[2]["follow_auc"] and all(r["lag_s"] >= r["train_s"] for r in rows)
+    # the drift floor: the previous partition's teacher on each partition after the first
+    assert rows[0]["late_oracle_auc"] is None and all(0.5 < r["late_oracle_auc"] < 1 for r in rows[1:])
     assert "\n".join(report["table"]) in result.stdout
 
 

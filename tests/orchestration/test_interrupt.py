@@ -114,9 +114,9 @@ def test_in_process(criteo_dataset, tmp_path):
 
 
 def test_through_a_reader_service_that_stopped_sending(criteo_dataset, tmp_path):
-    """A stopped service sends nothing: the prefetch thread waits in its stream (no stall
-    or progress timeout near) and the exit must not wait on it (the order of the closes is
-    tested in tests/trainer/test_interrupted_run.py)."""
+    """A stopped service sends nothing: the background batch thread waits in its stream (no
+    stall or progress timeout near) and the exit must not wait on it (the order of the closes
+    is tested in tests/trainer/test_interrupted_run.py)."""
     worker = start_worker()
     try:
         process = _train(criteo_dataset, tmp_path / "run", "--ingest", worker.address,

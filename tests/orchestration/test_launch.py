@@ -21,7 +21,7 @@ from neorec.ingest.service import ReaderServer
 from neorec.orchestration.k8s import manifests
 from neorec.orchestration.config import load_config
 from tests.ingest.workers import DATA_ROOTS, start_worker, stop_all
-from tests.trainer.checkpoint.test_resume import metrics
+from tests.trainer.run_records import records
 from tests.trainer.test_train import final_state, untimed
 
 PYTHON = [sys.executable, "-m", "neorec.orchestration.cli"]
@@ -204,7 +204,7 @@ def test_failed_reader_services_are_noticed_fast_and_restarted_alone_and_the_run
             process.kill()
     plain = _neorec("train", str(job), "--set", f"run.dir='{tmp_path / 'plain'}'")
     assert plain.returncode == 0
-    assert metrics(run) == metrics(tmp_path / "plain")
+    assert records(run) == records(tmp_path / "plain")
 
 
 @pytest.mark.slow
@@ -227,7 +227,7 @@ def test_a_killed_store_service_is_restarted_and_the_trainers_resume_unchanged(c
             process.kill()
     plain = _neorec("train", str(job), "--set", f"run.dir='{tmp_path / 'plain'}'")
     assert plain.returncode == 0, plain.stderr[-3000:]
-    assert metrics(run) == metrics(tmp_path / "plain")
+    assert records(run) == records(tmp_path / "plain")
     assert job_processes(job) == []
 
 
@@ -319,7 +319,7 @@ def test_chaos_kills_and_stops_change_nothing(criteo_dataset, tmp_path):
             os.killpg(process.pid, signal.SIGKILL)
     assert len(faults) >= 10, faults
     assert process.returncode == 0, output[-4000:]
-    assert metrics(run) == metrics(tmp_path / "calm" / "run")
+    assert records(run) == records(tmp_path / "calm" / "run")
     a, b = final_state(run), final_state(tmp_path / "calm" / "run")
     assert all(a[k].equal(b[k]) for k in a)
     assert job_processes(job) == []

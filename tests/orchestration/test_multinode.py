@@ -25,7 +25,7 @@ from tests.ingest.workers import start_worker, stop_all
 from tests.orchestration.test_cli import _neorec
 from tests.orchestration.test_sharded_cli import _rank_processes
 from tests.trainer.spawn import _free_port, run_ranks
-from tests.trainer.checkpoint.test_resume import metrics
+from tests.trainer.run_records import records
 from tests.trainer.test_train import final_state, untimed
 
 SHARDED = "{t_C1='row_wise', t_C2='column_wise', t_C3='table_wise', t_C4='data_parallel'}"
@@ -64,7 +64,7 @@ def assert_same_run(run: Path, reference: Path) -> None:
     assert json.loads((run / "plan.json").read_text()) == json.loads((reference / "plan.json").read_text())
     assert untimed(json.loads((run / "summary.json").read_text())) == \
         untimed(json.loads((reference / "summary.json").read_text()))
-    assert metrics(run) == metrics(reference)
+    assert records(run) == records(reference)
     a, b = final_state(run), final_state(reference)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

@@ -13,6 +13,7 @@ from neorec.orchestration.report import PLOTS, figures, read_run
 from neorec.trainer.checkpoint.layout import BEST, complete, read_manifest
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.run.train import evaluate_checkpoint, train
+from tests.trainer.run_records import logged
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +31,13 @@ def runs(criteo_dataset, tmp_path_factory):
 
 
 def test_the_plotted_lines_are_the_logged_metrics(runs):
-    logged = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in runs]
+    runs_logged = [logged(run) for run in runs]
     drawn = figures([read_run(run) for run in runs])
     assert set(drawn) == set(PLOTS)
     for name, panels in PLOTS.items():
         for ax, (split, metric, _) in zip(drawn[name].axes, panels):
             assert [line.get_label() for line in ax.lines] == ["slow", "fast"]
-            for line, records in zip(ax.lines, logged):
+            for line, records in zip(ax.lines, runs_logged):
                 expected = [(r["step"], r[metric]) for r in records if r["split"] == split]
                 assert expected and [tuple(p) for p in line.get_xydata().tolist()] == expected
 
@@ -55,8 +56,7 @@ def test_report_writes_pngs_and_a_summary(runs, tmp_path):
 
 def test_the_best_checkpoint_is_kept_and_evaluated(runs):
     run = runs[1]
-    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in evals if r["split"] == "eval"]
+    evals = logged(run, "eval")
     best = max(evals, key=lambda r: r["auc"])  # the first of equals
     name = (run / "checkpoint" / BEST).read_text().strip()
     assert read_manifest(run / "checkpoint" / name).step == best["step"]
@@ -70,9 +70,8 @@ def test_a_following_run_gets_its_progressive_auc_and_lag_per_partition(tmp_path
 
     data = partitioned(tmp_path / "data", 3)
     train(follow_config(data, tmp_path / "follow"))
-    logged = [json.loads(line) for line in (tmp_path / "follow" / "metrics.jsonl").read_text().splitlines()]
-    progressive = [r for r in logged if r["split"] == "progressive"]
-    lags = [r["lag_s"] for r in logged if r["split"] == "partition"]
+    progressive = logged(tmp_path / "follow", "progressive")
+    lags = [r["lag_s"] for r in logged(tmp_path / "follow", "partition")]
     run = read_run(tmp_path / "follow")
     assert list(run.partitions) == [r["partition"] for r in progressive]
     assert [p["auc"] for p in run.partitions.values()] == [r["auc"] for r in progressive]

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.ingest.workers import start_worker, stop_all
-from tests.trainer.checkpoint.test_resume import metrics
+from tests.trainer.run_records import records
 from tests.trainer.test_train import final_state, untimed
 from neorec.trainer.checkpoint.layout import complete, read_manifest
 
@@ -46,7 +46,7 @@ def _kill_after_a_checkpoint(command, run, after_step: int) -> None:
 def _same_run(whole, resumed) -> None:
     assert untimed(json.loads((resumed / "summary.json").read_text())) == \
         untimed(json.loads((whole / "summary.json").read_text()))
-    assert metrics(resumed) == metrics(whole)
+    assert records(resumed) == records(whole)
     a, b = final_state(whole), final_state(resumed)
     assert all(a[k].equal(b[k]) for k in a), [k for k in a if not a[k].equal(b[k])]
 

@@ -65,6 +65,9 @@ def test_unknown_splits_and_bad_values_are_named(criteo_dataset, tmp_path):
     _refused(_train(criteo_dataset.root, run, "--set", "optimizer.sparse_eps=-1e-8"), "optimizer.sparse_eps")
     _refused(_train(criteo_dataset.root, run, "--set", "optimizer.sparse_weight_decay=-0.1"),
              "optimizer.sparse_weight_decay")
+    for decay in ("0", "1.5"):
+        _refused(_train(criteo_dataset.root, run, "--set", f"optimizer.sparse_adagrad_decay={decay}"),
+                 "optimizer.sparse_adagrad_decay: must lie in (0, 1]")
     _refused(_train(criteo_dataset.root, run, "--set", "run.dir=''"), "run.dir: must name a directory")
     _refused(_train(criteo_dataset.root, run, "--set", "train.seed=2024-01-01"), "as a date")
     _refused(_train(criteo_dataset.root, run, "--set", "train.batch_size=100000"), "fewer than one step")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from neorec.ingest.synth import SynthSpec, partitioned_dataset, write_partition
@@ -32,11 +31,3 @@ def follow_config(root: Path, run_dir: Path, **sections: dict) -> TrainConfig:
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
     return TrainConfig.from_dict(raw)
-
-
-def records(run_dir: Path, split: str | None = None) -> list[dict]:
-    """metrics.jsonl without what depends on the machine's speed or the clock."""
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in line.items() if k not in ("qps", "seconds", "lag_s")
-             and not k.endswith("_seconds")} for line in lines
-            if split is None or line["split"] == split]

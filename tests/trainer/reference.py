@@ -116,11 +116,11 @@ class ReferenceOptimizer:
                 w[rows] -= lr * g
             elif o.kind == "adagrad":
                 s = self.state1[name]
-                s[rows] += g * g
+                s[rows] = s[rows] * o.adagrad_decay + g * g
                 w[rows] -= lr * g / (s[rows].sqrt() + o.eps)
             elif o.kind == "rowwise_adagrad":
                 s = self.state1[name]
-                s[rows, 0] += (g * g).mean(dim=1)
+                s[rows, 0] = s[rows, 0] * o.adagrad_decay + (g * g).mean(dim=1)
                 w[rows] -= lr * g / (s[rows].sqrt() + o.eps)
             else:
                 m, v = self.state1[name], self.state2[name]

@@ -1,9 +1,13 @@
 """A run whose setting up fails half-way releases what it had acquired: reader threads and
-gRPC channels, the first epoch's prefetch thread, store tiers, open files."""
+gRPC channels, the first epoch's background batch thread, store tiers, open files, the
+TensorBoard writer (and a run that ends releases its writer too)."""
 
 import os
+import sys
 import threading
 import time
+import types
+from pathlib import Path
 
 import pytest
 
@@ -12,14 +16,15 @@ from neorec.trainer.config import TrainConfig
 from neorec.trainer.distributed import SINGLE_PROCESS
 from neorec.trainer.run import loop as loop_module
 from neorec.trainer.run.loop import TrainingRun
+from neorec.trainer.run.train import train
 from tests.ingest.workers import start_worker
 
 
-def _config(dataset, run_dir, **data) -> TrainConfig:
+def _config(dataset, run_dir, loop: dict | None = None, **data) -> TrainConfig:
     return TrainConfig.from_dict({
         "data": {"path": str(dataset.root), **data},
         "model": {"max_table_rows": 5000, "embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [32, 1]},
-        "train": {"batch_size": 256, "eval_batch_size": 1000, "background_batches": 2},
+        "train": {"batch_size": 256, "eval_batch_size": 1000, "background_batches": 2, **(loop or {})},
         "embedding_store": {"tables": {"t_C1": 0.005, "t_C3": 0.02}},
         "run": {"dir": str(run_dir)},
     })
@@ -66,12 +71,12 @@ def test_a_bad_eval_split_releases_the_reader_services_channels_and_threads(crit
 
 
 class Failed(Exception):
-    """Stands for a failure late in setting up (after the readers, prefetch and store)."""
+    """Stands for a failure late in setting up (after the readers, background batches and store)."""
 
 
 @pytest.mark.parametrize("through_services", [False, True])
-def test_a_late_failure_releases_the_prefetch_thread_and_the_store(criteo_dataset, tmp_path, monkeypatch,
-                                                                   through_services):
+def test_a_late_failure_releases_the_background_batch_thread_and_the_store(criteo_dataset, tmp_path, monkeypatch,
+                                                                           through_services):
     def fail(config) -> None:
         raise Failed()
 
@@ -83,3 +88,61 @@ def test_a_late_failure_releases_the_prefetch_thread_and_the_store(criteo_datase
     finally:
         if worker is not None:
             worker.stop()
+
+
+class EventWriter:
+    """Stands for ``torch.utils.tensorboard.SummaryWriter`` where TensorBoard is not installed:
+    like it, an open event file and a thread from when it is made until :meth:`close`."""
+
+    made: list["EventWriter"] = []
+
+    def __init__(self, log_dir: str) -> None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        self.file = (Path(log_dir) / "events").open("a")
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.stop.wait, name="event-writer", daemon=True)
+        self.thread.start()
+        EventWriter.made.append(self)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.file.write(f"{tag} {step} {value}\n")
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.file.close()
+
+
+@pytest.fixture(params=["stand-in", "tensorboard"])
+def event_writer(request, monkeypatch) -> str:
+    """The writer the run gets: the stand-in :class:`EventWriter` (always), TensorBoard's own
+    (where it is installed)."""
+    if request.param == "tensorboard":
+        pytest.importorskip("tensorboard")
+    else:
+        monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=EventWriter))
+        EventWriter.made.clear()
+    return request.param
+
+
+def test_a_failure_after_the_tensorboard_writer_opened_releases_it(criteo_dataset, tmp_path, monkeypatch,
+                                                                    event_writer):
+    def fail(*args) -> None:
+        raise Failed()
+
+    monkeypatch.setattr(loop_module, "check_same_steps", fail)  # the last step of setting up
+    _fails_and_releases(_config(criteo_dataset, tmp_path / "run", loop={"tensorboard": True}), Failed)
+    if event_writer == "stand-in":
+        assert len(EventWriter.made) == 2 and all(w.file.closed for w in EventWriter.made)
+
+
+def test_a_run_that_ends_closes_its_tensorboard_writer(criteo_dataset, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=EventWriter))
+    EventWriter.made.clear()
+    train(_config(criteo_dataset, tmp_path / "run", loop={"tensorboard": True, "max_steps": 4, "log_every": 2}))
+    (writer,) = EventWriter.made
+    assert writer.file.closed and not writer.thread.is_alive()
+    assert "train/loss 2 " in (tmp_path / "run" / "tensorboard" / "events").read_text()

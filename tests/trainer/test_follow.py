@@ -17,7 +17,8 @@ from neorec.trainer.config import ConfigError, TrainConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 from neorec.trainer.run.step import StepReport
 from neorec.trainer.run.train import train
-from tests.trainer.follow_helpers import SPEC, follow_config, partitioned, records
+from tests.trainer.follow_helpers import SPEC, follow_config, partitioned
+from tests.trainer.run_records import records
 from tests.trainer.test_train import final_state, untimed
 
 STEPS = 9

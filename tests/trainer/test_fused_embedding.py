@@ -23,7 +23,9 @@ OPTIMIZERS = [
     SparseOptimizer("sgd", 0.1),
     SparseOptimizer("sgd", 0.1, weight_decay=0.01),
     SparseOptimizer("adagrad", 0.1, eps=1e-10),
+    SparseOptimizer("adagrad", 0.1, eps=1e-10, adagrad_decay=0.8),
     SparseOptimizer("rowwise_adagrad", 0.1),
+    SparseOptimizer("rowwise_adagrad", 0.1, adagrad_decay=0.8),
     SparseOptimizer("adam", 0.05, weight_decay=0.001),
 ]
 
@@ -35,7 +37,7 @@ a float32 rounding difference of the update can move a half value across a round
 boundary."""
 
 
-@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: f"{o.kind}-wd{o.weight_decay}")
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: f"{o.kind}-wd{o.weight_decay}-decay{o.adagrad_decay}")
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
@@ -49,7 +51,7 @@ def test_matches_pytorch_reference_over_steps(optimizer, pooling, weighted, seed
     tables = _tables(rng, pooling)
     module = FusedEmbeddingBagCollection(tables, optimizer, seed=seed, weight_dtype=weight_dtype,
                                          stochastic_rounding=False, kernels=kernels)
-    weights = {t.name: module.table_weight(t.name).float() for t in tables}
+    weights = {t.name: module.table_weight(t.name).float().clone() for t in tables}  # not views of the module's
     reference = ReferenceOptimizer(tables, optimizer)
     rtol, atol = TOLERANCE[weight_dtype]
     for _ in range(3):
@@ -66,8 +68,8 @@ def test_matches_pytorch_reference_over_steps(optimizer, pooling, weighted, seed
             weights = {n: w.to(HALF[weight_dtype]).float() for n, w in weights.items()}
         for t in tables:
             torch.testing.assert_close(module.table_weight(t.name).float(), weights[t.name], rtol=rtol, atol=atol)
-            if weight_dtype in HALF:  # a value one ulp off would drift apart: continue from the module's
-                weights[t.name] = module.table_weight(t.name).float()
+            # a value one ulp off would drift apart: continue from (a copy of) the module's
+            weights[t.name] = module.table_weight(t.name).float().clone()
 
 
 def test_adagrad_and_adam_match_torch_optimizers():

@@ -1,6 +1,6 @@
-"""A run interrupted while its prefetch thread waits in the reader (a stream that delivers
-nothing, its service still healthy) ends at once: the reader is closed before the thread
-is joined, so the thread's wait ends."""
+"""A run interrupted while its background batch thread waits in the reader (a stream that
+delivers nothing, its service still healthy) ends at once: the reader is closed before the
+thread is joined, so the thread's wait ends."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ class StuckReader:
         self.reader.close()
 
 
-def test_an_interrupt_while_the_prefetch_thread_waits_in_the_reader_ends_at_once(criteo_dataset, tmp_path,
-                                                                                  monkeypatch):
+def test_an_interrupt_while_the_background_batch_thread_waits_in_the_reader_ends_at_once(criteo_dataset, tmp_path,
+                                                                                          monkeypatch):
     make_reader = loop_module.make_reader
     stuck: list[StuckReader] = []
     interrupted_at: list[float] = []

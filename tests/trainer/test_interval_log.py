@@ -2,7 +2,6 @@
 training time and QPS leave out the time the loop stood still for evaluations and
 checkpoints (logged as their own fields)."""
 
-import json
 import time
 
 import pytest
@@ -11,21 +10,17 @@ from neorec.trainer.checkpoint.checkpointer import Checkpointer
 from neorec.trainer.run import loop as loop_module
 from neorec.trainer.run.step import StepReport
 from neorec.trainer.run.train import train
-from tests.trainer.checkpoint.test_resume import Crash, metrics
+from tests.trainer.checkpoint.test_resume import Crash
+from tests.trainer.run_records import logged, records
 from tests.trainer.test_train import _config
 
 EVAL_PAUSE_S = 0.5
 CHECKPOINT_PAUSE_S = 0.3
 
 
-def _train_records(run_dir) -> list[dict]:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in lines if r["split"] == "train"]
-
-
 def test_every_interval_is_logged_including_each_epochs_last(criteo_dataset, tmp_path):
     summary = train(_config(criteo_dataset, tmp_path / "run", epochs=2))  # 18 steps an epoch, a line every 5
-    records = _train_records(tmp_path / "run")
+    records = logged(tmp_path / "run", "train")
     assert [r["step"] for r in records] == [5, 10, 15, 18, 20, 25, 30, 35, 36]
     assert [r["epoch"] for r in records] == [0, 0, 0, 0, 1, 1, 1, 1, 1]
     assert [r["steps"] for r in records] == [5, 5, 5, 3, 2, 5, 5, 5, 1]
@@ -56,7 +51,7 @@ def test_train_qps_counts_training_time_only(criteo_dataset, tmp_path, monkeypat
     assert summary["checkpoint_stall_s"] >= checkpoints * CHECKPOINT_PAUSE_S
     assert summary["train_s"] + summary["eval_s"] + summary["checkpoint_stall_s"] <= wall
     assert summary["train_qps"] == pytest.approx(summary["train_samples"] / summary["train_s"])
-    records = _train_records(tmp_path / "run")
+    records = logged(tmp_path / "run", "train")
     # the evaluation and checkpoint after step 5 fall in the interval logged at step 10
     after_pause = next(r for r in records if r["step"] == 10)
     assert after_pause["eval_seconds"] >= EVAL_PAUSE_S and after_pause["checkpoint_seconds"] >= CHECKPOINT_PAUSE_S
@@ -77,5 +72,5 @@ def test_a_run_resumed_at_an_epochs_end_logs_that_epochs_last_interval(criteo_da
     with pytest.raises(Crash):
         train(stopped, progress=crash_after_19)
     train(stopped, resume=True)
-    assert [r["step"] for r in _train_records(tmp_path / "stopped")] == [5, 10, 15, 18, 20, 25, 30, 35, 36]
-    assert metrics(tmp_path / "stopped") == metrics(tmp_path / "whole")
+    assert [r["step"] for r in logged(tmp_path / "stopped", "train")] == [5, 10, 15, 18, 20, 25, 30, 35, 36]
+    assert records(tmp_path / "stopped") == records(tmp_path / "whole")

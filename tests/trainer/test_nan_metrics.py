@@ -1,7 +1,6 @@
 """An eval split of one class has no AUC: it is reported as NaN and never taken for the
 best model (``checkpoint.keep_best``, ``neorec eval --best``, ``neorec report``)."""
 
-import json
 import math
 import shutil
 
@@ -14,6 +13,7 @@ from neorec.orchestration.report import RunCurves, text_summary
 from neorec.trainer.checkpoint import CheckpointError
 from neorec.trainer.checkpoint.layout import best_checkpoint
 from neorec.trainer.run.train import evaluate_checkpoint, train
+from tests.trainer.run_records import logged
 from tests.trainer.test_train import _config
 
 
@@ -36,8 +36,7 @@ def test_a_nan_auc_is_reported_and_never_the_best(one_class_eval, tmp_path):
     config.checkpoint.keep_best = True
     summary = train(config)
     assert math.isnan(summary["eval_auc"]) and math.isfinite(summary["eval_logloss"])
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in records if r["split"] == "eval"]
+    evals = logged(tmp_path / "run", "eval")
     assert len(evals) >= 3 and all(math.isnan(r["auc"]) for r in evals)
     assert best_checkpoint(tmp_path / "run" / "checkpoint") is None
     with pytest.raises(CheckpointError, match="has no best checkpoint"):

@@ -11,15 +11,6 @@ from neorec.trainer.run import step
 from neorec.trainer.run.step import set_threads
 
 
-@pytest.fixture
-def restore_threads():
-    before = (torch.get_num_threads(), numba.get_num_threads(), pa.cpu_count())
-    yield
-    torch.set_num_threads(before[0])
-    numba.set_num_threads(before[1])
-    pa.set_cpu_count(before[2])
-
-
 @pytest.mark.parametrize("available, ranks, expected", [(1, 1, 1), (2, 2, 1), (64, 1, None), (1, 4, 1)])
 def test_default_is_the_available_cpus_over_the_ranks(monkeypatch, restore_threads, available, ranks, expected):
     monkeypatch.setattr(step, "available_cpus", lambda: available)

@@ -11,6 +11,7 @@ from neorec.trainer.run.build import build_model
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.run.readers import eval_reader_config, train_reader_config
 from neorec.trainer.run.train import evaluate_checkpoint, train
+from tests.trainer.run_records import logged
 
 
 def _config(dataset: Dataset, run_dir, **train_overrides) -> TrainConfig:
@@ -55,9 +56,7 @@ def test_run_directory_contents_and_checkpoint_eval(criteo_dataset, tmp_path):
     assert summary["oracle_auc"] == criteo_dataset.oracle["eval_auc"]
     assert summary["eval_rows"] == criteo_dataset.rows["eval"]
     assert json.loads((run_dir / "config.json").read_text()) == config.to_dict()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train_records = [r for r in records if r["split"] == "train"]
-    eval_records = [r for r in records if r["split"] == "eval"]
+    train_records, eval_records = logged(run_dir, "train"), logged(run_dir, "eval")
     assert [r["step"] for r in train_records] == [5, 10, 15, summary["steps"]]
     assert all({"step", "epoch", "loss", "qps"} <= r.keys() for r in train_records)
     assert all({"auc", "logloss", "ne"} <= r.keys() for r in eval_records)

@@ -43,6 +43,10 @@ class SparseOptimizer:
     ``rowwise_adagrad`` one mean of squares per row; ``adam`` first and second moments per
     element (bias-corrected with the module's step count, as ``torch.optim.SparseAdam``).
     ``weight_decay`` adds ``weight_decay * w`` to the gradient of each updated row.
+    ``adagrad_decay`` (``adagrad`` and ``rowwise_adagrad``) multiplies a row's sum of
+    squares by it before each update of the row adds the new squares, so the sum stays
+    bounded (about ``g**2 / (1 - adagrad_decay)``) and the row's step size stops shrinking
+    towards zero; 1 is plain Adagrad.
     """
 
     kind: str = "rowwise_adagrad"
@@ -51,12 +55,15 @@ class SparseOptimizer:
     beta1: float = 0.9
     beta2: float = 0.999
     weight_decay: float = 0.0
+    adagrad_decay: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in SPARSE_OPTIMIZERS:
             raise ValueError(f"sparse optimizer must be one of {SPARSE_OPTIMIZERS}, got {self.kind!r}")
         if self.learning_rate <= 0:
             raise ValueError("sparse optimizer learning_rate must be positive")
+        if not 0 < self.adagrad_decay <= 1:
+            raise ValueError(f"sparse optimizer adagrad_decay must lie in (0, 1], got {self.adagrad_decay}")
 
     def state_width(self, dim: int) -> int:
         """State floats per row in each state array."""

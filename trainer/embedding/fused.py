@@ -345,7 +345,7 @@ class FusedEmbeddingBagCollection(nn.Module):
             self.state1.numpy(), self.state2.numpy(),
             self._table_offsets, self._state_offsets, self._state_width, self._row_offsets, self._dims, *grouped,
             grad_out.view(-1).numpy(), _OPTIMIZER_CODES[opt.kind], self._learning_rates,
-            opt.eps, opt.beta1, opt.beta2, opt.weight_decay, int(self.optimizer_step), self.touched.numpy(),
+            opt.eps, opt.beta1, opt.beta2, opt.weight_decay, opt.adagrad_decay, int(self.optimizer_step), self.touched.numpy(),
             _max_chunks(),
         )
 

@@ -111,7 +111,8 @@ def decode_options(schema: DatasetSchema, config: TrainConfig) -> DecodeOptions:
 def sparse_optimizer(config: TrainConfig) -> SparseOptimizer:
     opt = config.optimizer
     return SparseOptimizer(
-        kind=opt.sparse, learning_rate=opt.sparse_lr, eps=opt.sparse_eps, weight_decay=opt.sparse_weight_decay
+        kind=opt.sparse, learning_rate=opt.sparse_lr, eps=opt.sparse_eps, weight_decay=opt.sparse_weight_decay,
+        adagrad_decay=opt.sparse_adagrad_decay,
     )
 
 

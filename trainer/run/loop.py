@@ -50,9 +50,10 @@ from neorec.trainer.run.follow import Follower
 from neorec.trainer.run.readers import (batches, check_dense_transform, check_splits, eval_reader_config, make_reader,
                                          train_reader_config)
 from neorec.trainer.run.step import ProgressFn, StepReport, set_threads, train_step
+from neorec.trainer.run.thread_governor import governor_for
 from neorec.trainer.embedding.fused import check_ids
 from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings
-from neorec.trainer.run.tensorboard import open_board
+from neorec.trainer.run.tensorboard import Board, open_board
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StorePiece, store_of
 from neorec.trainer.run.warmup import compile_kernels
 
@@ -103,8 +104,8 @@ class TrainingRun:
                  resume: bool = False) -> None:
         self.acquired = ExitStack()
         """What setting up acquired (reader threads and channels, background batch threads, store tiers,
-        the metrics file): released in reverse order when setting up fails half-way (a run
-        that starts releases them as it ends)."""
+        the metrics file, the TensorBoard writer): released in reverse order when setting up fails
+        half-way (a run that starts releases them as it ends)."""
         try:
             self._set_up(config, context, overwrite, resume)
         except BaseException:
@@ -116,7 +117,7 @@ class TrainingRun:
         loop = config.train
         self.config = config
         self.context = context
-        set_threads(loop.threads, context.local_world_size)  # from the CPUs of all ranks, so before pinning
+        threads = set_threads(loop.threads, context.local_world_size)  # from the CPUs of all ranks, so before pinning
         if loop.pin_cores:
             pin_rank(context.local_rank, context.local_world_size)
         torch.manual_seed(loop.seed)
@@ -177,6 +178,7 @@ class TrainingRun:
                 _prepared(self.dlrm, batches(self.train_reader, 0, 0, context.device), steps), loop.background_batches)
             self.acquired.callback(self._stop_reading)
         compile_kernels(config)  # load the Numba kernels now, not in the first steps
+        self.governor = governor_for(self.dlrm, config, threads, context.device)
         self.model = wrap_data_parallel(self.dlrm, precision=config.sharding.precision()) \
             if context.distributed else self.dlrm
         if context.is_main:
@@ -188,8 +190,12 @@ class TrainingRun:
         self.acquired.callback(self.log.close)
         for skipped in self.resume_skipped:
             self.log.write({"event": "resume_skipped", "step": self.state.global_step, **skipped})
+        self.board: Board | None = None
+        """The TensorBoard event writer (``train.tensorboard``, on the main rank)."""
         if loop.tensorboard and context.is_main:
-            self.log.listeners.append(open_board(self.run_dir).record)
+            self.board = open_board(self.run_dir)
+            self.acquired.callback(self.board.close)
+            self.log.listeners.append(self.board.record)
         if self.follower is None:
             check_same_steps(context, self.steps_per_epoch, "train")
             check_same_steps(context, self.eval_reader.plan(0).num_batches, "eval")
@@ -216,6 +222,8 @@ class TrainingRun:
             raise
         finally:
             self.log.close()
+            if self.board is not None:
+                self.board.close()
             self._stop_reading()
         return self._summary()
 
@@ -258,6 +266,8 @@ class TrainingRun:
         try:
             for batch in stream:
                 share = train_step(self.model, self.optimizer, batch, context, full_batches)
+                if self.governor is not None:
+                    self.governor.after_step()
                 state.global_step += 1
                 state.step_in_epoch += 1
                 interval.add(share, batch.num_valid)

@@ -54,10 +54,16 @@ def set_threads(threads: int, ranks_on_host: int = 1) -> int:
     by the host's ``ranks_on_host`` ranks); returns it."""
     cores = numba.config.NUMBA_NUM_THREADS  # the size of Numba's pool
     count = max(1, min(cores, available_cpus()) // ranks_on_host) if threads == 0 else min(threads, cores)
+    use_threads(count)
+    return count
+
+
+def use_threads(count: int) -> None:
+    """Run torch's operators, the Numba kernels (of the calling thread) and Arrow's decoding
+    on ``count`` threads."""
     torch.set_num_threads(count)
     numba.set_num_threads(count)
     pyarrow.set_cpu_count(count)
-    return count
 
 
 def train_step(model: DLRM | DistributedDataParallel, optimizer: torch.optim.Optimizer, batch: Batch,

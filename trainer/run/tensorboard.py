@@ -28,6 +28,11 @@ class Board:
                 self._writer.add_scalar(f"{group}/{key}", float(value), step)  # type: ignore[attr-defined]
         self._writer.flush()  # type: ignore[attr-defined]
 
+    def close(self) -> None:
+        """Flush and close the event file and stop the writer's thread (a second close does
+        nothing)."""
+        self._writer.close()  # type: ignore[attr-defined]
+
 
 def open_board(run_dir: Path) -> Board:
     """The run's event writer; :class:`ConfigError` when TensorBoard is not installed."""

@@ -1,12 +1,12 @@
 """A run stopped mid-way and resumed from its newest checkpoint ends exactly as the run that
 was never stopped: weights, optimizer states and metrics, bit for bit."""
 
-import json
 from dataclasses import asdict
 
 import pytest
 import torch.distributed as dist
 
+from tests.trainer.run_records import records
 from tests.trainer.spawn import run_ranks
 from tests.trainer.test_train import final_state, untimed
 from neorec.trainer.config import TrainConfig
@@ -25,13 +25,6 @@ def config_for(dataset, run_dir, **checkpoint) -> TrainConfig:
         "checkpoint": {"every_steps": 5, **checkpoint},
         "run": {"dir": str(run_dir)},
     })
-
-
-def metrics(run_dir) -> list[dict]:
-    """metrics.jsonl without what depends on the machine's speed."""
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in line.items() if k not in ("qps", "seconds") and not k.endswith("_seconds")}
-            for line in lines]
 
 
 class Crash(Exception):
@@ -53,7 +46,7 @@ def test_resuming_a_stopped_run_ends_bit_identical(criteo_dataset, tmp_path, sto
         train(stopped, progress=crash_after(stop_at))
     resumed = train(stopped, resume=True)
     assert untimed(resumed) == untimed(whole)
-    assert metrics(tmp_path / "stopped") == metrics(tmp_path / "whole")
+    assert records(tmp_path / "stopped") == records(tmp_path / "whole")
     a, b = final_state(tmp_path / "whole"), final_state(tmp_path / "stopped")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), [k for k in a if not a[k].equal(b[k])]
 

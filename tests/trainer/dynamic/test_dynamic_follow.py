@@ -7,7 +7,8 @@ from dataclasses import replace
 
 from neorec.ingest.synth import partitioned_dataset, write_partition
 from neorec.trainer.run.train import train
-from tests.trainer.follow_helpers import SPEC, follow_config, records
+from tests.trainer.follow_helpers import SPEC, follow_config
+from tests.trainer.run_records import records
 
 RAW = replace(SPEC, rows=3_600, partitions=3, raw_ids=True, id_space=10**8)
 """Three partitions of 1,200 rows of raw ids."""

@@ -4,8 +4,6 @@ the metrics, the store tier below a dynamic table, map shards that do not fit re
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -16,7 +14,8 @@ from neorec.trainer.checkpoint.restore import load_dense_chain
 from neorec.trainer.config import ConfigError, TrainConfig
 from neorec.trainer.run.build import build_model
 from neorec.trainer.run.train import train
-from tests.trainer.checkpoint.test_resume import Crash, crash_after, metrics
+from tests.trainer.checkpoint.test_resume import Crash, crash_after
+from tests.trainer.run_records import logged, records
 from tests.trainer.test_train import final_state, untimed
 
 
@@ -53,7 +52,7 @@ def test_resume_with_evictions_in_flight_is_bit_identical(raw_dataset, tmp_path)
         train(stopped, progress=crash_after(13))  # checkpoints at 5 (full) and 10 (incremental)
     resumed = train(stopped, resume=True)
     assert untimed(resumed) == untimed(whole)
-    assert metrics(tmp_path / "stopped") == metrics(tmp_path / "whole")
+    assert records(tmp_path / "stopped") == records(tmp_path / "whole")
     a, b = final_state(tmp_path / "whole"), final_state(tmp_path / "stopped")
     assert all(a[k].equal(b[k]) for k in a)
     assert len(map_state(tmp_path / "whole")) > 1  # the maps restored from a full checkpoint and increments
@@ -81,8 +80,7 @@ def test_same_data_and_seed_give_the_same_map_and_weights(raw_dataset, tmp_path)
 def test_counters_are_in_the_metrics(raw_dataset, tmp_path):
     summary = train(config_for(raw_dataset, tmp_path / "run", train={"batch_size": 128, "eval_batch_size": 500,
                                                                      "max_steps": 8, "log_every": 4}))
-    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    train_lines = [line for line in lines if line["split"] == "train"]
+    train_lines = logged(tmp_path / "run", "train")
     assert [line["step"] for line in train_lines] == [4, 8]
     first, last = train_lines[0]["dynamic"]["t_C1"], train_lines[-1]["dynamic"]["t_C1"]
     assert set(first) == {"admitted", "rejected", "evicted", "live"}
@@ -97,7 +95,7 @@ def test_a_store_backed_dynamic_table_trains_as_in_memory(raw_dataset, tmp_path)
     assert store["store"]["misses"] > 0 and store["store"]["evictions"] > 0
     del store["store"], store["world_size"]  # (a run with a plan reports its world size)
     assert untimed(memory) == untimed(store)  # the dynamic counters among them
-    assert metrics(tmp_path / "memory") == metrics(tmp_path / "store")  # every logged loss, bit for bit
+    assert records(tmp_path / "memory") == records(tmp_path / "store")  # every logged loss, bit for bit
 
 
 def test_raw_ids_need_a_dynamic_table_and_dynamic_tables_need_the_data(raw_dataset, tmp_path):

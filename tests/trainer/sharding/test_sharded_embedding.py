@@ -63,6 +63,9 @@ def cases(world: int) -> dict[str, tuple[ShardingPlan, SparseOptimizer, str]]:
     mixed = [TABLE_ROW_WISE if world == 4 else ROW_WISE, COLUMN_WISE, DATA_PARALLEL]
     found["mixed"] = (plan_of(mixed, world), SparseOptimizer("adam", 0.05), "fp32")
     found["mixed-sgd"] = (plan_of([TABLE_WISE, ROW_WISE, COLUMN_WISE], world), SparseOptimizer("sgd", 0.3), "fp32")
+    # a decayed Adagrad sum: each shard decays the rows it updates, as one module does
+    found["mixed-decayed"] = (plan_of([ROW_WISE, TABLE_WISE, DATA_PARALLEL], world),
+                              SparseOptimizer("rowwise_adagrad", 0.1, adagrad_decay=0.9), "fp32")
     # stochastic rounding noise is drawn per element of the whole table: sharding does not change it
     found["mixed-bf16"] = (plan_of([COLUMN_WISE, TABLE_WISE, DATA_PARALLEL], world), adagrad, "bf16")
     # the CUDA code path (torch ops for routing, lookup and update), run on CPU

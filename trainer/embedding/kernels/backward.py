@@ -183,6 +183,7 @@ def apply_updates(
     beta1: float,
     beta2: float,
     weight_decay: float,
+    adagrad_decay: float,       # (0, 1]: the Adagrad sums of squares are multiplied by it before each update
     step: int,                  # 1-based optimizer step (Adam bias correction)
     touched: np.ndarray,        # uint8 [total rows], set to 1 for every updated row
     max_chunks: int,            # work is split into at most this many chunks (a few per thread)
@@ -229,13 +230,15 @@ def apply_updates(
             s2 = state2[s0 : s0 + state_width[t]] if optimizer == ADAM else state2
             if precision == FP32:
                 _update_row(weights[w0 : w0 + dim], s1, s2, grad, dim, optimizer, learning_rates[t],
-                            np.float32(eps), beta1, beta2, np.float32(weight_decay), adam_step_size)
+                            np.float32(eps), beta1, beta2, np.float32(weight_decay), np.float32(adagrad_decay),
+                            adam_step_size)
                 continue
             bits = weights16[w0 : w0 + dim]
             for d in range(dim):
                 row_copy[d] = decode(bits[d], precision)
             _update_row(row_copy, s1, s2, grad, dim, optimizer, learning_rates[t],
-                        np.float32(eps), beta1, beta2, np.float32(weight_decay), adam_step_size)
+                        np.float32(eps), beta1, beta2, np.float32(weight_decay), np.float32(adagrad_decay),
+                        adam_step_size)
             held = row if slot_base[t] < 0 else slot_rows[slot_base[t] + row]
             element = ((noise_origin[t, 0] << 40) + (noise_origin[t, 1] + held) * noise_origin[t, 3]
                        + noise_origin[t, 2])
@@ -262,9 +265,10 @@ def _prefetch_upstream(grad_out, offset, dim):
 
 @numba.njit(inline="always")
 def _update_row(weights, state1, state2, grad, dim, optimizer, lr, eps, beta1, beta2, weight_decay,
-                adam_step_size):
+                adagrad_decay, adam_step_size):
     """Apply ``optimizer`` to one row (``weights[:dim]``, its state ``state1``/``state2``:
-    views of the row) given its summed gradient ``grad[:dim]``."""
+    views of the row) given its summed gradient ``grad[:dim]``. The Adagrad sums are
+    multiplied by ``adagrad_decay`` first unless it is 1 (plain Adagrad, untouched)."""
     if weight_decay != 0.0:
         for d in range(dim):
             grad[d] += weight_decay * weights[d]
@@ -273,9 +277,13 @@ def _update_row(weights, state1, state2, grad, dim, optimizer, lr, eps, beta1, b
             weights[d] -= lr * grad[d]
     elif optimizer == ADAGRAD:
         for d in range(dim):
+            if adagrad_decay != 1.0:
+                state1[d] *= adagrad_decay
             state1[d] += grad[d] * grad[d]
             weights[d] -= lr * grad[d] / (np.sqrt(state1[d]) + eps)
     elif optimizer == ROWWISE_ADAGRAD:
+        if adagrad_decay != 1.0:
+            state1[0] *= adagrad_decay
         state1[0] += _square_sum(grad, dim) / np.float32(dim)
         multiplier = lr / (np.sqrt(state1[0]) + eps)
         for d in range(dim):

@@ -218,10 +218,10 @@ def _optimizer_step(w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor]
     if opt.kind == "sgd":
         return w - lr * g, []
     if opt.kind == "adagrad":
-        s = states[0] + g * g
+        s = _decayed(states[0], opt) + g * g
         return w - lr * g / (s.sqrt() + opt.eps), [s]
     if opt.kind == "rowwise_adagrad":
-        s = states[0] + (g * g).mean(dim=1, keepdim=True)
+        s = _decayed(states[0], opt) + (g * g).mean(dim=1, keepdim=True)
         return w - (lr / (s.sqrt() + opt.eps)) * g, [s]
     m = opt.beta1 * states[0] + (1 - opt.beta1) * g
     v = opt.beta2 * states[1] + (1 - opt.beta2) * g * g
@@ -230,6 +230,12 @@ def _optimizer_step(w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor]
     beta2 = torch.full((), opt.beta2, dtype=torch.float64, device=w.device)
     step_size = (1 - beta2.pow(steps)).sqrt() / (1 - beta1.pow(steps))
     return w - (lr.double() * step_size).float() * m / (v.sqrt() + opt.eps), [m, v]
+
+
+def _decayed(squares: torch.Tensor, opt: SparseOptimizer) -> torch.Tensor:
+    """An Adagrad sum of squares (float32) multiplied by ``opt.adagrad_decay``, or itself
+    when that is 1."""
+    return squares if opt.adagrad_decay == 1 else squares * opt.adagrad_decay
 
 
 def _round(w: torch.Tensor, rounding: Rounding, step: int | torch.Tensor, rows: torch.Tensor,
