@@ -16,8 +16,8 @@ from neorec.trainer.config import TrainConfig
 from neorec.trainer.distributed import DistributedContext
 from neorec.trainer.run.build import build_model
 from neorec.trainer.run.train import train
-from tests.trainer.checkpoint.test_resume import metrics
 from tests.trainer.dynamic.test_dynamic_training import config_for, map_state
+from tests.trainer.run_records import records
 from tests.trainer.spawn import run_ranks
 from tests.trainer.test_train import final_state, untimed
 
@@ -64,7 +64,7 @@ def test_two_ranks_checkpoint_and_resume_on_two_ranks_and_on_one_process(raw_dat
     shutil.copytree(tmp_path / "stopped", tmp_path / "alone")
     resumed = run_ranks(train_on_rank, WORLD, stopped, True)[0]
     assert untimed(resumed) == untimed(whole)
-    assert metrics(tmp_path / "stopped") == metrics(tmp_path / "whole")
+    assert records(tmp_path / "stopped") == records(tmp_path / "whole")
     states = map_state(tmp_path / "whole")
     assert len(states) > 1 and set(states[0]) == {f"{t}/{s}" for t in whole["dynamic"] for s in range(2)}
     a, b = final_state(tmp_path / "whole"), final_state(tmp_path / "stopped")  # restored into one process
