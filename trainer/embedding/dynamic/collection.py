@@ -17,6 +17,7 @@ from torch import nn
 from neorec.trainer.batch import KeyedJaggedTensor
 from neorec.trainer.embedding.dynamic.shards import shard_of
 from neorec.trainer.embedding.dynamic.table import DynamicTable, Reinit, table_spans, with_slots
+from neorec.trainer.embedding.dynamic.workers import MapShardWorkers
 from neorec.trainer.embedding.fused import ShardView
 
 
@@ -48,6 +49,7 @@ class DynamicEmbeddings(nn.Module):
         self._features = {name: features[self.pieces[name][0]] for name in self.dynamic}
         self._zero_rows: dict[str, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
         """Per map shard: its default row's number, and a zero row and zero optimizer states."""
+        self._workers = MapShardWorkers()
 
     @property
     def local(self) -> nn.Module:
@@ -65,37 +67,43 @@ class DynamicEmbeddings(nn.Module):
     def remap(self, sparse: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """``sparse`` with the dynamic tables' ids replaced by the rows of their slots in
         ``inner`` (ids without a slot: their map shard's default row, zeroed first); a
-        training batch first updates the maps and re-initialises reused slots."""
+        training batch first updates the maps and re-initialises reused slots.
+
+        The map shards' steps run side by side (:mod:`~neorec.trainer.embedding.dynamic.workers`);
+        re-initialising and zeroing rows follow, shard by shard, in this thread."""
         training = self.training and torch.is_grad_enabled()
         values = sparse.values.numpy()
         slots = values.copy()
         offsets = sparse.offsets().numpy()
+        # per map shard: its table's name, the shard, its ids, where they lie among the table's
+        units: list[tuple[str, DynamicTable, np.ndarray, slice | np.ndarray]] = []
+        table_ids: dict[str, tuple[list[slice], np.ndarray]] = {}
         for name, shards in self.dynamic.items():
             spans = table_spans(sparse, offsets, self._features[name])
             ids = np.concatenate([values[s] for s in spans]) if spans else np.zeros(0, np.int64)
-            rows = np.empty(ids.size, dtype=np.int64)
-            for table, where in _split_by_shard(ids, shards):
-                found = self._rows(table, ids[where], training)
-                rows[where] = found - self.pieces[name][1]
+            table_ids[name] = (spans, ids)
+            units += [(name, table, ids[where], where) for table, where in _split_by_shard(ids, shards)]
+        step = _train_step if training else _lookup_step
+        found = self._workers.run([lambda u=u: step(u[1], u[2]) for u in units], [u[2].size for u in units])
+        rows = {name: np.empty(ids.size, dtype=np.int64) for name, (_, ids) in table_ids.items()}
+        for (name, table, _, where), (shard_slots, reinit) in zip(units, found):
+            if reinit is not None and reinit.slots.size:
+                self._reinitialise(table, reinit)
+            rows[name][where] = self._rows(table, shard_slots) - self.pieces[name][1]
+        for name, (spans, _) in table_ids.items():
             start = 0
             for span in spans:
-                slots[span] = rows[start : start + span.stop - span.start]
+                slots[span] = rows[name][start : start + span.stop - span.start]
                 start += span.stop - span.start
         return with_slots(sparse, slots)
 
-    def _rows(self, table: DynamicTable, ids: np.ndarray, training: bool) -> np.ndarray:
-        """int64 ``[n]``: the table rows of ``ids`` (int64 ``[n]``, all of map shard
-        ``table``), its default row for ids without a slot."""
-        if training:
-            found, reinit = table.train_ids(ids)
-            if reinit.slots.size:
-                self._reinitialise(table, reinit)
-        else:
-            found = table.map.lookup(ids)
-        missing = found < 0
+    def _rows(self, table: DynamicTable, slots: np.ndarray) -> np.ndarray:
+        """int64 ``[n]``: the table rows of a map shard's ``slots`` (int64 ``[n]``, -1: no
+        slot), its default row (zeroed) for -1."""
+        missing = slots < 0
         if missing.any():
             self._zero_default(table)
-        return np.where(missing, table.default_row, found + table.first_row)
+        return np.where(missing, table.default_row, slots + table.first_row)
 
     def _inner_rows(self, table: DynamicTable, rows: np.ndarray) -> tuple[str, torch.Tensor]:
         """The inner module's table holding ``table``'s rows, and ``rows`` (table rows) in it."""
@@ -164,6 +172,17 @@ class DynamicEmbeddings(nn.Module):
 
     def table_weight(self, name: str) -> torch.Tensor:
         return self.inner.table_weight(name)
+
+
+def _train_step(table: DynamicTable, ids: np.ndarray) -> tuple[np.ndarray, Reinit | None]:
+    """A training batch's ids of map shard ``table``: their slots (admitting and evicting)
+    and the slots to re-initialise."""
+    return table.train_ids(ids)
+
+
+def _lookup_step(table: DynamicTable, ids: np.ndarray) -> tuple[np.ndarray, Reinit | None]:
+    """An evaluation batch's ids of map shard ``table``: their slots, the map unchanged."""
+    return table.map.lookup(ids), None
 
 
 def _split_by_shard(ids: np.ndarray, shards: list[DynamicTable]
