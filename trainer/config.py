@@ -121,8 +121,8 @@ class ModelConfig:
     """Round fp16/bf16 weight updates stochastically (else to nearest even)."""
     dynamic: dict[str, DynamicTableConfig] = field(default_factory=dict)
     """Dynamic tables (``[model.dynamic.t_C1] capacity = 1000000``, keys ``capacity``,
-    ``min_count``, ``ttl``, ``ttl_unit``, ``sketch_width``, ``sketch_depth``): raw 64-bit ids
-    mapped to ``capacity`` rows (see docs/dynamic-tables.md)."""
+    ``min_count``, ``ttl``, ``ttl_unit``, ``sketch_width``, ``sketch_depth``, ``shards``): raw
+    64-bit ids mapped to ``capacity`` rows (see docs/dynamic-tables.md)."""
 
     def validate(self) -> None:
         _positive("model.embedding_dim", self.embedding_dim)
@@ -462,8 +462,11 @@ class TrainConfig:
         for section in (self.data, self.model, self.optimizer, self.train, self.sharding, self.checkpoint, self.run,
                         self.security, self.launch, self.embedding_store):
             section.validate()
-        if self.model.dynamic and self.launch.nproc > 1:
-            raise ConfigError("model.dynamic: dynamic tables train in one process for now (launch.nproc = 1)")
+        for table, dynamic in self.model.dynamic.items():  # the ranks of one host, at least
+            try:
+                dynamic.for_world(self.launch.nproc)
+            except ValueError as err:
+                raise ConfigError(f"model.dynamic.{table}.{err}") from None
         if self.train.device == "cuda" and self.embedding_store.tables:
             raise ConfigError("embedding_store.tables: store-backed tables train on the CPU only; with "
                               "train.device = 'cuda' keep every table in device memory (or train on the CPU)")

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from neorec.trainer.distributed import DistributedContext, shutdown
 from neorec.trainer.run.warmup import compile_kernels
 
 
@@ -32,7 +33,7 @@ def _rank_main(rank: int, world_size: int, port: int, out: str, fn: Callable[...
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out) / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        shutdown(DistributedContext(rank, world_size, world_size, rank))  # as a trainer leaves: no abort at exit
 
 
 def _free_port() -> int:

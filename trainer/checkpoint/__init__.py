@@ -22,6 +22,7 @@ from neorec.trainer.checkpoint.store import check_store, restore_store
 from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings
 from neorec.trainer.embedding.fused import ShardView
 from neorec.trainer.model import DLRM
+from neorec.trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, store_of
 
 __all__ = ["CheckpointError", "Restorable", "checkpoints_root", "open_checkpoint", "restore_model",
@@ -39,6 +40,21 @@ def restore_store_tables(restorable: Restorable, store: StoreBackedEmbeddings | 
         store.clear_cache()
 
 
+def restore_dynamic(restorable: Restorable, embeddings: DynamicEmbeddings | ShardedEmbeddingBagCollection) -> None:
+    """Restore the id maps of the dynamic tables' map shards this process holds, kept
+    incrementally over the chain by map shard (:class:`CheckpointError` when the checkpoint
+    has other map shards: another ``shards``)."""
+    chain = [d["incremental"] for d in load_dense_chain(restorable)]
+    local = embeddings if isinstance(embeddings, DynamicEmbeddings) else embeddings.local
+    held = [] if not isinstance(local, DynamicEmbeddings) else [t.key for t in local.map_shards()]
+    missing = [key for key in held if key not in chain[0]]
+    if missing:
+        raise CheckpointError(f"checkpoint {restorable.manifest.name} has no state of the dynamic map shard(s) "
+                              f"{', '.join(missing)} (it holds {', '.join(sorted(chain[0]))}): model.dynamic."
+                              "<table>.shards must be the checkpoint's")
+    embeddings.restore_dynamic(chain)
+
+
 def restore_model(restorable: Restorable, model: DLRM) -> dict:
     """Restore ``model`` (its embeddings, whatever their sharding, with their dynamic tables'
     id maps, and its MLPs) from a checkpoint; returns the checkpoint's dense state (optimizer, RNG, position)."""
@@ -48,8 +64,9 @@ def restore_model(restorable: Restorable, model: DLRM) -> dict:
     restore_store_tables(restorable, store_of(embeddings), views)
     embeddings.set_optimizer_steps(restorable.manifest.sparse_steps)
     dense = load_dense(restorable, next(model.bottom.parameters()).device)
-    if isinstance(embeddings, DynamicEmbeddings):  # the id maps, kept incrementally over the chain
-        embeddings.restore_dynamic([d["incremental"] for d in load_dense_chain(restorable)])
+    if isinstance(embeddings, DynamicEmbeddings) or (
+            isinstance(embeddings, ShardedEmbeddingBagCollection) and embeddings.dynamic):
+        restore_dynamic(restorable, embeddings)
     with torch.no_grad():
         model.bottom.load_state_dict(dense["bottom"])
         model.top.load_state_dict(dense["top"])

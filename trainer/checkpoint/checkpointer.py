@@ -34,9 +34,9 @@ class Checkpointer:
     ``views()`` gives this rank's embedding pieces in memory, ``store()`` its pieces on the
     embedding store (their rows written back); ``tables`` describes every table of the
     model (rows, dim, storage, optimizer, states) for the manifest; ``attempt`` is shared
-    by the attempt's ranks. ``incremental_state(full)`` gives rank 0's state that is kept
-    like the rows, as what changed since the last checkpoint (all of it for a full one): it
-    goes into the dense state as ``incremental``.
+    by the attempt's ranks. ``incremental_state(full)`` (called on every rank: it may be a
+    collective) gives the state that is kept like the rows, as what changed since the last
+    checkpoint (all of it for a full one): rank 0's goes into the dense state as ``incremental``.
     """
 
     def __init__(self, root: Path, config: CheckpointConfig, *, rank: int, world_size: int, attempt: str,
@@ -114,8 +114,9 @@ class Checkpointer:
         name = step_name(global_step)
         store = snapshot_store(self.store(), self.root / name)
         dense_bytes = None
-        if dense is not None and self.incremental_state is not None:
-            dense = {**dense, "incremental": self.incremental_state(full)}
+        incremental = None if self.incremental_state is None else self.incremental_state(full)  # every rank
+        if dense is not None and incremental is not None:
+            dense = {**dense, "incremental": incremental}
         if dense is not None:
             buffer = io.BytesIO()
             torch.save(dense, buffer)

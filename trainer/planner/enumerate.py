@@ -75,6 +75,8 @@ def enumerate_options(table: TableSpec, topology: Topology, constraint: Constrai
             group_shapes = _row_shapes(table, topology.group_size)
             options.extend(Option(TABLE_ROW_WISE, group_shapes, group) for group in topology.groups())
         options.append(Option(DATA_PARALLEL, (whole,) * world, tuple(range(world))))
+    if table.dynamic is not None:
+        options = [o for o in options if dynamic_allows(table, o)]
     if topology.store_fraction:
         options += [replace(o, cache_fraction=topology.store_fraction) for o in options
                      if o.sharding_type in STORE_TYPES]
@@ -86,6 +88,15 @@ def enumerate_options(table: TableSpec, topology: Topology, constraint: Constrai
     if constraint.sharding_type is None:
         return options
     return _constrained(table, topology, options, constraint)
+
+
+def dynamic_allows(table: TableSpec, option: Option) -> bool:
+    """Whether a dynamic table may be sharded as ``option``: whole rows per shard, each
+    dynamic map shard's block of rows on one rank."""
+    if option.sharding_type in (COLUMN_WISE, DATA_PARALLEL):
+        return False
+    block = table.dynamic.shard_capacity + 1
+    return all(s.row_offset % block == 0 and s.rows % block == 0 for s in option.shapes)
 
 
 def _constrained(table: TableSpec, topology: Topology, options: list[Option], c: Constraint) -> list[Option]:

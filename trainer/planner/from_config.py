@@ -10,7 +10,7 @@ import torch.distributed as dist
 from neorec.ingest.partitions import PARTITIONS, PartitionError, first_ready, partition_view
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.schema import Dataset
-from neorec.trainer.run.build import decode_options, table_configs
+from neorec.trainer.run.build import DYNAMIC_TYPES, decode_options, dynamic_for_world, table_configs
 from neorec.trainer.config import ConfigError, TrainConfig
 from neorec.trainer.distributed import DistributedContext, check_same_local_world
 from neorec.trainer.embedding.config import WEIGHT_DTYPES, TableConfig
@@ -97,6 +97,10 @@ def constraints(config: TrainConfig, world_size: int) -> dict[str, Constraint]:
     cache fraction)."""
     out = {name: Constraint.parse(name, text) for name, text in config.sharding.tables.items()} \
         if world_size > 1 else {}
+    for name, constraint in out.items():
+        if name in config.model.dynamic and constraint.sharding_type not in (None, *DYNAMIC_TYPES):
+            raise ConfigError(f"sharding.tables.{name}: {name} is a dynamic table, sharded "
+                              f"{', '.join(DYNAMIC_TYPES)}; not {constraint.sharding_type}")
     for name, fraction in config.embedding_store.tables.items():
         out[name] = replace(out.get(name, Constraint(None)), cache_fraction=fraction)
     return out
@@ -116,6 +120,7 @@ def may_use_store(tables: list[TableConfig], config: TrainConfig) -> bool:
 def planner_inputs(dataset: Dataset, config: TrainConfig,
                    world_size: int) -> tuple[list[TableSpec], Topology, dict[str, Constraint]]:
     """``config``'s tables, its topology for ``world_size`` ranks and its overrides."""
+    config = dynamic_for_world(config, world_size)
     topo = topology(config, world_size)
     sample = sample_lookups(dataset, config, STORE_SAMPLE_ROWS if topo.store_fraction or config.embedding_store.tables
                             else POOLING_SAMPLE_ROWS)

@@ -58,7 +58,9 @@ class TableSpec:
     @property
     def index_bytes(self) -> int:
         """Bytes of a dynamic table's id map and admission sketch (0 for a static table)."""
-        return 0 if self.dynamic is None else map_bytes(self.dynamic.capacity) + self.dynamic.sketch_bytes()
+        if self.dynamic is None:
+            return 0
+        return self.dynamic.map_shards * map_bytes(self.dynamic.shard_capacity) + self.dynamic.sketch_bytes()
 
     def bytes(self) -> int:
         return self.rows * self.row_bytes(self.dim) + self.index_bytes

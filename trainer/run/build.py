@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -17,15 +18,18 @@ from neorec.trainer.embedding.dynamic.table import DynamicTable
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 from neorec.trainer.model import DLRM
-from neorec.trainer.sharding.plan import ShardingPlan
+from neorec.trainer.sharding.plan import ROW_SPLIT_TYPES, TABLE_WISE, ShardingPlan
 from neorec.trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StoreSettings
+
+DYNAMIC_TYPES = (TABLE_WISE, *ROW_SPLIT_TYPES)
+"""The sharding types a dynamic table may have: whole rows on a rank (its map shards')."""
 
 
 def table_configs(schema: DatasetSchema, config: TrainConfig) -> list[TableConfig]:
     """One table per distinct ``table`` of the schema, in first-use order, holding
-    ``min(cardinality, model.max_table_rows)`` rows (a dynamic table: its capacity and the
-    default row that ids without a slot read)."""
+    ``min(cardinality, model.max_table_rows)`` rows (a dynamic table: its slots and, per map
+    shard, the default row that ids without a slot read)."""
     model = config.model
     features: dict[str, list[str]] = {}
     for feature in schema.sparse:
@@ -35,7 +39,7 @@ def table_configs(schema: DatasetSchema, config: TrainConfig) -> list[TableConfi
     return [
         TableConfig(
             name=table,
-            num_embeddings=model.dynamic[table].capacity + 1 if table in model.dynamic
+            num_embeddings=model.dynamic[table].rows if table in model.dynamic
             else min(cardinality[table], model.max_table_rows),
             embedding_dim=model.embedding_dim,
             feature_names=tuple(names),
@@ -57,6 +61,39 @@ def check_dynamic(schema: DatasetSchema, config: TrainConfig) -> None:
         if feature.raw and feature.table not in config.model.dynamic:
             raise ConfigError(f"model.dynamic: feature {feature.name!r} holds raw 64-bit ids (encoding = \"raw\"); "
                               f"declare its table dynamic: [model.dynamic.{feature.table}] capacity = ROWS")
+
+
+def dynamic_for_world(config: TrainConfig, world_size: int) -> TrainConfig:
+    """``config`` for a run of ``world_size`` ranks: its dynamic tables' ``shards`` 0 become
+    the world size; :class:`ConfigError` naming the key when a table's map shards do not
+    split over the ranks."""
+    resolved = {}
+    for name, dynamic in config.model.dynamic.items():
+        try:
+            resolved[name] = dynamic.for_world(world_size)
+        except ValueError as err:
+            raise ConfigError(f"model.dynamic.{name}.{err}") from None
+    return replace(config, model=replace(config.model, dynamic=resolved)) if resolved else config
+
+
+def check_dynamic_plan(plan: ShardingPlan, config: TrainConfig) -> None:
+    """:class:`ConfigError` unless every dynamic table of a sharded run is table-wise,
+    row-wise or table-row-wise with each map shard's rows on one rank, and no table is on
+    the embedding store."""
+    for name, dynamic in config.model.dynamic.items():
+        sharding = plan.of(name)
+        if sharding.sharding_type not in DYNAMIC_TYPES:
+            raise ConfigError(f"model.dynamic.{name}: a dynamic table is sharded {', '.join(DYNAMIC_TYPES)}; "
+                              f"the plan makes it {sharding.sharding_type} (see sharding.tables.{name})")
+        block = dynamic.shard_capacity + 1
+        if any(s.row_offset % block or s.rows % block for s in sharding.shards):
+            raise ConfigError(f"model.dynamic.{name}.shards: the plan's {len(sharding.shards)} "
+                              f"{sharding.sharding_type} shards cut its {dynamic.map_shards} map shards "
+                              f"of {block} rows; make shards a multiple of the ranks the table is split over")
+    if config.model.dynamic and plan.on_store():
+        raise ConfigError(f"embedding_store.tables: dynamic tables train beside store tables in one process only; "
+                          f"with {plan.world_size} ranks keep every table in memory "
+                          f"(the plan puts {', '.join(sorted(plan.on_store()))} on the store)")
 
 
 def decode_options(schema: DatasetSchema, config: TrainConfig) -> DecodeOptions:
@@ -103,21 +140,22 @@ def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None
     """The DLRM with a fused embedding module over all tables (or, given a ``plan`` of more
     than one rank, this rank's :class:`ShardedEmbeddingBagCollection`; given a plan that
     puts tables on the embedding store, ``store`` says where), initialised from the seed:
-    the same weights whichever it is. ``table_weights``: float32 ``[rows, dim]`` of every
+    the same weights whichever it is. Dynamic tables keep their map shards in this process,
+    or, sharded, on the ranks holding their rows (:func:`check_dynamic_plan`). ``table_weights``: float32 ``[rows, dim]`` of every
     table, to start the fused module from instead."""
     schema = dataset.schema
     seed = config.train.seed
+    config = dynamic_for_world(config, 1 if plan is None else plan.world_size)
     tables = table_configs(schema, config)
     storage = {"weight_dtype": config.model.weight_dtype, "stochastic_rounding": config.model.stochastic_rounding,
                "kernels": config.train.kernels, "bounds_check": config.train.bounds_check}
     on_store = {} if plan is None else plan.on_store()
-    if config.model.dynamic and plan is not None and plan.world_size > 1:
-        raise ConfigError("model.dynamic: dynamic tables train in one process for now (launch.nproc = 1)")
     if plan is not None and plan.world_size > 1:
+        check_dynamic_plan(plan, config)
         embeddings = ShardedEmbeddingBagCollection(
             tables, sparse_optimizer(config), plan, seed=seed,
             timeout=timedelta(seconds=config.train.collective_timeout_s), store=store,
-            comm_precision=config.sharding.precision(), **storage)
+            comm_precision=config.sharding.precision(), dynamic=config.model.dynamic, **storage)
     elif on_store:
         if store is None:
             raise ValueError("the plan puts tables on the embedding store: give the store's settings")
@@ -130,10 +168,11 @@ def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None
         initial = None if table_weights is None else [table_weights[t.name] for t in tables]
         embeddings = FusedEmbeddingBagCollection(tables, sparse_optimizer(config), seed=seed,
                                                  initial_weights=initial, **storage)
-    if config.model.dynamic:
+    if config.model.dynamic and not isinstance(embeddings, ShardedEmbeddingBagCollection):
         embeddings = DynamicEmbeddings(embeddings, [
-            DynamicTable(t.name, i, t.embedding_dim, config.model.dynamic[t.name])
-            for i, t in enumerate(tables) if t.name in config.model.dynamic], seed)
+            DynamicTable(t.name, i, t.embedding_dim, config.model.dynamic[t.name], shard)
+            for i, t in enumerate(tables) if t.name in config.model.dynamic
+            for shard in range(config.model.dynamic[t.name].map_shards)], seed)
     if embeddings.feature_names != schema.feature_names:
         raise AssertionError("tables must list the schema's features in schema order")
     return DLRM(

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from neorec.trainer.batch import KeyedJaggedTensor
+from neorec.trainer.embedding.dynamic.shards import shard_of_torch
 from neorec.trainer.embedding.kernels.routing import route_ids
 from neorec.common.offsets import exclusive_cumsum
 from neorec.trainer.sharding.collectives import PendingTensor, start_all_to_all
@@ -74,9 +75,11 @@ class SparseAllToAll:
             "route_rows": torch.from_numpy(layout.route_rows),
             "unit_feature": torch.from_numpy(layout.unit_feature),
             "unit_rows": torch.from_numpy(layout.unit_rows),
+            "unit_shards": torch.from_numpy(layout.unit_shards),
             "slot_rank": torch.tensor([slot.rank for slot in layout.slots], dtype=torch.int64),
         }
         self._device_tables: dict[torch.device, dict[str, torch.Tensor]] = {}
+        self._dynamic = bool(layout.unit_shards.any())
 
     def __call__(self, routed: RoutedSparse, group: dist.ProcessGroup | None = None) -> KeyedJaggedTensor:
         """Send a :meth:`prepare` d batch: the all-to-alls run on ``group``. Raises
@@ -160,6 +163,7 @@ class SparseAllToAll:
         id_weights = sparse.weights.numpy() if sparse.weights is not None else weights
         total, bad_unit, bad_id = route_ids(
             sparse.values.numpy(), id_weights, offsets, unit_source, layout.unit_rows, layout.unit_routes,
+            layout.unit_shards,
             layout.route_rows, layout.route_slot, len(layout.slots), batch, lengths, values, weights,
         )
         message = self._bad_id_message(bad_unit, bad_id) if bad_unit >= 0 else None
@@ -169,7 +173,8 @@ class SparseAllToAll:
     def _route_torch(self, sparse: KeyedJaggedTensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, str | None]:
         """:meth:`route` in torch ops (any device): expand each unit's ids, find each id's
-        route by ``searchsorted`` over ``unit * stride + first row``, stable-sort by slot."""
+        route by ``searchsorted`` over ``unit * stride + first row`` (a dynamic table's raw
+        id: its map shard's first row), stable-sort by slot."""
         layout, batch, device = self.layout, sparse.batch_size, sparse.values.device
         tables = self._tables(device)
         source = self.feature_positions(sparse, device)[tables["unit_feature"]]
@@ -182,14 +187,24 @@ class SparseAllToAll:
         ids = sparse.values[positions]
         rows = tables["unit_rows"][unit]
         bad = (ids < 0) | (ids >= rows)
+        keys = ids  # the row an id routes by
+        if self._dynamic:  # a dynamic table's raw id: its map shard's first row
+            shards = tables["unit_shards"][unit]
+            dynamic = shards > 0
+            bad &= ~dynamic
+            shards = shards.clamp(min=1)
+            keys = torch.where(dynamic, shard_of_torch(ids, shards) * (rows // shards), ids)
         message = None
         if bool(bad.any()):
             first = int(torch.nonzero(bad)[0])
             message = self._bad_id_message(int(unit[first]), int(ids[first]))
             ids = torch.where(bad, 0, ids)
-        route = torch.searchsorted(tables["route_keys"], unit * self._stride + ids, right=True) - 1
+            keys = torch.where(bad, 0, keys)
+        route = torch.searchsorted(tables["route_keys"], unit * self._stride + keys, right=True) - 1
         slot = tables["route_slot"][route]
         local_ids = ids - tables["route_rows"][route]
+        if self._dynamic:
+            local_ids = torch.where(dynamic, ids, local_ids)
         bag_of_value = torch.repeat_interleave(torch.arange(sparse.lengths.numel(), device=device) % batch,
                                                sparse.lengths.to(torch.int64),
                                                output_size=sparse.values.numel())[positions]

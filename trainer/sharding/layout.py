@@ -43,11 +43,14 @@ class LocalShard:
 
 class ShardedLayout:
     """The slots, this rank's shards, and the index maps of the input and output
-    distribution, for ``tables`` sharded as ``plan`` on rank ``rank``."""
+    distribution, for ``tables`` sharded as ``plan`` on rank ``rank``; ``map_shards``: the
+    dynamic tables' map shards (each a block of whole rows on one rank), by table name."""
 
-    def __init__(self, tables: list[TableConfig], plan: ShardingPlan, rank: int) -> None:
+    def __init__(self, tables: list[TableConfig], plan: ShardingPlan, rank: int,
+                 map_shards: dict[str, int] | None = None) -> None:
         plan.validate({t.name: (t.num_embeddings, t.embedding_dim) for t in tables})
         self.tables = tables
+        self.map_shards = dict(map_shards or {})
         self.world_size = plan.world_size
         self.rank = rank
         self.shardings = [plan.of(t.name) for t in tables]
@@ -112,6 +115,8 @@ class ShardedLayout:
         self.unit_feature = np.array(unit_feature, dtype=np.int64)
         self.unit_rows = np.array([self.feature_rows[f] for f in unit_feature], dtype=np.int64)
         self.unit_routes = np.array(unit_routes, dtype=np.int64)
+        self.unit_shards = np.array([self.map_shards.get(self.tables[self.feature_table[f]].name, 0)
+                                     for f in unit_feature], dtype=np.int64)
         self.route_rows = np.array(route_rows, dtype=np.int64)
         self.route_slot = np.array(route_slot, dtype=np.int64)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -13,11 +13,14 @@ from torch import nn
 from neorec.trainer.batch import DistributedSparse, KeyedJaggedTensor
 from neorec.trainer.embedding.bounds import check_mode
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
+from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings
+from neorec.trainer.embedding.dynamic.config import DynamicTableConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection, ShardView, initial_table_weight
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StoreSettings
 from neorec.trainer.sharding.input_dist import RoutedSparse, SparseAllToAll
 from neorec.trainer.sharding.layout import ShardedLayout
 from neorec.trainer.sharding.comm_precision import FULL, CommPrecision
+from neorec.trainer.sharding.dynamic_local import gathered_state, summed_counters, with_map_shards
 from neorec.trainer.sharding.output_dist import PooledAllToAll
 from neorec.trainer.sharding.plan import DATA_PARALLEL, ShardingPlan
 
@@ -61,7 +64,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                  full_weights: dict[str, torch.Tensor] | None = None, weight_dtype: str = "fp32",
                  stochastic_rounding: bool = True, kernels: str = "auto",
                  timeout: timedelta | None = None, store: StoreSettings | None = None,
-                 comm_precision: CommPrecision = FULL, bounds_check: str = "fatal") -> None:
+                 comm_precision: CommPrecision = FULL, bounds_check: str = "fatal",
+                 dynamic: dict[str, DynamicTableConfig] | None = None) -> None:
         """``full_weights``: float32 ``[rows, dim]`` of any table (each rank slices its
         shards); other tables start from :func:`initial_table_weight` with ``seed``.
         ``weight_dtype`` and ``stochastic_rounding`` as for the fused module (rounding noise
@@ -73,7 +77,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         module is then a :class:`~neorec.trainer.embedding.store_backed.StoreBackedEmbeddings`).
         ``comm_precision``: the wire type of the pooled embeddings' all-to-all and its gradient.
         ``bounds_check``: validated only; routing an id to its shard checks it, on every rank
-        at once (an ``IndexError`` everywhere, naming the id on its rank), in every mode."""
+        at once (an ``IndexError`` everywhere, naming the id on its rank), in every mode.
+        ``dynamic``: the dynamic tables' settings (``shards`` resolved), by name: their raw
+        ids route to the rank owning their map shard, whose local module (then a
+        :class:`~neorec.trainer.embedding.dynamic.collection.DynamicEmbeddings`) maps them
+        to rows at the step."""
         super().__init__()
         check_mode(bounds_check)
         if dist.get_world_size(group) != plan.world_size:
@@ -82,7 +90,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.tables = tuple(tables)
         self.plan = plan
         self.group = group
-        self.layout = ShardedLayout(list(tables), plan, dist.get_rank(group))
+        self.dynamic = dict(dynamic or {})
+        self.last_counters: dict[str, dict[str, int]] = {}
+        """The dynamic tables' counters at the last :meth:`counters`."""
+        self.layout = ShardedLayout(list(tables), plan, dist.get_rank(group),
+                                    {name: d.map_shards for name, d in self.dynamic.items()})
         self.feature_names = self.layout.feature_names
         self.output_dim = self.layout.output_dim
         full_weights = full_weights or {}
@@ -101,7 +113,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 shard_weights.append(full[shard.row_offset : shard.row_offset + shard.rows,
                                           shard.col_offset : shard.col_offset + shard.cols])
         self.optimizer = optimizer
-        self.local: FusedEmbeddingBagCollection | StoreBackedEmbeddings | None = None
+        self.local: FusedEmbeddingBagCollection | StoreBackedEmbeddings | DynamicEmbeddings | None = None
         """None on a rank that holds no shard (more ranks than table pieces)."""
         configs = [s.config for s in self.layout.local_shards]
         origins = [(s.table, s.shard.row_offset, s.shard.col_offset, tables[s.table].embedding_dim)
@@ -119,6 +131,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                                            for s in self.layout.local_shards], **storage)
         elif configs:
             self.local = FusedEmbeddingBagCollection(configs, optimizer, initial_weights=shard_weights, **storage)
+        if self.local is not None and self.dynamic:
+            self.local = with_map_shards(self.local, self.layout, self.dynamic, seed)
         self.input_dist = SparseAllToAll(self.layout, torch_routing=kernels == "torch")
         self.output_dist = PooledAllToAll(self.layout, group, comm_precision)
         self.input_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD), timeout=timeout)
@@ -165,6 +179,27 @@ class ShardedEmbeddingBagCollection(nn.Module):
         steps = torch.zeros((), dtype=torch.int64) if self.local is None else self.local.optimizer_step.clone()
         dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=self.group)
         return int(steps)
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Per dynamic table its counters over all ranks' map shards (a collective; the
+        result stays in :attr:`last_counters`)."""
+        self.last_counters = summed_counters(self.local, sorted(self.dynamic), self.group)
+        return self.last_counters
+
+    def on_partition_end(self, name: str) -> None:
+        """The follow loop's hook (see :meth:`DynamicEmbeddings.on_partition_end`)."""
+        if isinstance(self.local, DynamicEmbeddings):
+            self.local.on_partition_end(name)
+
+    def dynamic_state(self, full: bool) -> dict[str, Any]:
+        """Checkpoint state of every rank's map shards, by map shard, on rank 0 (a collective;
+        see :meth:`DynamicEmbeddings.dynamic_state`)."""
+        return gathered_state(self.local, full, self.group)
+
+    def restore_dynamic(self, chain: list[dict[str, Any]]) -> None:
+        """Restore this rank's map shards from the :meth:`dynamic_state` of a chain."""
+        if isinstance(self.local, DynamicEmbeddings):
+            self.local.restore_dynamic(chain)
 
     def gather_table(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Table ``name`` assembled from its shards: float32 weights ``[rows, dim]`` and each

@@ -1,7 +1,10 @@
-"""The planner sizes a dynamic table by its capacity, counts its id map and sketch, and
-``neorec plan`` explains it; a sharded run is refused (dynamic tables train in one process)."""
+"""The planner sizes a dynamic table by its capacity, counts its id maps and sketches (one
+per map shard), shards it only so that each map shard's rows lie on one rank, and ``neorec
+plan`` explains it."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -10,8 +13,9 @@ from neorec.ingest.synth import SynthSpec, generate
 from neorec.trainer.config import ConfigError, TrainConfig
 from neorec.trainer.embedding.dynamic.table import DynamicTable
 from neorec.trainer.planner.from_config import plan_for_config
-from neorec.trainer.run.build import build_model
 from neorec.trainer.planner.render import render
+from neorec.trainer.run.build import check_dynamic_plan
+from neorec.trainer.sharding.plan import Shard, ShardingPlan, TableSharding
 
 
 @pytest.fixture(scope="module")
@@ -21,20 +25,53 @@ def raw_dataset(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
 
 
 def test_dynamic_tables_are_planned_by_capacity_with_their_map(raw_dataset: Dataset) -> None:
-    dynamic = {f.table: {"capacity": 1000 + i, "min_count": 2, "ttl": 5, "sketch_width": 4096}
+    dynamic = {f.table: {"capacity": 1000 + 2 * i, "min_count": 2, "ttl": 5, "sketch_width": 4096}
                for i, f in enumerate(raw_dataset.schema.sparse)}
     config = TrainConfig.from_dict({"data": {"path": str(raw_dataset.root)},
                                     "model": {"embedding_dim": 8, "bottom_mlp": [16, 8], "dynamic": dynamic}})
-    result = plan_for_config(raw_dataset, config, 2)
+    result = plan_for_config(raw_dataset, config, 2)  # shards 0: one map shard per rank
     specs = {t.name: t for t in result.tables}
-    assert {name: spec.rows for name, spec in specs.items()} == {name: d["capacity"] + 1 for name, d in dynamic.items()}
-    table = DynamicTable("t_C1", 0, 8, config.model.dynamic["t_C1"])
-    assert specs["t_C1"].index_bytes == table.map.nbytes + table.sketch.counts.nbytes
+    assert {name: spec.rows for name, spec in specs.items()} == {name: d["capacity"] + 2 for name, d in dynamic.items()}
+    resolved = replace(config.model.dynamic["t_C1"], shards=2)
+    maps = [DynamicTable("t_C1", 0, 8, resolved, shard) for shard in range(2)]
+    assert specs["t_C1"].index_bytes == sum(t.map.nbytes + t.sketch.counts.nbytes for t in maps)
     total_rows_bytes = sum(t.rows * t.row_bytes(t.dim) for t in result.tables)
     total_index = sum(t.index_bytes for t in result.tables)
     assert sum(result.memory) == pytest.approx(total_rows_bytes + total_index)
-    with pytest.raises(ConfigError, match="dynamic tables train in one process"):
-        build_model(raw_dataset, config, result.plan)
+    assert {t.sharding_type for t in result.plan.tables} <= {"table_wise", "row_wise", "table_row_wise"}
     text = render(result)
     assert "dynamic tables" in text
-    assert "t_C1: capacity 1,000 rows, min_count 2, ttl 5 steps, LRU when full" in text
+    assert "t_C1: capacity 1,000 rows, 2 map shards of 500 slots, min_count 2, ttl 5 steps, LRU when full" in text
+
+
+@pytest.mark.parametrize("kind", ["column_wise", "data_parallel"])
+def test_a_dynamic_table_is_never_split_by_columns_or_replicated(raw_dataset: Dataset, kind: str) -> None:
+    dynamic = {f.table: {"capacity": 64} for f in raw_dataset.schema.sparse}
+    config = TrainConfig.from_dict({"data": {"path": str(raw_dataset.root)},
+                                    "model": {"embedding_dim": 8, "bottom_mlp": [16, 8], "dynamic": dynamic},
+                                    "sharding": {"tables": {"t_C1": kind}}})
+    with pytest.raises(ConfigError, match=f"^sharding.tables.t_C1: t_C1 is a dynamic table, .*not {kind}$"):
+        plan_for_config(raw_dataset, config, 2)
+
+
+def test_a_plan_must_keep_each_map_shard_on_one_rank_in_memory(raw_dataset: Dataset) -> None:
+    config = TrainConfig.from_dict({"data": {"path": str(raw_dataset.root)},
+                                    "model": {"dynamic": {"t_C1": {"capacity": 8, "shards": 2}}}})
+    rows, dim = config.model.dynamic["t_C1"].rows, config.model.embedding_dim  # 2 map shards of 4 slots + 1
+    row_wise = (Shard(0, 0, 5, 0, dim), Shard(1, 5, 5, 0, dim))
+
+    def plan(kind: str, shards: tuple[Shard, ...], cache_fraction: float | None = None) -> ShardingPlan:
+        return ShardingPlan(2, (TableSharding("t_C1", kind, shards, cache_fraction),))
+
+    check_dynamic_plan(plan("row_wise", row_wise), config)
+    check_dynamic_plan(plan("table_wise", (Shard(1, 0, rows, 0, dim),)), config)
+    with pytest.raises(ConfigError, match=r"^model.dynamic.t_C1: a dynamic table is sharded table_wise, row_wise, "
+                                          r"table_row_wise; the plan makes it column_wise"):
+        check_dynamic_plan(plan("column_wise", (Shard(0, 0, rows, 0, dim // 2), Shard(1, 0, rows, dim // 2, dim // 2))),
+                           config)
+    with pytest.raises(ConfigError, match=r"^model.dynamic.t_C1.shards: the plan's 2 row_wise shards cut its 2 map "
+                                          r"shards of 5 rows"):
+        check_dynamic_plan(plan("row_wise", (Shard(0, 0, 4, 0, dim), Shard(1, 4, 6, 0, dim))), config)
+    with pytest.raises(ConfigError, match=r"^embedding_store.tables: dynamic tables train beside store tables in one "
+                                          r"process only; with 2 ranks keep every table in memory"):
+        check_dynamic_plan(plan("row_wise", row_wise, 0.5), config)

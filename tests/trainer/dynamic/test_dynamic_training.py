@@ -1,6 +1,6 @@
 """Training with dynamic tables end to end: raw 64-bit ids in the data, the map and sketch in
 Check-N-Run checkpoints (incremental), exact resume with evictions in flight, counters in
-the metrics, the store tier below a dynamic table."""
+the metrics, the store tier below a dynamic table, map shards that do not fit refused."""
 
 from __future__ import annotations
 
@@ -109,5 +109,10 @@ def test_raw_ids_need_a_dynamic_table_and_dynamic_tables_need_the_data(raw_datas
         train(config)
     with pytest.raises(ConfigError, match=r"model.dynamic.t_C1.capacity: must be a positive"):
         TrainConfig.from_dict({"model": {"dynamic": {"t_C1": {"capacity": 0}}}})
-    with pytest.raises(ConfigError, match=r"dynamic tables train in one process for now \(launch.nproc = 1\)"):
-        TrainConfig.from_dict({"model": {"dynamic": {"t_C1": {"capacity": 8}}}, "launch": {"nproc": 2}})
+    with pytest.raises(ConfigError, match=r"^model.dynamic.t_C1.capacity: 10 rows do not split into 4 equal map "
+                                          r"shards \(shards = 4\); make the capacity a multiple of it$"):
+        TrainConfig.from_dict({"model": {"dynamic": {"t_C1": {"capacity": 10, "shards": 4}}}})
+    with pytest.raises(ConfigError, match=r"^model.dynamic.t_C1.shards: 3 map shards do not split over 2 ranks"):
+        TrainConfig.from_dict({"model": {"dynamic": {"t_C1": {"capacity": 9, "shards": 3}}}, "launch": {"nproc": 2}})
+    with pytest.raises(ConfigError, match=r"^model.dynamic.t_C1.capacity: 9 rows do not split into 2 equal"):
+        TrainConfig.from_dict({"model": {"dynamic": {"t_C1": {"capacity": 9}}}, "launch": {"nproc": 2}})

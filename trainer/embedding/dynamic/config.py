@@ -3,7 +3,7 @@ slots, admitted by count and evicted by recency (see :mod:`neorec.trainer.embedd
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 TTL_UNITS = ("steps", "partitions")
 
@@ -19,6 +19,10 @@ class DynamicTableConfig:
     reads zeros and gets no update. A full table gives the least recently used id's slot to
     a new one; ``ttl`` (0: none) evicts an id not seen in the last ``ttl`` steps, or
     partitions of a continuous-training run (``ttl_unit``).
+
+    ``shards``: hash partitions of the table (*map shards*, 0: the run's world size, see
+    :meth:`for_world`), each an independent map of ``capacity // shards`` slots with its own
+    sketch; a rank owns whole map shards, so a run trains on any number of ranks dividing it.
     """
 
     capacity: int = 0
@@ -27,6 +31,7 @@ class DynamicTableConfig:
     ttl_unit: str = "steps"
     sketch_width: int = 0
     sketch_depth: int = 4
+    shards: int = 0
 
     def validate(self) -> None:
         """``ValueError`` naming the key of the first bad value."""
@@ -44,16 +49,49 @@ class DynamicTableConfig:
             raise ValueError(f"sketch_width: must be a power of two (or 0: from the capacity), got {self.sketch_width}")
         if not 1 <= self.sketch_depth <= 16:
             raise ValueError(f"sketch_depth: must lie in [1, 16], got {self.sketch_depth}")
+        if self.shards < 0:
+            raise ValueError(f"shards: must be >= 0 (0: the run's world size), got {self.shards}")
+        if self.shards and self.capacity % self.shards:
+            raise ValueError(f"capacity: {self.capacity} rows do not split into {self.shards} equal map shards "
+                             f"(shards = {self.shards}); make the capacity a multiple of it")
+
+    def for_world(self, world_size: int) -> "DynamicTableConfig":
+        """These settings for a run of ``world_size`` ranks: ``shards`` 0 becomes the world
+        size; ``ValueError`` naming the key when the map shards do not split over the ranks."""
+        resolved = replace(self, shards=self.shards or world_size)
+        resolved.validate()
+        if resolved.shards % world_size:
+            raise ValueError(f"shards: {resolved.shards} map shards do not split over {world_size} ranks "
+                             "(set shards to a multiple of the world size)")
+        return resolved
+
+    @property
+    def map_shards(self) -> int:
+        """Hash partitions of the table (1 until :meth:`for_world` resolves ``shards`` 0)."""
+        return max(self.shards, 1)
+
+    @property
+    def shard_capacity(self) -> int:
+        """Slots of each map shard."""
+        return self.capacity // self.map_shards
+
+    @property
+    def rows(self) -> int:
+        """Rows of the table: per map shard its slots and its default row."""
+        return self.map_shards * (self.shard_capacity + 1)
 
     def sketch_columns(self) -> int:
-        """Counters per row of the sketch: ``sketch_width``, or from the capacity when 0."""
-        return self.sketch_width or 1 << max(1, (2 * self.capacity - 1).bit_length())
+        """Counters per row of a map shard's sketch: ``sketch_width`` (or, when 0, twice
+        the capacity) over the map shards, rounded up to a power of two."""
+        columns = self.sketch_width or 2 * self.capacity
+        return 1 << max(1, (-(-columns // self.map_shards) - 1).bit_length())
 
     def sketch_bytes(self) -> int:
-        """Bytes of the admission sketch (0 when every id is admitted at once)."""
-        return 0 if self.min_count == 1 else 4 * self.sketch_columns() * self.sketch_depth
+        """Bytes of the admission sketches of all map shards (0 when every id is admitted at once)."""
+        return 0 if self.min_count == 1 else 4 * self.sketch_columns() * self.sketch_depth * self.map_shards
 
     def describe(self) -> str:
         """The settings in words (``neorec plan``)."""
         ttl = f"ttl {self.ttl} {self.ttl_unit}" if self.ttl else "no ttl"
-        return f"capacity {self.capacity:,} rows, min_count {self.min_count}, {ttl}, LRU when full"
+        shards = f", {self.map_shards} map shards of {self.shard_capacity:,} slots" if self.map_shards > 1 else ""
+        return f"capacity {self.capacity:,} rows{shards}, min_count {self.min_count}, {ttl}, LRU when full"

@@ -1,14 +1,18 @@
 """A dynamic table's state (map, admission sketch, clock) and the step that turns a batch's
 raw ids into slots before the fused kernel runs.
 
-The table holds ``capacity + 1`` rows: a slot per admitted id, and the last row, the
-*default* row, which every id without a slot reads; it is zero whenever a batch reads it
-(its update is discarded: it is zeroed again before the next lookup that reads it).
+A table of ``S`` map shards (:mod:`~neorec.trainer.embedding.dynamic.shards`; 1 unless
+sharded) holds ``S * (Cs + 1)`` rows, ``Cs = capacity // S``: map shard ``s`` owns the block
+of rows from ``s * (Cs + 1)``, a row per slot, then its *default* row, which every id of the
+shard without a slot reads; it is zero whenever a batch reads it (its update is discarded:
+it is zeroed again before the next lookup that reads it). A :class:`DynamicTable` is one map
+shard's state: its own map, sketch, clock and counters.
 
 A slot that held another id before is re-initialised before its new id reads it: its row
-becomes the initial row of "virtual row" ``generation * (capacity + 1) + slot`` of the table
-(:func:`neorec.embedding_store.initial.initial_rows`, a pure function of seed, table and that
-row; generation 0 is the table's initial weights) and its optimizer state zeros.
+becomes the initial row of "virtual row" ``generation * rows + row`` of the table (``row``
+its row in the whole table; :func:`neorec.embedding_store.initial.initial_rows`, a pure
+function of seed, table and that row; generation 0 is the table's initial weights) and its
+optimizer state zeros.
 """
 
 from __future__ import annotations
@@ -36,30 +40,43 @@ class Reinit:
 
 
 class DynamicTable:
-    """Map, sketch and clock of the dynamic table ``name`` (number ``index`` in the model:
-    its initial rows' key) of ``dim`` columns."""
+    """Map, sketch and clock of map shard ``shard`` of the dynamic table ``name`` (number
+    ``index`` in the model: its initial rows' key) of ``dim`` columns."""
 
-    def __init__(self, name: str, index: int, dim: int, config: DynamicTableConfig) -> None:
+    def __init__(self, name: str, index: int, dim: int, config: DynamicTableConfig, shard: int = 0) -> None:
         config.validate()
+        if not 0 <= shard < config.map_shards:
+            raise ValueError(f"map shard {shard} of table {name!r}: it has {config.map_shards}")
         self.name = name
         self.index = index
         self.dim = dim
         self.config = config
-        self.map = IdMap(config.capacity)
+        self.shard = shard
+        self.capacity = config.shard_capacity
+        """Slots of this map shard."""
+        self.first_row = shard * (self.capacity + 1)
+        """The table row of this map shard's slot 0."""
+        self.map = IdMap(self.capacity)
         self.sketch = CountMinSketch(config.sketch_columns() if config.min_count > 1 else 1,
                                      config.sketch_depth if config.min_count > 1 else 1, index)
         self.clock = 0
         """The TTL clock: steps trained, or partitions ended (``ttl_unit``)."""
 
     @property
+    def key(self) -> str:
+        """The name of this map shard's state in checkpoints: the table's, or ``table/shard``
+        when it has several."""
+        return self.name if self.config.map_shards == 1 else f"{self.name}/{self.shard}"
+
+    @property
     def rows(self) -> int:
-        """Rows of the table: a slot per id, and the default row."""
-        return self.config.capacity + 1
+        """Rows of the whole table: per map shard a slot per id and the default row."""
+        return self.config.rows
 
     @property
     def default_row(self) -> int:
-        """The row ids without a slot read (zeros)."""
-        return self.config.capacity
+        """The table row this map shard's ids without a slot read (zeros)."""
+        return self.first_row + self.capacity
 
     @property
     def nbytes(self) -> int:
@@ -67,13 +84,14 @@ class DynamicTable:
         return self.map.nbytes + self.sketch.nbytes
 
     def train_ids(self, ids: np.ndarray) -> tuple[np.ndarray, Reinit]:
-        """Slots (int64 ``[n]``, -1: reads zeros) of a training batch's ``ids`` (int64 ``[n]``,
-        in batch order), admitting and evicting on the way; the slots to re-initialise."""
+        """Slots (int64 ``[n]``, in this map shard, -1: reads zeros) of a training batch's
+        ``ids`` (int64 ``[n]``, this shard's, in batch order), admitting and evicting on the
+        way; the slots to re-initialise."""
         if self.config.ttl and self.config.ttl_unit == "steps":
             self.map.expire(self.clock, self.config.ttl)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         out = np.empty(ids.size, dtype=np.int64)
-        reinit = np.empty(min(ids.size, self.config.capacity), dtype=np.int64)
+        reinit = np.empty(min(ids.size, self.capacity), dtype=np.int64)
         generations = np.empty_like(reinit)
         m, s = self.map, self.sketch
         count = remap_train(m.entries, m.meta, m.links, m.live, m.dirty, m.ends, m.stats, s.counts, s.dirty,
@@ -93,7 +111,7 @@ class DynamicTable:
 
     def initial_rows(self, reinit: Reinit, seed: int) -> torch.Tensor:
         """float32 ``[k, dim]``: the rows ``reinit``'s slots start their generation with."""
-        virtual = reinit.generations * self.rows + reinit.slots
+        virtual = reinit.generations * self.rows + self.first_row + reinit.slots
         return torch.from_numpy(initial_rows(seed, self.index, virtual, self.rows, self.dim))
 
     def counters(self) -> dict[str, int]:

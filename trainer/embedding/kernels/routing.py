@@ -6,12 +6,18 @@ and the first table row it holds. A row-split table's feature is one unit whose 
 its shards (an id goes to the last route whose first row is <= the id); any other
 table's feature gives one unit per shard with a single route at row 0 (every id goes to
 every shard). The output is slot-major, then bag, then id order.
+
+A dynamic table's unit (``unit_shards`` > 0: its map shards) routes a raw id by the first
+row of its map shard (:mod:`~neorec.trainer.embedding.dynamic.shards`) and sends the raw id
+itself: any int64 is valid, the receiving rank maps it to a row.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+
+from neorec.trainer.embedding.dynamic.shards import shard_of_jit
 
 
 @numba.njit(cache=True, nogil=True)
@@ -35,12 +41,13 @@ def route_ids(
     unit_source: np.ndarray,    # int64 [U]: batch feature of each unit
     unit_rows: np.ndarray,      # int64 [U]: rows of the unit's table
     unit_routes: np.ndarray,    # int64 [U + 1]: unit u's routes are [unit_routes[u], unit_routes[u+1])
+    unit_shards: np.ndarray,    # int64 [U]: map shards of a dynamic table's unit, 0 for a static one
     route_rows: np.ndarray,     # int64 [R]: first row of each route
     route_slot: np.ndarray,     # int64 [R]: slot of each route
     num_slots: int,
     batch_size: int,
     lengths: np.ndarray,        # int32 [num_slots * B], written: ids per (slot, bag)
-    out_values: np.ndarray,     # int64 [>= routed ids], written: ids local to their shard
+    out_values: np.ndarray,     # int64 [>= routed ids], written: ids local to their shard (dynamic: raw)
     out_weights: np.ndarray,    # float32 like out_values or [0], written
 ) -> tuple[int, int, int]:
     """Route every id; returns ``(routed ids, first bad unit, first bad id)``, the unit being
@@ -55,17 +62,23 @@ def route_ids(
     k = 0
     for u in range(unit_source.shape[0]):
         first, count = unit_routes[u], unit_routes[u + 1] - unit_routes[u]
+        shards = unit_shards[u]
+        block = unit_rows[u] // shards if shards > 0 else 0  # rows per map shard
         for b in range(batch_size):
             bag = unit_source[u] * batch_size + b
             for p in range(bag_offsets[bag], bag_offsets[bag + 1]):
                 row = values[p]
-                if row < 0 or row >= unit_rows[u]:
-                    if bad_unit < 0:
-                        bad_unit, bad_id = u, row
-                    row = 0
-                r = _route_of(row, route_rows, first, count)
+                if shards > 0:
+                    r = _route_of(shard_of_jit(row, shards) * block, route_rows, first, count)
+                    local[k] = row
+                else:
+                    if row < 0 or row >= unit_rows[u]:
+                        if bad_unit < 0:
+                            bad_unit, bad_id = u, row
+                        row = 0
+                    r = _route_of(row, route_rows, first, count)
+                    local[k] = row - route_rows[r]
                 target[k] = route_slot[r] * batch_size + b
-                local[k] = row - route_rows[r]
                 origin[k] = p
                 lengths[target[k]] += 1
                 k += 1
