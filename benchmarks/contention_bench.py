@@ -10,10 +10,12 @@ beside it:
 - ``one_thread``.
 
 Reported: the contended/quiet ratio of each, and the default's contended QPS against one
-thread's. Rounds alternate quiet and contended, and the cases inside each, so that drift
-of the machine hits all alike. Each case trains for a fixed time (the governor looks at the
-load twice a second). The batches are decoded beforehand: this measures the step, not the
-reader."""
+thread's, in the steady state: every case trains unmeasured for ``SETTLE_S`` before its
+measured window, the competitor running (the governor looks at the load four times a
+second and changes the count after two looks that agree). Apart: the governor's reaction
+time, from the competitor's start to its first change of the count. Rounds alternate quiet
+and contended, and the cases inside each, so that drift of the machine hits all alike. The
+batches are decoded beforehand: this measures the step, not the reader."""
 
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ from neorec.trainer.run.thread_governor import ThreadGovernor, thread_ladder
 
 DEMO_MODEL = {"embedding_dim": 16, "bottom_mlp": [64, 32, 16], "top_mlp": [128, 64, 1], "max_table_rows": 200_000}
 BATCH_SIZE = 512
+SETTLE_S = 1.0
+"""Unmeasured training of each case before its measured window."""
 SPIN = "while True: pass"
 """The competitor: one thread that never waits."""
 
@@ -82,9 +86,9 @@ def run(quick: bool = False) -> dict[str, Any]:
                         set_threads(threads)
                         governor = ThreadGovernor(thread_ladder(threads), sorted(os.sched_getaffinity(0))) \
                             if case == "default" else None
-                        for _ in range(2):  # warm-up: the pools at this size
-                            _step(model, optimizers, next(batch_stream))
+                        _rate(model, optimizers, batch_stream, governor, SETTLE_S)
                         rates[case, contended].append(_rate(model, optimizers, batch_stream, governor, seconds))
+        reaction = _reaction_seconds(model, optimizers, batch_stream, default)
         set_threads(0)
     qps = {key: statistics.median(values) for key, values in rates.items()}
     return {
@@ -94,6 +98,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "wait_policy": {name: os.environ[name] for name in WAIT_VARIABLES if name in os.environ},
         **{case: _case(threads, qps[case, False], qps[case, True]) for case, threads in cases.items()},
         "contended_default_vs_one_thread": qps["default", True] / qps["one_thread", True],
+        "governor_reaction_s": reaction,
     }
 
 
@@ -108,6 +113,24 @@ def _rate(model: DLRM, optimizers: list[torch.optim.Optimizer], batches: Iterato
         if governor is not None:
             governor.after_step()
     return samples / elapsed
+
+
+def _reaction_seconds(model: DLRM, optimizers: list[torch.optim.Optimizer], batches: Iterator[Batch],
+                      threads: int, limit_s: float = 10.0) -> float | None:
+    """Seconds from a competitor's start to the governor's first change of ``threads``
+    (None: no change within ``limit_s``, or a single thread to start with)."""
+    if threads == 1:
+        return None
+    set_threads(threads)
+    governor = ThreadGovernor(thread_ladder(threads), sorted(os.sched_getaffinity(0)))
+    started = time.perf_counter()
+    with competing_process():
+        while time.perf_counter() - started < limit_s:
+            _step(model, optimizers, next(batches))
+            governor.after_step()
+            if governor.threads != threads:
+                return time.perf_counter() - started
+    return None
 
 
 def _case(threads: int, quiet: float, contended: float) -> dict[str, Any]:

@@ -8,7 +8,7 @@ under half its quiet speed, slower than with one thread. The count that :func:`s
 sizes from the process's CPUs (affinity, control group quota) is right on a quiet host and
 too many on a shared one, and the load of a shared host changes while a job runs.
 
-:class:`ThreadGovernor` watches, twice a second, how much of the CPUs this process runs
+:class:`ThreadGovernor` watches, four times a second, how much of the CPUs this process runs
 on other processes use (``/proc/stat`` against the process's own CPU time) and trains with
 as many threads as are left: one CPU's worth of other load takes one thread away, and the
 threads come back when the other load leaves. Changing the count between steps changes no
@@ -37,7 +37,7 @@ from neorec.trainer.run.step import use_threads
 log = logging.getLogger(__name__)
 
 PROC_STAT = Path("/proc/stat")
-PERIOD_S = 0.5
+PERIOD_S = 0.25
 """Seconds between two looks at the load."""
 CONFIRMATIONS = 2
 """Consecutive looks that must agree on a new count before it is taken (no flapping on a
