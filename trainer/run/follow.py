@@ -7,7 +7,8 @@ partition ``k`` (in name order) is epoch ``k`` of the loop state, its rows shuff
 1. evaluates the model on it, before any of its rows is trained (progressive
    validation), and logs a ``progressive`` record (AUC, log loss, NE, calibration, rows,
    and the teacher's oracle when the partition carries one);
-2. trains on it (the run's ordinary epoch: ``train`` records carry the partition);
+2. trains on it (the run's ordinary epoch: ``train`` records carry the partition; in one
+   process its first batches are read in the background while step 1 evaluates);
 3. calls ``on_partition_end(name)`` on the model's embedding collection when it has one
    (the hook for per-partition state such as a time-to-live counted in partitions), logs
    a ``partition`` record (rows, training seconds, lag from the marker to the end of
@@ -47,6 +48,7 @@ from neorec.ingest.partitions import (Partition, PartitionError, PartitionOrderE
 from neorec.ingest.reader import BatchReader
 from neorec.trainer.config import ConfigError
 from neorec.trainer.distributed import gather_arrays, global_sum
+from neorec.trainer.run.background import BackgroundIterator
 from neorec.trainer.run.metrics import evaluate
 from neorec.trainer.run.readers import batches, eval_reader_config, make_reader, train_reader_config
 from neorec.trainer.run.step import ProgressFn, StepReport
@@ -138,6 +140,7 @@ class Follower:
                     partition = self._wait(progress)
                     if partition is None:
                         return
+                    self._start_reading(partition)
                     self._validate(partition)
                 if not self._train(partition, progress):
                     return
@@ -182,11 +185,22 @@ class Follower:
         reader_config = (train_reader_config if train else eval_reader_config)(run.config, run.context)
         return make_reader(view, partition.split, run.options, reader_config, run.config)
 
+    def _start_reading(self, partition: Partition) -> None:
+        """Open ``partition``'s training reader; in one process, its first batches are read
+        on the background thread while the partition is evaluated, so training does not
+        start by waiting for its first row groups (the run's :attr:`early` batches)."""
+        run = self.run
+        check_partition_schema(run.dataset, partition)
+        reader = run.train_reader = self._reader(partition, train=True)
+        depth = run.config.train.background_batches
+        if depth and not run.context.distributed:
+            epoch = len(run.state.partitions_done)  # the partition's epoch, as _validate sets it
+            run.early = BackgroundIterator(batches(reader, epoch, 0, run.context.device), depth)
+
     def _validate(self, partition: Partition) -> None:
         """Progressive validation: the model's metrics on ``partition`` before it trains on
         it; then the partition is the one being trained."""
         run, state = self.run, self.run.state
-        check_partition_schema(run.dataset, partition)
         reader = run.eval_reader = self._reader(partition, train=False)
         try:
             if reader.plan(0).total_rows == 0:
@@ -213,18 +227,21 @@ class Follower:
         """Train the rest of the partition; False when a stop ended it first (a checkpoint
         holds where)."""
         run, state = self.run, self.run.state
-        if self._stop_agreed("before training"):
-            return False  # stop requested while evaluating: nothing of the partition trained yet
-        reader = run.train_reader = self._reader(partition, train=True)
-        self.marker_time = partition.marker_time
-        self.train_started = time.perf_counter()
+        reader = run.train_reader = run.train_reader or self._reader(partition, train=True)
         try:
+            if self._stop_agreed("before training"):
+                return False  # stop requested while evaluating: nothing of the partition trained yet
+            self.marker_time = partition.marker_time
+            self.train_started = time.perf_counter()
             run.steps_per_epoch = reader.plan(state.epoch).num_batches
             run.total_steps = state.global_step + run.steps_per_epoch - state.step_in_epoch
             run._epoch(None if progress is None else partial(self._report, progress))
         finally:
-            reader.close()
+            reader.close()  # first: the background thread may wait in its stream
             run.train_reader = None
+            if run.early is not None:  # read ahead for a partition that was not trained
+                run.early.close()
+                run.early = None
         return state.step_in_epoch >= run.steps_per_epoch
 
     def _finish(self, partition: Partition) -> None:
