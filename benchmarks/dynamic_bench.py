@@ -11,7 +11,8 @@ map lookup throughput and the memory bound.
   at the first sighting, which never evicts). The same curve on the demo's data (dense ids
   in each feature's cardinality, read by dynamic tables as raw ids).
 - **Speed**: a training step with dynamic tables against the same step with static tables
-  of the same rows (``step_over_static``: the ratio of their rates).
+  of the same rows (``step_over_static``: the ratio of their rates), in the steady state:
+  after the maps have filled, on batches not seen before.
 - **Map**: lookups per second in one thread of a map holding ``MAP_LIVE`` ids.
 - **Memory**: peak RSS of a process streaming ``RSS_DISTINCT`` distinct ids through a
   dynamic table of ``RSS_CAPACITY`` slots, against the bytes of its rows, map and sketch.
@@ -129,18 +130,32 @@ def _auc(dataset: Dataset, model: dict[str, Any], run_dir: Path, quick: bool) ->
     return float(summary["eval_auc"])
 
 
+STEP_WARMUP_BATCHES, STEP_BATCHES = 100, 64
+"""The step comparison trains ``STEP_WARMUP_BATCHES`` batches unmeasured (the maps fill,
+admit and start evicting), then times steps on the next ``STEP_BATCHES``, each a batch it
+has not seen: a training step's mix of known ids, first sightings, admissions and
+evictions."""
+
+
 def _step_ratio(raw: Dataset, plain: Dataset, capacity: int, quick: bool) -> float:
     """Training steps per second with dynamic tables of ``capacity`` slots over those with
-    static tables of ``capacity`` rows, on the same rows of data."""
+    static tables of ``capacity`` rows, on the same rows of data, in the steady state (see
+    :data:`STEP_WARMUP_BATCHES`)."""
+    warmup, measured = (4, 16) if quick else (STEP_WARMUP_BATCHES, STEP_BATCHES)
     with tempfile.TemporaryDirectory() as tmp:
         dynamic_config = _config(raw, _dynamic_config(raw, capacity, MIN_COUNT), Path(tmp), quick)
         static_config = _config(plain, {"max_table_rows": capacity}, Path(tmp), quick)
         models = {}
         for name, dataset, config in (("dynamic", raw, dynamic_config), ("static", plain, static_config)):
             model = build_model(dataset, config)
-            models[name] = (model, dense_optimizer(model, config), _load_batches(dataset, config)[:32])
+            optimizer = dense_optimizer(model, config)
+            batches = _load_batches(dataset, config)[: warmup + measured]
+            for batch in batches[:warmup]:
+                _step(model, [optimizer], batch)
+            models[name] = (model, optimizer, batches[warmup:])
+        steps, rounds = (4, 3) if quick else (STEP_BATCHES // 4, 3)  # with 2 warm-up steps: every batch once
         rates = interleaved_rates({name: (lambda i, m=m: _step(m[0], [m[1]], m[2][i % len(m[2])]))
-                                   for name, m in models.items()}, steps=5 if quick else 20, rounds=3)
+                                   for name, m in models.items()}, steps=steps, rounds=rounds)
     return rates["dynamic"] / rates["static"]
 
 
