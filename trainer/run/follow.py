@@ -237,11 +237,8 @@ class Follower:
             run.total_steps = state.global_step + run.steps_per_epoch - state.step_in_epoch
             run._epoch(None if progress is None else partial(self._report, progress))
         finally:
-            reader.close()  # first: the background thread may wait in its stream
+            run._stop_reading()  # the reader, then the read-ahead of a partition not trained
             run.train_reader = None
-            if run.early is not None:  # read ahead for a partition that was not trained
-                run.early.close()
-                run.early = None
         return state.step_in_epoch >= run.steps_per_epoch
 
     def _finish(self, partition: Partition) -> None:

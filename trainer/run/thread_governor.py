@@ -171,6 +171,8 @@ def governor_for(model: DLRM, config: TrainConfig, threads: int, device: torch.d
     thread-count free), no ``/proc/stat``, or dense layers whose results depend on the count."""
     if config.train.threads or threads == 1 or device.type != "cpu" or config.train.kernels == "torch":
         return None
+    if not hasattr(os, "sched_getaffinity"):  # not Linux: no per-CPU load to read either
+        return None
     cpus = sorted(os.sched_getaffinity(0))
     if busy_seconds(cpus) is None:
         return None
