@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
@@ -68,6 +69,16 @@ class KeyedJaggedTensor:
         if missing:
             raise KeyError(f"the batch has no feature {missing[0]!r} (it has {list(self.keys)})")
         return [self.keys.index(f) for f in features]
+
+    def with_values(self, values: torch.Tensor) -> "KeyedJaggedTensor":
+        """This block with ``values`` (int64, as many as it holds) in place of its ids: the
+        lengths, already checked, are not checked again."""
+        if values.dtype != torch.int64 or values.shape != self.values.shape:
+            raise ValueError(f"values must be int64 of shape {tuple(self.values.shape)}, got {values.dtype} "
+                             f"{tuple(values.shape)}")
+        block = copy.copy(self)
+        block.values = values.contiguous()
+        return block
 
     def offsets(self) -> torch.Tensor:
         """int64 ``[F * B + 1]``: bag ``i`` is ``values[offsets[i]:offsets[i+1]]``."""

@@ -79,6 +79,25 @@ def test_fp16_and_lfu_through_the_store(tmp_path):
     assert torch.equal(weights, memory.table_weight("big").float())
 
 
+def test_zeroed_rows_are_zero_wherever_they_are(tmp_path):
+    """A row zeroer zeroes the rows of store tables in the cache and on the tier alike, and
+    training continues as in memory."""
+    opt = SparseOptimizer("rowwise_adagrad", 0.1)
+    memory = FusedEmbeddingBagCollection(TABLES, opt, seed=3)
+    store = store_module(tmp_path, opt, "fp32", {"big": 64, "wide": 32})
+    train(memory, 40), train(store, 40)
+    rows = {"big": np.arange(0, 20_000, 97), "wide": np.array([4, 4_999]), "mem": np.array([1, 2])}
+    store.row_zeroer(rows)(), memory.row_zeroer(rows)()
+    for name, at in rows.items():
+        weights, states = store.read_rows(name, torch.from_numpy(at))
+        assert not weights.any() and not any(s.any() for s in states), name
+    assert all(torch.equal(a, b) for a, b in zip(train(memory, 20, seed=1), train(store, 20, seed=1)))
+    for t in TABLES:
+        weights, states = whole_table(store, t.name)
+        assert torch.equal(weights, memory.table_weight(t.name).float()), t.name
+        assert all(torch.equal(a, b) for a, b in zip(states, memory.table_state(t.name))), t.name
+
+
 def test_rows_never_touched_are_never_stored(tmp_path):
     opt = SparseOptimizer("adagrad", 0.1)
     store = store_module(tmp_path, opt, "fp32", {"big": 64, "wide": 64})

@@ -178,6 +178,28 @@ def test_rows_move_between_modules_with_their_optimizer_state(kind):
         target.write_rows("t", torch.tensor([1, 1]), weights[:2], [s[:2] for s in states])
 
 
+@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("weight_dtype", ["fp32", "fp16"])
+def test_a_row_zeroer_zeroes_its_rows_of_every_table_and_nothing_else(kind, weight_dtype):
+    tables = [TableConfig("a", 30, 4, ("x",)), TableConfig("b", 20, 8, ("y",)), TableConfig("c", 10, 2, ("z",))]
+    module = FusedEmbeddingBagCollection(tables, SparseOptimizer(kind, 0.1), seed=4, weight_dtype=weight_dtype)
+    rng = np.random.default_rng(5)
+    for _ in range(3):  # optimizer states away from zero
+        module(random_kjt(tables, 16, rng)).sum().backward()
+    zero = module.row_zeroer({"b": np.array([19, 0, 7]), "a": np.array([3])})
+    before = {t.name: module.read_rows(t.name, torch.arange(t.num_embeddings)) for t in tables}
+    zero()
+    for table in tables:
+        weights, states = module.read_rows(table.name, torch.arange(table.num_embeddings))
+        zeroed = {"a": [3], "b": [19, 0, 7]}.get(table.name, [])
+        kept = [r for r in range(table.num_embeddings) if r not in zeroed]
+        for now, then in zip([weights, *states], [before[table.name][0], *before[table.name][1]]):
+            assert not now[zeroed].any()
+            assert torch.equal(now[kept], then[kept])
+    with pytest.raises(IndexError, match=r"'c'.*\[0, 10\)"):
+        module.row_zeroer({"c": np.array([10])})
+
+
 @pytest.mark.parametrize("weight_dtype", ["fp16", "bf16"])
 def test_half_weights_take_half_the_memory_and_round_stochastically(weight_dtype):
     """Updates far below half an ulp: rounding to nearest never moves the weights, stochastic

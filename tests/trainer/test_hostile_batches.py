@@ -56,6 +56,17 @@ def test_wrong_dtypes_are_refused_when_made(lengths, values, weights, match):
         KeyedJaggedTensor(KEYS, lengths, values, weights)
 
 
+def test_new_values_keep_the_checked_lengths_and_must_match_the_old():
+    kjt = KeyedJaggedTensor(KEYS, torch.tensor([1, 0, 2, 1], dtype=torch.int32), torch.arange(4))
+    moved = kjt.with_values(torch.tensor([7, 8, 9, 10]))
+    assert moved.values.tolist() == [7, 8, 9, 10] and moved.lengths is kjt.lengths
+    assert kjt.values.tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"int64 of shape \(4,\)"):
+        kjt.with_values(torch.arange(3))
+    with pytest.raises(ValueError, match="int64"):
+        kjt.with_values(torch.arange(4, dtype=torch.int32))
+
+
 def test_wrong_shapes_are_refused_when_made():
     with pytest.raises(ValueError, match=r"lengths must be 1-D, got shape \(2, 2\)"):
         KeyedJaggedTensor(KEYS, torch.ones(2, 2, dtype=torch.int32), torch.arange(4))

@@ -493,6 +493,20 @@ class StoreBackedEmbeddings(nn.Module):
             table.tier.write(rows[~cached], data[~cached])
         table.staged = {}
 
+    def row_zeroer(self, rows: dict[str, np.ndarray]) -> Callable[[], None]:
+        """The fused module's :meth:`row_zeroer`, for rows wherever they are (a store
+        table's, in the cache or on the tier, are written as zeros each call)."""
+        in_memory = self.module.row_zeroer({name: r for name, r in rows.items() if name not in self.store})
+        on_store = {name: torch.from_numpy(np.asarray(r, dtype=np.int64)) for name, r in rows.items()
+                    if name in self.store}
+
+        def zero() -> None:
+            in_memory()
+            for name, at in on_store.items():
+                weights, states = self.read_rows(name, at)
+                self.write_rows(name, at, torch.zeros_like(weights), [torch.zeros_like(s) for s in states])
+        return zero
+
     def shard_views(self) -> list[ShardView]:
         """The tables held in memory as views (store tables are checkpointed with their tier)."""
         return [v for v in self.module.shard_views() if v.table not in self.store]

@@ -8,10 +8,12 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from neorec.common.hashing import combine, mix64
+from neorec.trainer.embedding.dynamic.admission import SATURATED
 
 
 class ReferenceSketch:
-    """Count-min with conservative update, hashing as the kernels do."""
+    """Count-min with conservative update, hashing as the kernels do, counting up to
+    :data:`SATURATED`."""
 
     def __init__(self, width: int, depth: int, table: int) -> None:
         self.width = width
@@ -21,7 +23,7 @@ class ReferenceSketch:
     def add(self, key: int) -> int:
         with np.errstate(over="ignore"):
             cells = [int(mix64(np.uint64(key & (2**64 - 1)) ^ np.uint64(salt))) % self.width for salt in self.salts]
-        new = min(row[c] for row, c in zip(self.rows, cells)) + 1
+        new = min(min(row[c] for row, c in zip(self.rows, cells)) + 1, SATURATED)
         for row, c in zip(self.rows, cells):
             row[c] = max(row[c], new)
         return new

@@ -1,9 +1,12 @@
 """Admission by count: a count-min sketch (Cormode & Muthukrishnan, 2005) with conservative
 update, whose memory is fixed however many distinct ids it sees.
 
-Each of ``depth`` rows of ``width`` uint32 counters hashes an id to one counter; a sighting
+Each of ``depth`` rows of ``width`` uint8 counters hashes an id to one counter; a sighting
 raises the smallest of the id's counters by one and lifts the others to that value, and the
-id's count is that value: never below its true count, above it only by collisions. The
+id's count is that value: never below its true count (or :data:`SATURATED`, where counting
+stops: admission needs no more), above it only by collisions. A byte per counter keeps the
+sketch, whose counters an unknown id reads at random, a quarter of 32-bit counters' size in
+the caches. The
 sketch's counters are checkpoint state; :attr:`CountMinSketch.dirty` marks the blocks of
 counters changed since the last :meth:`CountMinSketch.delta`, so a checkpoint holds only those.
 """
@@ -15,28 +18,30 @@ from typing import Any
 import numba
 import numpy as np
 
+from neorec.common.cache_prefetch import prefetch
 from neorec.common.hashing import combine, mix64_jit
 
 BLOCK_SHIFT = 10
 """Counters per dirty-tracking block: ``2**BLOCK_SHIFT`` (or a row, when narrower)."""
-_SATURATED = np.uint32(0xFFFFFFFF)
+SATURATED = 255
+"""The largest count a counter holds (so the largest ``min_count`` admission can ask for)."""
 
 
 @numba.njit(cache=True, nogil=True)
 def sketch_add(counts: np.ndarray, dirty: np.ndarray, shift: np.int64, salts: np.ndarray, key: np.int64) -> np.int64:
-    """Count one sighting of ``key`` in ``counts`` (uint32 ``[depth, width]``, width a power
+    """Count one sighting of ``key`` in ``counts`` (uint8 ``[depth, width]``, width a power
     of two; ``salts`` uint64 ``[depth]``); mark changed blocks in ``dirty`` (uint8, one per
     ``2**shift`` counters of the flattened array); returns the key's count after it."""
     depth, width = counts.shape
     mask = np.uint64(width - 1)
-    low = _SATURATED
+    low = np.uint8(SATURATED)
     for r in range(depth):
         c = counts[r, np.int64(mix64_jit(np.uint64(key) ^ salts[r]) & mask)]
         if c < low:
             low = c
-    if low == _SATURATED:
+    if low == SATURATED:
         return np.int64(low)
-    new = low + np.uint32(1)
+    new = np.uint8(low + 1)
     for r in range(depth):
         j = np.int64(mix64_jit(np.uint64(key) ^ salts[r]) & mask)
         if counts[r, j] < new:
@@ -45,12 +50,21 @@ def sketch_add(counts: np.ndarray, dirty: np.ndarray, shift: np.int64, salts: np
     return np.int64(new)
 
 
+@numba.njit(inline="always")
+def prefetch_counters(flat_counts: np.ndarray, width: np.int64, salts: np.ndarray, key: np.int64) -> None:
+    """Start loading ``key``'s counters into the cache (``flat_counts``: the counters
+    flattened, ``width`` per row)."""
+    mask = np.uint64(width - 1)
+    for r in range(salts.size):
+        prefetch(flat_counts, r * width + np.int64(mix64_jit(np.uint64(key) ^ salts[r]) & mask))
+
+
 class CountMinSketch:
-    """uint32 ``[depth, width]`` counters of one table's ids (see the module docstring)."""
+    """uint8 ``[depth, width]`` counters of one table's ids (see the module docstring)."""
 
     def __init__(self, width: int, depth: int, table: int) -> None:
         """``table``: the table's number, which salts its hashes (tables count apart)."""
-        self.counts = np.zeros((depth, width), dtype=np.uint32)
+        self.counts = np.zeros((depth, width), dtype=np.uint8)
         self.salts = np.array([combine(table, r) for r in range(depth)], dtype=np.uint64)
         self.shift = min(BLOCK_SHIFT, width.bit_length() - 1)
         self.dirty = np.zeros((depth * width) >> self.shift, dtype=np.uint8)
@@ -65,7 +79,7 @@ class CountMinSketch:
 
     def delta(self, full: bool) -> dict[str, Any]:
         """The counters changed since the last delta (all when ``full``), as numpy arrays:
-        ``blocks`` int64 ``[k]`` and their ``values`` uint32 ``[k, block]``; the
+        ``blocks`` int64 ``[k]`` and their ``values`` uint8 ``[k, block]``; the
         dirty marks are cleared."""
         blocks = np.arange(self.dirty.size) if full else np.flatnonzero(self.dirty)
         values = self.counts.reshape(self.dirty.size, -1)[blocks]

@@ -16,7 +16,7 @@ from torch import nn
 
 from neorec.trainer.batch import KeyedJaggedTensor
 from neorec.trainer.embedding.dynamic.shards import shard_of
-from neorec.trainer.embedding.dynamic.table import DynamicTable, Reinit, table_spans, with_slots
+from neorec.trainer.embedding.dynamic.table import DynamicTable, Reinit, table_spans
 from neorec.trainer.embedding.dynamic.workers import MapShardWorkers
 from neorec.trainer.embedding.fused import ShardView
 
@@ -47,9 +47,13 @@ class DynamicEmbeddings(nn.Module):
         self.output_dim = inner.output_dim
         features = {t.name: t.feature_names for t in inner.tables}
         self._features = {name: features[self.pieces[name][0]] for name in self.dynamic}
-        self._zero_rows: dict[str, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
-        """Per map shard: its default row's number, and a zero row and zero optimizer states."""
         self._workers = MapShardWorkers()
+        defaults: dict[str, list[int]] = {}
+        for table in self.map_shards():
+            piece, first = self.pieces[table.name]
+            defaults.setdefault(piece, []).append(table.default_row - first)
+        self._zero_defaults = inner.row_zeroer({piece: np.array(rows) for piece, rows in defaults.items()})
+        """Zeroes the default rows of every map shard held here (a step may have updated them)."""
 
     @property
     def local(self) -> nn.Module:
@@ -69,61 +73,54 @@ class DynamicEmbeddings(nn.Module):
         ``inner`` (ids without a slot: their map shard's default row, zeroed first); a
         training batch first updates the maps and re-initialises reused slots.
 
-        The map shards' steps run side by side (:mod:`~neorec.trainer.embedding.dynamic.workers`);
-        re-initialising and zeroing rows follow, shard by shard, in this thread."""
+        The map shards' steps run side by side (:mod:`~neorec.trainer.embedding.dynamic.workers`)
+        and write the rows in place where a table's ids are one run of one map shard;
+        re-initialising and zeroing rows follow in this thread."""
         training = self.training and torch.is_grad_enabled()
         values = sparse.values.numpy()
-        slots = values.copy()
+        rows = values.copy()
         offsets = sparse.offsets().numpy()
-        # per map shard: its table's name, the shard, its ids, where they lie among the table's
-        units: list[tuple[str, DynamicTable, np.ndarray, slice | np.ndarray]] = []
-        table_ids: dict[str, tuple[list[slice], np.ndarray]] = {}
+        jobs: list[tuple[DynamicTable, np.ndarray, np.ndarray]] = []
+        """Per map shard: its ids and where its step writes their rows."""
+        scattered: list[tuple[np.ndarray, np.ndarray]] = []
+        """Rows written apart, and their positions in ``rows``."""
         for name, shards in self.dynamic.items():
             spans = table_spans(sparse, offsets, self._features[name])
-            ids = np.concatenate([values[s] for s in spans]) if spans else np.zeros(0, np.int64)
-            table_ids[name] = (spans, ids)
-            units += [(name, table, ids[where], where) for table, where in _split_by_shard(ids, shards)]
-        step = _train_step if training else _lookup_step
-        found = self._workers.run([lambda u=u: step(u[1], u[2]) for u in units], [u[2].size for u in units])
-        rows = {name: np.empty(ids.size, dtype=np.int64) for name, (_, ids) in table_ids.items()}
-        for (name, table, _, where), (shard_slots, reinit) in zip(units, found):
+            if len(spans) == 1 and shards[0].config.map_shards == 1:
+                jobs.append((shards[0], values[spans[0]], rows[spans[0]]))
+                continue
+            positions = np.concatenate([np.arange(s.start, s.stop) for s in spans])
+            ids = values[positions]
+            for table, where in _split_by_shard(ids, shards):
+                out = np.empty(positions[where].size, dtype=np.int64)
+                jobs.append((table, ids[where], out))
+                scattered.append((out, positions[where]))
+        step = self._train_step if training else self._lookup_step
+        found = self._workers.run([lambda job=job: step(*job) for job in jobs], [job[1].size for job in jobs])
+        for (table, _, _), (reinit, _) in zip(jobs, found):
             if reinit is not None and reinit.slots.size:
                 self._reinitialise(table, reinit)
-            rows[name][where] = self._rows(table, shard_slots) - self.pieces[name][1]
-        for name, (spans, _) in table_ids.items():
-            start = 0
-            for span in spans:
-                slots[span] = rows[name][start : start + span.stop - span.start]
-                start += span.stop - span.start
-        return with_slots(sparse, slots)
+        if any(reads_default for _, reads_default in found):
+            self._zero_defaults()
+        for out, positions in scattered:
+            rows[positions] = out
+        return sparse.with_values(torch.from_numpy(rows))
 
-    def _rows(self, table: DynamicTable, slots: np.ndarray) -> np.ndarray:
-        """int64 ``[n]``: the table rows of a map shard's ``slots`` (int64 ``[n]``, -1: no
-        slot), its default row (zeroed) for -1."""
-        missing = slots < 0
-        if missing.any():
-            self._zero_default(table)
-        return np.where(missing, table.default_row, slots + table.first_row)
+    def _train_step(self, table: DynamicTable, ids: np.ndarray, out: np.ndarray) -> tuple[Reinit | None, bool]:
+        """A training batch's ids of map shard ``table``: their rows in ``inner`` to ``out``
+        (admitting and evicting); the slots to re-initialise; whether any reads the default."""
+        return table.train_rows(ids, out, self.pieces[table.name][1])
 
-    def _inner_rows(self, table: DynamicTable, rows: np.ndarray) -> tuple[str, torch.Tensor]:
-        """The inner module's table holding ``table``'s rows, and ``rows`` (table rows) in it."""
-        piece, first = self.pieces[table.name]
-        return piece, torch.from_numpy(np.ascontiguousarray(rows - first, dtype=np.int64))
+    def _lookup_step(self, table: DynamicTable, ids: np.ndarray, out: np.ndarray) -> tuple[Reinit | None, bool]:
+        """:meth:`_train_step` for an evaluation batch: the map unchanged."""
+        return None, table.lookup_rows(ids, out, self.pieces[table.name][1])
 
     def _reinitialise(self, table: DynamicTable, reinit: Reinit) -> None:
-        piece, rows = self._inner_rows(table, reinit.slots + table.first_row)
+        piece, first = self.pieces[table.name]
+        rows = torch.from_numpy(reinit.slots + (table.first_row - first))
         _, states = self.inner.read_rows(piece, rows)
         self.inner.write_rows(piece, rows, table.initial_rows(reinit, self.seed),
                               [torch.zeros_like(s) for s in states])
-
-    def _zero_default(self, table: DynamicTable) -> None:
-        """Zero a map shard's default row and its optimizer state (a step may have updated them)."""
-        piece, rows = self._inner_rows(table, np.array([table.default_row]))
-        if table.key not in self._zero_rows:
-            weights, states = self.inner.read_rows(piece, rows)
-            self._zero_rows[table.key] = (rows, torch.zeros_like(weights), [torch.zeros_like(s) for s in states])
-        rows, weights, states = self._zero_rows[table.key]
-        self.inner.write_rows(piece, rows, weights, states)
 
     def on_partition_end(self, name: str) -> None:
         """Partition ``name`` of a continuous-training run is trained (the follow loop's hook,
@@ -172,17 +169,6 @@ class DynamicEmbeddings(nn.Module):
 
     def table_weight(self, name: str) -> torch.Tensor:
         return self.inner.table_weight(name)
-
-
-def _train_step(table: DynamicTable, ids: np.ndarray) -> tuple[np.ndarray, Reinit | None]:
-    """A training batch's ids of map shard ``table``: their slots (admitting and evicting)
-    and the slots to re-initialise."""
-    return table.train_ids(ids)
-
-
-def _lookup_step(table: DynamicTable, ids: np.ndarray) -> tuple[np.ndarray, Reinit | None]:
-    """An evaluation batch's ids of map shard ``table``: their slots, the map unchanged."""
-    return table.map.lookup(ids), None
 
 
 def _split_by_shard(ids: np.ndarray, shards: list[DynamicTable]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from neorec.trainer.embedding.dynamic.admission import SATURATED
+
 TTL_UNITS = ("steps", "partitions")
 
 
@@ -39,8 +41,9 @@ class DynamicTableConfig:
             raise ValueError(f"capacity: must be a positive number of rows, got {self.capacity}")
         if self.capacity >= 2**31:
             raise ValueError(f"capacity: must be below 2**31 rows, got {self.capacity}")
-        if self.min_count <= 0:
-            raise ValueError(f"min_count: must be positive, got {self.min_count}")
+        if not 1 <= self.min_count <= SATURATED:
+            raise ValueError(f"min_count: must lie in [1, {SATURATED}] (the sketch counts up to {SATURATED}), "
+                             f"got {self.min_count}")
         if self.ttl < 0:
             raise ValueError(f"ttl: must be >= 0 (0: no expiry), got {self.ttl}")
         if self.ttl_unit not in TTL_UNITS:
@@ -88,7 +91,7 @@ class DynamicTableConfig:
 
     def sketch_bytes(self) -> int:
         """Bytes of the admission sketches of all map shards (0 when every id is admitted at once)."""
-        return 0 if self.min_count == 1 else 4 * self.sketch_columns() * self.sketch_depth * self.map_shards
+        return 0 if self.min_count == 1 else self.sketch_columns() * self.sketch_depth * self.map_shards  # a byte each
 
     def describe(self) -> str:
         """The settings in words (``neorec plan``)."""

@@ -27,7 +27,7 @@ from neorec.embedding_store.initial import initial_rows
 from neorec.trainer.batch import KeyedJaggedTensor
 from neorec.trainer.embedding.dynamic.admission import CountMinSketch
 from neorec.trainer.embedding.dynamic.config import DynamicTableConfig
-from neorec.trainer.embedding.dynamic.id_map import IdMap, remap_train
+from neorec.trainer.embedding.dynamic.id_map import REJECTED, IdMap, remap_train
 
 
 @dataclass
@@ -87,19 +87,38 @@ class DynamicTable:
         """Slots (int64 ``[n]``, in this map shard, -1: reads zeros) of a training batch's
         ``ids`` (int64 ``[n]``, this shard's, in batch order), admitting and evicting on the
         way; the slots to re-initialise."""
+        slots = np.empty(ids.size, dtype=np.int64)
+        reinit, _ = self._train(ids, slots, 0, -1)
+        return slots, reinit
+
+    def train_rows(self, ids: np.ndarray, out: np.ndarray, offset: int) -> tuple[Reinit, bool]:
+        """:meth:`train_ids`, writing to ``out`` (int64 ``[n]``) each id's table row minus
+        ``offset``: its slot's row, or the default row; also whether any id reads the
+        default row."""
+        reinit, rejected = self._train(ids, out, self.first_row - offset, self.default_row - offset)
+        return reinit, rejected > 0
+
+    def lookup_rows(self, ids: np.ndarray, out: np.ndarray, offset: int) -> bool:
+        """:meth:`train_rows` for an evaluation batch: the map does not change."""
+        return self.map.lookup_into(ids, out, self.first_row - offset, self.default_row - offset) > 0
+
+    def _train(self, ids: np.ndarray, out: np.ndarray, base: int, missing: int) -> tuple[Reinit, int]:
+        """The training step of ``ids`` into ``out`` (``base`` + slot, ``missing``); how many
+        ids read ``missing``."""
         if self.config.ttl and self.config.ttl_unit == "steps":
             self.map.expire(self.clock, self.config.ttl)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        out = np.empty(ids.size, dtype=np.int64)
         reinit = np.empty(min(ids.size, self.capacity), dtype=np.int64)
         generations = np.empty_like(reinit)
         m, s = self.map, self.sketch
-        count = remap_train(m.entries, m.meta, m.links, m.live, m.dirty, m.ends, m.stats, s.counts, s.dirty,
+        m.make_room(ids.size)
+        rejected = int(m.stats[REJECTED])
+        count = remap_train(m.entries, m.meta, m.live, m.recency, m.free, m.cursors, m.stats, s.counts, s.dirty,
                             np.int64(s.shift), s.salts, ids, np.int64(self.config.min_count), np.int64(self.clock),
-                            out, reinit, generations)
+                            np.int64(base), np.int64(missing), out, reinit, generations)
         if self.config.ttl_unit == "steps":
             self.clock += 1
-        return out, Reinit(reinit[:count], generations[:count])
+        return Reinit(reinit[:count], generations[:count]), int(m.stats[REJECTED]) - rejected
 
     def advance_partition(self) -> None:
         """A partition of a continuous-training run ended: with ``ttl_unit = "partitions"``
@@ -128,7 +147,7 @@ class DynamicTable:
             self.sketch.apply(delta["sketch"])
             self.clock = delta["clock"]
         self.map.rebuild()
-        self.map.dirty[:] = 0
+        self.map.freed[:] = 0
         self.sketch.dirty[:] = 0
 
 
@@ -137,8 +156,3 @@ def table_spans(sparse: KeyedJaggedTensor, offsets: np.ndarray, features: tuple[
     (``offsets``: ``sparse.offsets()`` as numpy)."""
     b = sparse.batch_size
     return [slice(int(offsets[f * b]), int(offsets[(f + 1) * b])) for f in sparse.positions_of(features)]
-
-
-def with_slots(sparse: KeyedJaggedTensor, slots: np.ndarray) -> KeyedJaggedTensor:
-    """``sparse`` with its values replaced by ``slots`` (int64 ``[n]``)."""
-    return KeyedJaggedTensor(sparse.keys, sparse.lengths, torch.from_numpy(slots), sparse.weights)
