@@ -13,7 +13,7 @@ import numpy as np
 from neorec.trainer.embedding.kernels.precision import FP32, decode
 from neorec.trainer.embedding.kernels.row_prefetch import prefetch_row
 
-PREFETCH_IDS = 16
+PREFETCH_IDS = 32
 """How many ids ahead the forward prefetches rows."""
 MAX_BAGS_PER_JOB = 256
 """A parallel job pools a run of at most this many consecutive bags of one feature."""
