@@ -37,12 +37,12 @@ def _set_of(row: int, sets: int) -> int:
 
 
 @numba.njit(inline="always")
-def _prefetch_set(array: np.ndarray, rows: np.ndarray, i: int, sets: int, ways: int) -> None:
-    """Start loading the set of ``rows[i]`` (if any) in ``array``: a later row's, ahead."""
-    if i < rows.shape[0]:
-        base = _set_of(rows[i], sets) * ways
-        for w in range(0, ways, 8):  # 8 int64 a cache line
-            prefetch(array, base + w)
+def _set_ahead(rows: np.ndarray, i: int, sets: int, ways: int) -> int:
+    """The first slot of ``rows[i]``'s set, or -1 past the last row (what the kernels
+    prefetch ahead). The kernels prefetch that set's lines themselves, in their loops: an
+    inlined helper taking the tag arrays kept reference counting of each of them in the loop,
+    two atomic calls per array and row, which cost more than the prefetch saved."""
+    return _set_of(rows[i], sets) * ways if i < rows.shape[0] else -1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -51,7 +51,9 @@ def lookup(tags: np.ndarray, ways: int, rows: np.ndarray, slots: np.ndarray) -> 
     sets = tags.shape[0] // ways
     hits = 0
     for i in range(rows.shape[0]):
-        _prefetch_set(tags, rows, i + AHEAD, sets, ways)
+        ahead = _set_ahead(rows, i + AHEAD, sets, ways)
+        for w in range(0, ways if ahead >= 0 else 0, 8):  # 8 int64 a cache line
+            prefetch(tags, ahead + w)
         row = rows[i]
         base = _set_of(row, sets) * ways
         slots[i] = -1
@@ -75,9 +77,11 @@ def admit(tags: np.ndarray, scores: np.ndarray, pins: np.ndarray, dirty: np.ndar
     sets = tags.shape[0] // ways
     misses = 0
     for i in range(rows.shape[0]):  # hits: pinned first
-        _prefetch_set(tags, rows, i + AHEAD, sets, ways)
-        _prefetch_set(scores, rows, i + AHEAD, sets, ways)
-        _prefetch_set(pins, rows, i + AHEAD, sets, ways)
+        ahead = _set_ahead(rows, i + AHEAD, sets, ways)
+        for w in range(0, ways if ahead >= 0 else 0, 8):
+            prefetch(tags, ahead + w)
+            prefetch(scores, ahead + w)
+            prefetch(pins, ahead + w)
         row = rows[i]
         base = _set_of(row, sets) * ways
         slots[i] = -1
@@ -93,9 +97,11 @@ def admit(tags: np.ndarray, scores: np.ndarray, pins: np.ndarray, dirty: np.ndar
     for i in range(rows.shape[0]):  # misses: an empty way, or the lowest score not pinned by the batch
         if slots[i] >= 0:
             continue
-        _prefetch_set(tags, rows, i + AHEAD, sets, ways)
-        _prefetch_set(scores, rows, i + AHEAD, sets, ways)
-        _prefetch_set(pins, rows, i + AHEAD, sets, ways)
+        ahead = _set_ahead(rows, i + AHEAD, sets, ways)
+        for w in range(0, ways if ahead >= 0 else 0, 8):
+            prefetch(tags, ahead + w)
+            prefetch(scores, ahead + w)
+            prefetch(pins, ahead + w)
         misses += 1
         row = rows[i]
         base = _set_of(row, sets) * ways
