@@ -95,6 +95,12 @@ def test_sketch_counts_never_below_the_truth_and_match_the_reference() -> None:
         assert count >= min(truth[key], SATURATED)
 
 
+def test_counts_of_wider_counters_restore_saturated() -> None:
+    sketch = CountMinSketch(1024, 2, 0)
+    sketch.apply({"blocks": np.array([0]), "values": np.full((1, 1024), 300, dtype=np.uint32)})
+    assert sketch.counts.dtype == np.uint8 and int(sketch.counts[0].min()) == SATURATED
+
+
 def test_partition_ttl_expires_only_at_partition_ends() -> None:
     kernel = DynamicTable("t", 0, 4, DynamicTableConfig(capacity=4, ttl=1, ttl_unit="partitions"))
     kernel.train_ids(np.array([1, 2], dtype=np.int64))

@@ -87,5 +87,6 @@ class CountMinSketch:
         return {"blocks": blocks.astype(np.int64), "values": values}
 
     def apply(self, delta: dict[str, Any]) -> None:
-        """Write a :meth:`delta` back (restoring a checkpoint chain, oldest first)."""
-        self.counts.reshape(self.dirty.size, -1)[delta["blocks"]] = delta["values"]
+        """Write a :meth:`delta` back (restoring a checkpoint chain, oldest first; counts of
+        wider counters, from checkpoints written before counters were bytes, saturate)."""
+        self.counts.reshape(self.dirty.size, -1)[delta["blocks"]] = np.minimum(delta["values"], SATURATED)
