@@ -3,7 +3,7 @@ name the bad key (``train.batch_size: expected an integer, got 'x'``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -462,14 +462,22 @@ class TrainConfig:
         for section in (self.data, self.model, self.optimizer, self.train, self.sharding, self.checkpoint, self.run,
                         self.security, self.launch, self.embedding_store):
             section.validate()
-        for table, dynamic in self.model.dynamic.items():  # the ranks of one host, at least
-            try:
-                dynamic.for_world(self.launch.nproc)
-            except ValueError as err:
-                raise ConfigError(f"model.dynamic.{table}.{err}") from None
+        self.for_world(self.launch.nproc)  # the ranks of one host, at least
         if self.train.device == "cuda" and self.embedding_store.tables:
             raise ConfigError("embedding_store.tables: store-backed tables train on the CPU only; with "
                               "train.device = 'cuda' keep every table in device memory (or train on the CPU)")
+
+    def for_world(self, world_size: int) -> "TrainConfig":
+        """This config for a run of ``world_size`` ranks: its dynamic tables' ``shards`` 0
+        become the world size (:meth:`DynamicTableConfig.for_world`); :class:`ConfigError`
+        naming the key when a table's map shards do not split over the ranks."""
+        resolved = {}
+        for name, dynamic in self.model.dynamic.items():
+            try:
+                resolved[name] = dynamic.for_world(world_size)
+            except ValueError as err:
+                raise ConfigError(f"model.dynamic.{name}.{err}") from None
+        return replace(self, model=replace(self.model, dynamic=resolved)) if resolved else self
 
     def to_dict(self) -> dict[str, Any]:
         """The config as TOML would write it (``from_dict`` reads it back)."""

@@ -22,7 +22,7 @@ from neorec.trainer.checkpoint.store import check_store, restore_store
 from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings
 from neorec.trainer.embedding.fused import ShardView
 from neorec.trainer.model import DLRM
-from neorec.trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection
+from neorec.trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection, has_dynamic_tables
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, store_of
 
 __all__ = ["CheckpointError", "Restorable", "checkpoints_root", "open_checkpoint", "restore_model",
@@ -64,8 +64,7 @@ def restore_model(restorable: Restorable, model: DLRM) -> dict:
     restore_store_tables(restorable, store_of(embeddings), views)
     embeddings.set_optimizer_steps(restorable.manifest.sparse_steps)
     dense = load_dense(restorable, next(model.bottom.parameters()).device)
-    if isinstance(embeddings, DynamicEmbeddings) or (
-            isinstance(embeddings, ShardedEmbeddingBagCollection) and embeddings.dynamic):
+    if has_dynamic_tables(embeddings):
         restore_dynamic(restorable, embeddings)
     with torch.no_grad():
         model.bottom.load_state_dict(dense["bottom"])

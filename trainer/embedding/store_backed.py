@@ -499,12 +499,16 @@ class StoreBackedEmbeddings(nn.Module):
         in_memory = self.module.row_zeroer({name: r for name, r in rows.items() if name not in self.store})
         on_store = {name: torch.from_numpy(np.asarray(r, dtype=np.int64)) for name, r in rows.items()
                     if name in self.store}
+        zeros: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        """Per store table, zero weights and states of its rows (shaped at the first call)."""
 
         def zero() -> None:
             in_memory()
             for name, at in on_store.items():
-                weights, states = self.read_rows(name, at)
-                self.write_rows(name, at, torch.zeros_like(weights), [torch.zeros_like(s) for s in states])
+                if name not in zeros:
+                    weights, states = self.read_rows(name, at)
+                    zeros[name] = (torch.zeros_like(weights), [torch.zeros_like(s) for s in states])
+                self.write_rows(name, at, *zeros[name])
         return zero
 
     def shard_views(self) -> list[ShardView]:

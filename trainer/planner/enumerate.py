@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from neorec.trainer.planner.inputs import TableSpec, Topology
 from neorec.trainer.sharding.plan import (COLUMN_WISE, DATA_PARALLEL, ROW_WISE, SHARDING_TYPES, STORE_TYPES,
-                                   TABLE_ROW_WISE, TABLE_WISE, PlanError, split_evenly)
+                                   TABLE_ROW_WISE, TABLE_WISE, WHOLE_ROW_TYPES, PlanError, split_evenly)
 
 MIN_COLUMN_SHARD = 4
 """Narrowest column shard considered (narrower ones cost more in per-row overhead than
@@ -93,10 +93,7 @@ def enumerate_options(table: TableSpec, topology: Topology, constraint: Constrai
 def dynamic_allows(table: TableSpec, option: Option) -> bool:
     """Whether a dynamic table may be sharded as ``option``: whole rows per shard, each
     dynamic map shard's block of rows on one rank."""
-    if option.sharding_type in (COLUMN_WISE, DATA_PARALLEL):
-        return False
-    block = table.dynamic.shard_capacity + 1
-    return all(s.row_offset % block == 0 and s.rows % block == 0 for s in option.shapes)
+    return option.sharding_type in WHOLE_ROW_TYPES and table.dynamic.keeps_map_shards_whole(option.shapes)
 
 
 def _constrained(table: TableSpec, topology: Topology, options: list[Option], c: Constraint) -> list[Option]:

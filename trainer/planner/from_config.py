@@ -10,14 +10,14 @@ import torch.distributed as dist
 from neorec.ingest.partitions import PARTITIONS, PartitionError, first_ready, partition_view
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.schema import Dataset
-from neorec.trainer.run.build import DYNAMIC_TYPES, decode_options, dynamic_for_world, table_configs
+from neorec.trainer.run.build import decode_options, table_configs
 from neorec.trainer.config import ConfigError, TrainConfig
 from neorec.trainer.distributed import DistributedContext, check_same_local_world
 from neorec.trainer.embedding.config import WEIGHT_DTYPES, TableConfig
 from neorec.trainer.planner.enumerate import Constraint
 from neorec.trainer.planner.inputs import TableSpec, Topology, parse_bytes
 from neorec.trainer.planner.planner import PlanResult, plan_tables
-from neorec.trainer.sharding.plan import ShardingPlan
+from neorec.trainer.sharding.plan import WHOLE_ROW_TYPES, ShardingPlan
 
 POOLING_SAMPLE_ROWS = 4096
 """Rows of the train split read to measure each feature's mean ids per bag."""
@@ -98,9 +98,9 @@ def constraints(config: TrainConfig, world_size: int) -> dict[str, Constraint]:
     out = {name: Constraint.parse(name, text) for name, text in config.sharding.tables.items()} \
         if world_size > 1 else {}
     for name, constraint in out.items():
-        if name in config.model.dynamic and constraint.sharding_type not in (None, *DYNAMIC_TYPES):
+        if name in config.model.dynamic and constraint.sharding_type not in (None, *WHOLE_ROW_TYPES):
             raise ConfigError(f"sharding.tables.{name}: {name} is a dynamic table, sharded "
-                              f"{', '.join(DYNAMIC_TYPES)}; not {constraint.sharding_type}")
+                              f"{', '.join(WHOLE_ROW_TYPES)}; not {constraint.sharding_type}")
     for name, fraction in config.embedding_store.tables.items():
         out[name] = replace(out.get(name, Constraint(None)), cache_fraction=fraction)
     return out
@@ -120,7 +120,7 @@ def may_use_store(tables: list[TableConfig], config: TrainConfig) -> bool:
 def planner_inputs(dataset: Dataset, config: TrainConfig,
                    world_size: int) -> tuple[list[TableSpec], Topology, dict[str, Constraint]]:
     """``config``'s tables, its topology for ``world_size`` ranks and its overrides."""
-    config = dynamic_for_world(config, world_size)
+    config = config.for_world(world_size)
     topo = topology(config, world_size)
     sample = sample_lookups(dataset, config, STORE_SAMPLE_ROWS if topo.store_fraction or config.embedding_store.tables
                             else POOLING_SAMPLE_ROWS)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -18,13 +17,9 @@ from neorec.trainer.embedding.dynamic.table import DynamicTable
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 from neorec.trainer.model import DLRM
-from neorec.trainer.sharding.plan import ROW_SPLIT_TYPES, TABLE_WISE, ShardingPlan
+from neorec.trainer.sharding.plan import WHOLE_ROW_TYPES, ShardingPlan
 from neorec.trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StoreSettings
-
-DYNAMIC_TYPES = (TABLE_WISE, *ROW_SPLIT_TYPES)
-"""The sharding types a dynamic table may have: whole rows on a rank (its map shards')."""
-
 
 def table_configs(schema: DatasetSchema, config: TrainConfig) -> list[TableConfig]:
     """One table per distinct ``table`` of the schema, in first-use order, holding
@@ -63,33 +58,20 @@ def check_dynamic(schema: DatasetSchema, config: TrainConfig) -> None:
                               f"declare its table dynamic: [model.dynamic.{feature.table}] capacity = ROWS")
 
 
-def dynamic_for_world(config: TrainConfig, world_size: int) -> TrainConfig:
-    """``config`` for a run of ``world_size`` ranks: its dynamic tables' ``shards`` 0 become
-    the world size; :class:`ConfigError` naming the key when a table's map shards do not
-    split over the ranks."""
-    resolved = {}
-    for name, dynamic in config.model.dynamic.items():
-        try:
-            resolved[name] = dynamic.for_world(world_size)
-        except ValueError as err:
-            raise ConfigError(f"model.dynamic.{name}.{err}") from None
-    return replace(config, model=replace(config.model, dynamic=resolved)) if resolved else config
-
-
 def check_dynamic_plan(plan: ShardingPlan, config: TrainConfig) -> None:
     """:class:`ConfigError` unless every dynamic table of a sharded run is table-wise,
     row-wise or table-row-wise with each map shard's rows on one rank, and no table is on
     the embedding store."""
     for name, dynamic in config.model.dynamic.items():
         sharding = plan.of(name)
-        if sharding.sharding_type not in DYNAMIC_TYPES:
-            raise ConfigError(f"model.dynamic.{name}: a dynamic table is sharded {', '.join(DYNAMIC_TYPES)}; "
+        if sharding.sharding_type not in WHOLE_ROW_TYPES:
+            raise ConfigError(f"model.dynamic.{name}: a dynamic table is sharded {', '.join(WHOLE_ROW_TYPES)}; "
                               f"the plan makes it {sharding.sharding_type} (see sharding.tables.{name})")
-        block = dynamic.shard_capacity + 1
-        if any(s.row_offset % block or s.rows % block for s in sharding.shards):
+        if not dynamic.keeps_map_shards_whole(sharding.shards):
             raise ConfigError(f"model.dynamic.{name}.shards: the plan's {len(sharding.shards)} "
                               f"{sharding.sharding_type} shards cut its {dynamic.map_shards} map shards "
-                              f"of {block} rows; make shards a multiple of the ranks the table is split over")
+                              f"of {dynamic.block_rows} rows; make shards a multiple of the ranks the table is "
+                              "split over")
     if config.model.dynamic and plan.on_store():
         raise ConfigError(f"embedding_store.tables: dynamic tables train beside store tables in one process only; "
                           f"with {plan.world_size} ranks keep every table in memory "
@@ -145,7 +127,7 @@ def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None
     table, to start the fused module from instead."""
     schema = dataset.schema
     seed = config.train.seed
-    config = dynamic_for_world(config, 1 if plan is None else plan.world_size)
+    config = config.for_world(1 if plan is None else plan.world_size)
     tables = table_configs(schema, config)
     storage = {"weight_dtype": config.model.weight_dtype, "stochastic_rounding": config.model.stochastic_rounding,
                "kernels": config.train.kernels, "bounds_check": config.train.bounds_check}

@@ -31,8 +31,8 @@ from neorec.ingest.schema import Dataset
 from neorec.trainer.run import run_dir as run_directory
 from neorec.trainer.run.affinity import pin_rank
 from neorec.trainer.batch import Batch, DistributedSparse
-from neorec.trainer.run.build import (build_model, decode_options, dense_optimizer, dynamic_for_world,
-                                      sparse_optimizer, store_settings, table_configs)
+from neorec.trainer.run.build import (build_model, decode_options, dense_optimizer, sparse_optimizer, store_settings,
+                                      table_configs)
 from neorec.trainer.checkpoint import restore_model
 from neorec.trainer.checkpoint.checkpointer import Checkpointer, check_resumable
 from neorec.trainer.checkpoint.restore import choose
@@ -44,7 +44,7 @@ from neorec.trainer.planner.from_config import job_plan
 from neorec.trainer.run.background import BackgroundIterator
 from neorec.trainer.run.elastic import mark_claimed
 from neorec.trainer.sharding.input_pipeline import InputPipeline
-from neorec.trainer.sharding.sharded_embedding import PreparedSparse, ShardedEmbeddingBagCollection
+from neorec.trainer.sharding.sharded_embedding import PreparedSparse, ShardedEmbeddingBagCollection, has_dynamic_tables
 from neorec.ingest.reader import BatchReader
 from neorec.trainer.run.follow import Follower
 from neorec.trainer.run.readers import (batches, check_dense_transform, check_splits, eval_reader_config, make_reader,
@@ -113,7 +113,7 @@ class TrainingRun:
             raise
 
     def _set_up(self, config: TrainConfig, context: DistributedContext, overwrite: bool, resume: bool) -> None:
-        config = dynamic_for_world(config, context.world_size)  # the checkpoints keep the map shards resolved
+        config = config.for_world(context.world_size)  # the checkpoints keep the map shards resolved
         loop = config.train
         self.config = config
         self.context = context
@@ -393,7 +393,7 @@ class TrainingRun:
             local_optimizer_steps=embeddings.local_optimizer_steps, tables=tables, run_config=config.to_dict(),
             plan=None if self.plan is None else self.plan.to_dict(),
             sum_over_ranks=partial(global_sum, context), commit_timeout_s=config.train.collective_timeout_s,
-            incremental_state=embeddings.dynamic_state if _has_dynamic(embeddings) else None)
+            incremental_state=embeddings.dynamic_state if has_dynamic_tables(embeddings) else None)
 
     def _store_pieces(self) -> list[StorePiece]:
         """This rank's store pieces, every changed row written back to their tiers."""
@@ -533,17 +533,11 @@ def _dynamic_counters(model: DLRM, collective: bool = True) -> dict[str, Any]:
     nothing without dynamic tables. A sharded run sums them over the ranks, a collective;
     ``collective=False`` (every step) gives the sums of the last collective call instead."""
     embeddings = model.embeddings
-    if not _has_dynamic(embeddings):
+    if not has_dynamic_tables(embeddings):
         return {}
     if isinstance(embeddings, ShardedEmbeddingBagCollection) and not collective:
         return {"dynamic": embeddings.last_counters}
     return {"dynamic": embeddings.counters()}
-
-
-def _has_dynamic(embeddings: torch.nn.Module) -> bool:
-    """Whether the embeddings have dynamic tables (in this process, or sharded)."""
-    return isinstance(embeddings, DynamicEmbeddings) or (
-        isinstance(embeddings, ShardedEmbeddingBagCollection) and bool(embeddings.dynamic))
 
 
 def _prepared(model: DLRM, epoch_batches: Iterator[Batch], steps: int) -> Iterator[tuple[Batch, PreparedSparse]]:

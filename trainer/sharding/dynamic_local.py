@@ -30,8 +30,7 @@ def with_map_shards(local: nn.Module, layout: ShardedLayout, dynamic: dict[str, 
         config = dynamic.get(table.name)
         if config is None:
             continue
-        block = config.shard_capacity + 1
-        first, count = piece.shard.row_offset // block, piece.shard.rows // block
+        first, count = piece.shard.row_offset // config.block_rows, piece.shard.rows // config.block_rows
         maps += [DynamicTable(table.name, piece.table, table.embedding_dim, config, s)
                  for s in range(first, first + count)]
         pieces[table.name] = (piece.config.name, piece.shard.row_offset)

@@ -24,7 +24,10 @@ DATA_PARALLEL = "data_parallel"
 SHARDING_TYPES = (TABLE_WISE, ROW_WISE, COLUMN_WISE, TABLE_ROW_WISE, DATA_PARALLEL)
 ROW_SPLIT_TYPES = (ROW_WISE, TABLE_ROW_WISE)
 """Types whose shards each hold some rows: a bag's pooled sum is the sum of the shards'."""
-STORE_TYPES = (TABLE_WISE, ROW_WISE, TABLE_ROW_WISE)
+WHOLE_ROW_TYPES = (TABLE_WISE, *ROW_SPLIT_TYPES)
+"""Types whose shards hold whole rows (every column of each): those a dynamic table may
+have (each map shard's block of rows on one rank)."""
+STORE_TYPES = WHOLE_ROW_TYPES
 """Types whose shards may live on the embedding store (whole rows each)."""
 
 

@@ -234,3 +234,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     else:
                         full[row_span] += part * (shard.cols / dim)
         return weight, states
+
+
+def has_dynamic_tables(embeddings: nn.Module) -> bool:
+    """Whether a model's embedding collection has dynamic tables (in this process, or
+    sharded over the ranks)."""
+    return isinstance(embeddings, DynamicEmbeddings) or (
+        isinstance(embeddings, ShardedEmbeddingBagCollection) and bool(embeddings.dynamic))

@@ -4,6 +4,7 @@ slots, admitted by count and evicted by recency (see :mod:`neorec.trainer.embedd
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Iterable
 
 from neorec.trainer.embedding.dynamic.admission import SATURATED
 
@@ -79,9 +80,19 @@ class DynamicTableConfig:
         return self.capacity // self.map_shards
 
     @property
+    def block_rows(self) -> int:
+        """Rows of each map shard's block: its slots, then its default row."""
+        return self.shard_capacity + 1
+
+    @property
     def rows(self) -> int:
-        """Rows of the table: per map shard its slots and its default row."""
-        return self.map_shards * (self.shard_capacity + 1)
+        """Rows of the table: a block per map shard."""
+        return self.map_shards * self.block_rows
+
+    def keeps_map_shards_whole(self, shards: Iterable) -> bool:
+        """Whether row ranges ``shards`` (each with ``row_offset`` and ``rows``: a sharding's
+        pieces) hold whole map shard blocks, so that each map shard lives on one rank."""
+        return all(s.row_offset % self.block_rows == 0 and s.rows % self.block_rows == 0 for s in shards)
 
     def sketch_columns(self) -> int:
         """Counters per row of a map shard's sketch: ``sketch_width`` (or, when 0, twice

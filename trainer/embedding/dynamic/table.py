@@ -54,7 +54,7 @@ class DynamicTable:
         self.shard = shard
         self.capacity = config.shard_capacity
         """Slots of this map shard."""
-        self.first_row = shard * (self.capacity + 1)
+        self.first_row = shard * config.block_rows
         """The table row of this map shard's slot 0."""
         self.map = IdMap(self.capacity)
         self.sketch = CountMinSketch(config.sketch_columns() if config.min_count > 1 else 1,
