@@ -1,5 +1,5 @@
 """Sharded training overhead: aggregate QPS of ``neorec train --nproc N`` (tables sharded by
-the planner, MLPs in DDP, gloo) beside the single-process run, same data, same global batch,
+the planner, MLPs data parallel, gloo) beside the single-process run, same data, same global batch,
 alternating runs so that machine drift hits both alike."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from neorec.ingest.schema import Dataset
 from neorec.ingest.synth import SynthSpec, generate
 
 CONFIG = """
@@ -24,6 +25,7 @@ max_table_rows = 200000
 batch_size = {batch}
 eval_batch_size = 4096
 max_steps = {steps}
+epochs = {epochs}
 log_every = 1000
 [sharding]
 comm_precision = {precision}
@@ -34,8 +36,9 @@ dir = "{run}"
 """
 
 
-GLOBAL_BATCHES = {1024: 250, 4096: 60}
-"""Global batch size: training steps per run."""
+GLOBAL_BATCHES = {1024: 800, 4096: 200}
+"""Global batch size: training steps per run (several epochs of the data: long enough that
+a run's first steps and its start weigh little against the steady state)."""
 
 
 def run(quick: bool = False, nproc: int = 2) -> dict[str, Any]:
@@ -77,13 +80,16 @@ def _precision_runs(tmp: Path, nproc: int, batch: int, steps: int) -> dict[str, 
 
 
 def _train_qps(tmp: Path, nproc: int, batch: int, steps: int) -> float:
-    return float(_train(tmp, nproc, batch, steps)["train_qps"])
+    """QPS of ``steps`` steps, over as many epochs of the data as they need."""
+    epochs = -(-steps * batch * nproc // Dataset.load(tmp / "data").rows["train"])
+    return float(_train(tmp, nproc, batch, steps, epochs=epochs)["train_qps"])
 
 
-def _train(tmp: Path, nproc: int, batch: int, steps: int, precision: str = "{}") -> dict[str, Any]:
+def _train(tmp: Path, nproc: int, batch: int, steps: int, precision: str = "{}", epochs: int = 1) -> dict[str, Any]:
     run_dir = tmp / f"run-{nproc}"
     config = tmp / f"bench-{nproc}.toml"
-    config.write_text(CONFIG.format(data=tmp / "data", batch=batch, steps=steps, run=run_dir, precision=precision))
+    config.write_text(CONFIG.format(data=tmp / "data", batch=batch, steps=steps, epochs=epochs, run=run_dir,
+                                    precision=precision))
     command = [sys.executable, "-m", "neorec.orchestration.cli", "train", str(config), "--nproc", str(nproc), "--overwrite"]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:

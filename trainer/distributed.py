@@ -1,5 +1,5 @@
 """The trainer's view of ``torch.distributed``: the process group torchrun set up, the data
-parallel wrapping of the dense layers, the few collectives the train loop needs, and
+parallel gradient sum of the dense layers, the few collectives the train loop needs, and
 heartbeats that name a rank gone silent when a collective times out."""
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from neorec.trainer.device import make_current, resolve_device
-from neorec.trainer.sharding.collectives import start_sum
-from neorec.trainer.sharding.comm_precision import FULL, CommPrecision, sum_in
+from neorec.trainer.sharding.collectives import goes_whole, start_sum
+from neorec.trainer.sharding.comm_precision import sum_in
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -155,33 +154,100 @@ def explain_collective_failure(context: DistributedContext, error: RuntimeError)
     return explained
 
 
-def wrap_data_parallel(model: nn.Module, rank_local: str = "embeddings",
-                       precision: CommPrecision = FULL) -> DistributedDataParallel:
-    """``model`` in DDP, except its submodule ``rank_local`` (the sharded embeddings: each
-    rank holds different shards, which DDP must neither broadcast nor all-reduce).
+class DenseGradientSum:
+    """Data parallelism of the dense layers (the MLPs): after each backward, their gradients
+    summed over the ranks in one collective.
 
-    The gradient all-reduce *sums* over ranks: each rank's loss is its share of the global
-    mean (its samples' sum over the global sample count), so the sum is the gradient of the
-    global mean, as the embedding gradients (summed by the output all-to-all) are. The
-    gradients travel in ``precision.backward``.
+    Every rank starts from rank 0's parameters (broadcast once, here) and applies the same
+    summed gradients, so the ranks' dense layers stay equal. The gradients live in one flat
+    ``[sum of numel]`` buffer of the parameters' dtype; each parameter's ``grad`` is a view
+    of it that autograd accumulates into, so a step's sum is one collective over the
+    buffer: :func:`~neorec.trainer.sharding.collectives.start_sum` (on gloo, small MLPs as
+    one all-to-all), or :func:`~neorec.trainer.sharding.comm_precision.sum_in` in reduced
+    ``precision``; bit-identical on every rank. The sum *adds* the ranks' gradients: each
+    rank's loss is its share of the global mean (its samples' sum over the global sample
+    count), so the sum is the gradient of the global mean, as the embedding gradients
+    (summed by the output all-to-all) are.
+
+    In a sharded model the sum need not be a collective of its own: the gradients are a
+    :class:`~neorec.trainer.sharding.comm_precision.Passenger` of the pooled embeddings'
+    backward all-to-all (``ShardedEmbeddingBagCollection.carry_in_backward``). They board
+    it when every parameter's gradient is complete by then (DLRM looks its embeddings up
+    before its MLPs run, so autograd finishes the MLPs' backward first) and the buffer is
+    small enough to go whole (:func:`~neorec.trainer.sharding.collectives.goes_whole`);
+    each rank then adds the ``world`` copies in rank order, the same bits as the sum's own
+    all-to-all. Every rank decides alike (the graph, and so autograd's order, is the same
+    on every rank), as the collective's sizes require. Otherwise :meth:`sum` runs the collective after the backward. On 2 ranks
+    sharing 2 cores, each wait for the slower rank costs more than the bytes: one wait
+    fewer per step is ~10% of the step (``neorec bench train --nproc 2``, BENCHMARKS.md).
     """
-    local = [f"{rank_local}.{name}" for name, _ in getattr(model, rank_local).named_parameters()]
-    local += [f"{rank_local}.{name}" for name, _ in getattr(model, rank_local).named_buffers()]
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, local)
-    wrapped = DistributedDataParallel(model, forward_sync_buffers=False)
-    wrapped.register_comm_hook(precision.backward, _sum_gradients)
-    return wrapped
 
+    def __init__(self, parameters: list[nn.Parameter], precision: str = "fp32",
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.parameters = list(parameters)
+        dtypes = {p.dtype for p in self.parameters}
+        if len(dtypes) != 1:
+            raise ValueError(f"the dense parameters must share one dtype to be summed as one buffer, got {dtypes}")
+        self.precision = precision
+        self.group = group
+        first = self.parameters[0]
+        self.flat = torch.zeros(sum(p.numel() for p in self.parameters), dtype=first.dtype, device=first.device)
+        self._views = [piece.view_as(p) for piece, p in
+                       zip(torch.split(self.flat, [p.numel() for p in self.parameters]), self.parameters)]
+        self._complete = 0
+        """Parameters whose gradient autograd completed since :meth:`zero` (each leaf's
+        gradient is accumulated once per backward)."""
+        self._summed = False
+        for p in self.parameters:
+            p.register_post_accumulate_grad_hook(self._completed)
+        self._broadcast_parameters()
+        self.zero()
 
-def _sum_gradients(precision, bucket):  # DDP checks real annotations; these would be strings here
-    """DDP communication hook: the future of ``bucket``'s (a ``dist.GradBucket``) buffer
-    summed over the ranks (:func:`~neorec.trainer.sharding.collectives.start_sum`; in reduced
-    precision, :func:`~neorec.trainer.sharding.comm_precision.sum_in`, at once)."""
-    if precision == "fp32":
-        return start_sum(bucket.buffer())
-    future = torch.futures.Future()
-    future.set_result(sum_in(bucket.buffer(), precision))
-    return future
+    def _broadcast_parameters(self) -> None:
+        with torch.no_grad():
+            values = torch.cat([p.detach().reshape(-1) for p in self.parameters])
+            dist.broadcast(values, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+                           group=self.group)
+            for p, piece in zip(self.parameters, torch.split(values, [p.numel() for p in self.parameters])):
+                p.copy_(piece.view_as(p))
+
+    def zero(self) -> None:
+        """Zero the gradients (before a backward), each ``grad`` a view of the buffer again."""
+        self.flat.zero_()
+        self._complete = 0
+        self._summed = False
+        for p, view in zip(self.parameters, self._views):
+            if p.grad is not view:
+                p.grad = view
+
+    def _completed(self, parameter: nn.Parameter) -> None:
+        self._complete += 1
+
+    def boarding(self, precision: str, group: dist.ProcessGroup | None) -> torch.Tensor | None:
+        """The gradient buffer, when it can ride with a collective in ``precision`` over
+        ``group`` now (the :class:`~neorec.trainer.sharding.comm_precision.Passenger` protocol)."""
+        complete = self._complete == len(self.parameters) and not self._summed
+        same_way = (precision == self.precision and self.flat.dtype == torch.float32
+                    and (group or dist.group.WORLD) == (self.group or dist.group.WORLD))
+        return self.flat if complete and same_way and goes_whole(self.flat, group) else None
+
+    def arrived(self, copies: torch.Tensor) -> None:
+        """Every rank's gradients, ``[world, numel]``: their sum in rank order."""
+        torch.sum(copies, 0, out=self.flat)
+        self._summed = True
+
+    def sum(self) -> None:
+        """Replace the gradients by their sum over the ranks (after a backward), unless they
+        rode with the backward's all-to-all."""
+        if self._summed:
+            return
+        self._summed = True
+        if self.precision == "fp32":
+            summed = start_sum(self.flat, self.group).wait()
+        else:
+            summed = sum_in(self.flat, self.precision, self.group)
+        if summed.data_ptr() != self.flat.data_ptr():
+            self.flat.copy_(summed)
 
 
 def global_sum(context: DistributedContext, values: list[float]) -> list[float]:

@@ -208,7 +208,7 @@ class Follower:
                 metrics: dict[str, float] = {}
             else:
                 started = time.perf_counter()
-                metrics = evaluate(run.model, batches(reader, 0, device=run.context.device),
+                metrics = evaluate(run.dlrm, batches(reader, 0, device=run.context.device),
                                    partial(gather_arrays, run.context))
                 seconds = time.perf_counter() - started
                 oracle = {f"oracle_{k}": v for k, v in (partition.info.get("oracle") or {}).items()}

@@ -37,7 +37,8 @@ from neorec.trainer.checkpoint import restore_model
 from neorec.trainer.checkpoint.checkpointer import Checkpointer, check_resumable
 from neorec.trainer.checkpoint.restore import choose
 from neorec.trainer.config import TrainConfig
-from neorec.trainer.distributed import DistributedContext, check_same_steps, gather_arrays, global_sum, wrap_data_parallel
+from neorec.trainer.distributed import (DenseGradientSum, DistributedContext, check_same_steps, gather_arrays,
+                                       global_sum)
 from neorec.trainer.run.metrics import MetricsLog, evaluate
 from neorec.trainer.model import DLRM
 from neorec.trainer.planner.from_config import job_plan
@@ -179,8 +180,11 @@ class TrainingRun:
             self.acquired.callback(self._stop_reading)
         compile_kernels(config)  # load the Numba kernels now, not in the first steps
         self.governor = governor_for(self.dlrm, config, threads, context.device)
-        self.model = wrap_data_parallel(self.dlrm, precision=config.sharding.precision()) \
-            if context.distributed else self.dlrm
+        self.dense_sum: DenseGradientSum | None = None
+        if context.distributed:
+            self.dense_sum = DenseGradientSum(self.dlrm.dense_parameters(), config.sharding.precision().backward)
+            if isinstance(self.dlrm.embeddings, ShardedEmbeddingBagCollection):
+                self.dlrm.embeddings.carry_in_backward(self.dense_sum)
         if context.is_main:
             run_directory.write_json(self.run_dir / run_directory.CONFIG, config.to_dict())
             if self.plan is not None:
@@ -265,7 +269,7 @@ class TrainingRun:
         full_batches = self.config.data.remainder == "drop"
         try:
             for batch in stream:
-                share = train_step(self.model, self.optimizer, batch, context, full_batches)
+                share = train_step(self.dlrm, self.optimizer, batch, context, full_batches, self.dense_sum)
                 if self.governor is not None:
                     self.governor.after_step()
                 state.global_step += 1
@@ -328,7 +332,7 @@ class TrainingRun:
 
     def _evaluate(self) -> dict[str, float]:
         started = time.perf_counter()
-        metrics = evaluate(self.model, batches(self.eval_reader, 0, device=self.context.device),
+        metrics = evaluate(self.dlrm, batches(self.eval_reader, 0, device=self.context.device),
                            partial(gather_arrays, self.context))
         seconds = time.perf_counter() - started
         self.state.eval_seconds += seconds

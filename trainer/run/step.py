@@ -10,11 +10,10 @@ import numba
 import pyarrow
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 from neorec.common.cpus import available_cpus
 from neorec.trainer.batch import Batch
-from neorec.trainer.distributed import SINGLE_PROCESS, DistributedContext, global_sum
+from neorec.trainer.distributed import SINGLE_PROCESS, DenseGradientSum, DistributedContext, global_sum
 from neorec.trainer.model import DLRM
 
 
@@ -66,15 +65,19 @@ def use_threads(count: int) -> None:
     pyarrow.set_cpu_count(count)
 
 
-def train_step(model: DLRM | DistributedDataParallel, optimizer: torch.optim.Optimizer, batch: Batch,
-               context: DistributedContext = SINGLE_PROCESS, full_batches: bool = False) -> torch.Tensor:
+def train_step(model: DLRM, optimizer: torch.optim.Optimizer, batch: Batch,
+               context: DistributedContext = SINGLE_PROCESS, full_batches: bool = False,
+               dense_sum: DenseGradientSum | None = None) -> torch.Tensor:
     """One step: forward, BCE loss, backward (which also updates the embeddings), dense
     optimizer step. Returns this rank's share of the loss (a scalar tensor; the shares of
     all ranks sum to the mean loss over the valid samples of the global batch).
 
     ``full_batches``: every rank's batch is known to be all valid samples (no padding), so a
-    sharded step needs no all-reduce of the valid count.
+    sharded step needs no all-reduce of the valid count. ``dense_sum``: a sharded step's
+    sum of the dense gradients over the ranks (required when ``context`` is distributed).
     """
+    if context.distributed and dense_sum is None:
+        raise ValueError("a distributed step needs the dense gradients' sum over the ranks (dense_sum)")
     logits = model(batch)
     valid = batch.num_valid
     if context.distributed:
@@ -87,7 +90,12 @@ def train_step(model: DLRM | DistributedDataParallel, optimizer: torch.optim.Opt
             loss = loss / global_sum(context, [float(valid)])[0]
     else:
         loss = F.binary_cross_entropy_with_logits(logits[:valid], batch.labels[:valid])
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    if dense_sum is None:
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+    else:
+        dense_sum.zero()
+        loss.backward()
+        dense_sum.sum()
     optimizer.step()
     return loss.detach()

@@ -47,7 +47,9 @@ tensors pay for in latency; for large ones the rounds move fewer bytes and win
 (``neorec bench collectives --nproc N`` measures both)."""
 
 
-def _whole_tensor_all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+def goes_whole(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """Whether a sum or gather of ``tensor`` over ``group`` runs as one all-to-all of the
+    whole tensor (see :data:`WHOLE_TENSOR_ALL_TO_ALL_BYTES`)."""
     world = dist.get_world_size(group)
     return (dist.get_backend(group) == dist.Backend.GLOO
             and world * tensor.numel() * tensor.element_size() <= WHOLE_TENSOR_ALL_TO_ALL_BYTES)
@@ -72,7 +74,7 @@ def start_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> t
     """Start summing ``tensor`` (same shape and dtype on every rank) over the ranks; a
     future of the sum, bit-identical on every rank. Small tensors on gloo go as
     :func:`start_all_to_all_sum`, others as an all-reduce in place."""
-    if _whole_tensor_all_to_all(tensor, group):
+    if goes_whole(tensor, group):
         return start_all_to_all_sum(tensor, group)
     work = dist.all_reduce(tensor, group=group, async_op=True)
     return work.get_future().then(lambda future: future.value()[0])
@@ -82,7 +84,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     """``[world * tensor.shape[0], ...]``: every rank's ``tensor`` (same shape on every
     rank), in rank order. Small tensors on gloo go as one all-to-all."""
     tensor = tensor.contiguous()
-    if _whole_tensor_all_to_all(tensor, group):
+    if goes_whole(tensor, group):
         return _exchange_whole(tensor, group).wait().flatten(0, 1)
     gathered = tensor.new_empty((dist.get_world_size(group) * tensor.shape[0], *tensor.shape[1:]))
     dist.all_gather_single(gathered, tensor, group=group)

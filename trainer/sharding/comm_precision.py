@@ -10,6 +10,7 @@ as ``sharding.comm_precision`` says.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -68,17 +69,50 @@ def sum_in(tensor: torch.Tensor, precision: str, group: dist.ProcessGroup | None
     return all_to_all_in(mine.repeat(world), [sizes[me]] * world, sizes, precision, group).view_as(tensor)
 
 
+class Passenger(Protocol):
+    """A 1-D float32 tensor that every rank sends, whole, to every rank in the same
+    all-to-all as another collective's data, once it is complete: one collective, and one
+    wait for the slowest rank, fewer (the dense gradients riding with the pooled
+    embeddings' gradients: :class:`~neorec.trainer.distributed.DenseGradientSum`)."""
+
+    def boarding(self, precision: str, group: dist.ProcessGroup | None) -> torch.Tensor | None:
+        """The tensor to send now in ``precision`` over ``group``, or None (not complete yet,
+        or it must travel another way)."""
+
+    def arrived(self, copies: torch.Tensor) -> None:
+        """Every rank's tensor, float32 ``[world, numel]`` in rank order."""
+
+
+def all_to_all_carrying(values: torch.Tensor, send_sizes: list[int], receive_sizes: list[int], passenger: torch.Tensor,
+                        precision: str, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`all_to_all_in` of ``values`` with the 1-D ``passenger`` appended to every
+    rank's piece: the pieces received (as :func:`all_to_all_in` returns them) and every
+    rank's passenger, ``[world, passenger.numel()]`` in rank order."""
+    riders = passenger.numel()
+    sent = torch.cat([part for piece in torch.split(values, send_sizes) for part in (piece, passenger)])
+    received = all_to_all_in(sent, [size + riders for size in send_sizes], [size + riders for size in receive_sizes],
+                             precision, group)
+    parts = torch.split(received, [part for size in receive_sizes for part in (size, riders)])
+    return torch.cat(parts[0::2]), torch.stack(parts[1::2])
+
+
 class AllToAllIn(torch.autograd.Function):
     """:class:`~neorec.trainer.sharding.collectives.AllToAll` with its forward sent in one
-    precision and its gradient in another."""
+    precision and its gradient in another; a :class:`Passenger` rides with the gradient
+    when it boards."""
 
     @staticmethod
     def forward(ctx, values: torch.Tensor, send_sizes: list[int], receive_sizes: list[int],
-                group: dist.ProcessGroup | None, precision: CommPrecision) -> torch.Tensor:
-        ctx.sizes = (send_sizes, receive_sizes, group, precision)
+                group: dist.ProcessGroup | None, precision: CommPrecision, passenger: Passenger | None = None) -> torch.Tensor:
+        ctx.sizes = (send_sizes, receive_sizes, group, precision, passenger)
         return all_to_all_in(values, send_sizes, receive_sizes, precision.forward, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        send_sizes, receive_sizes, group, precision = ctx.sizes
-        return all_to_all_in(grad, receive_sizes, send_sizes, precision.backward, group), None, None, None, None
+        send_sizes, receive_sizes, group, precision, passenger = ctx.sizes
+        riding = None if passenger is None else passenger.boarding(precision.backward, group)
+        if riding is None:
+            return all_to_all_in(grad, receive_sizes, send_sizes, precision.backward, group), None, None, None, None, None
+        grad_in, copies = all_to_all_carrying(grad, receive_sizes, send_sizes, riding, precision.backward, group)
+        passenger.arrived(copies)
+        return grad_in, None, None, None, None, None

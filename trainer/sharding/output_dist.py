@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from neorec.trainer.sharding.collectives import RankSlice
-from neorec.trainer.sharding.comm_precision import FULL, AllToAllIn, CommPrecision
+from neorec.trainer.sharding.comm_precision import FULL, AllToAllIn, CommPrecision, Passenger
 from neorec.trainer.sharding.layout import ShardedLayout
 
 
@@ -28,6 +28,8 @@ class PooledAllToAll:
         self.layout = layout
         self.group = group
         self.precision = precision
+        self.passenger: Passenger | None = None
+        """Rides with the gradient's all-to-all (see :class:`~neorec.trainer.sharding.comm_precision.Passenger`)."""
         self._columns: dict[torch.device, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     def _columns_on(self, device: torch.device) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -48,7 +50,8 @@ class PooledAllToAll:
         received_cols = layout.sharded_cols.tolist()
         sharded = pooled[:, :sent_cols].contiguous().view(-1)
         received = AllToAllIn.apply(sharded, [batch_size * sent_cols] * world,
-                                    [batch_size * c for c in received_cols], self.group, self.precision)
+                                    [batch_size * c for c in received_cols], self.group, self.precision,
+                                    self.passenger)
         blocks = [piece.view(batch_size, c) for piece, c in
                   zip(torch.split(received, [batch_size * c for c in received_cols]), received_cols)]
         if pooled.shape[1] > sent_cols:

@@ -19,7 +19,7 @@ from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection, ShardVie
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StoreSettings
 from neorec.trainer.sharding.input_dist import RoutedSparse, SparseAllToAll
 from neorec.trainer.sharding.layout import ShardedLayout
-from neorec.trainer.sharding.comm_precision import FULL, CommPrecision
+from neorec.trainer.sharding.comm_precision import FULL, CommPrecision, Passenger
 from neorec.trainer.sharding.dynamic_local import gathered_state, summed_counters, with_map_shards
 from neorec.trainer.sharding.output_dist import PooledAllToAll
 from neorec.trainer.sharding.plan import DATA_PARALLEL, ShardingPlan
@@ -154,6 +154,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
             pooled = torch.zeros(sparse.local.batch_size, 0, device=sparse.lengths.device,
                                  requires_grad=self.training and torch.is_grad_enabled())
         return self.output_dist(pooled, sparse.lengths, sparse.batch_size)
+
+    def carry_in_backward(self, passenger: Passenger | None) -> None:
+        """Let ``passenger`` ride with the output all-to-all's gradient (None: no more)."""
+        self.output_dist.passenger = passenger
 
     def shard_views(self) -> list[ShardView]:
         """This rank's shards as :class:`~neorec.trainer.embedding.fused.ShardView` s of their tables."""

@@ -15,7 +15,8 @@ from tests.trainer.spawn import run_ranks
 from neorec.trainer.batch import Batch
 from neorec.trainer.run.build import build_model, decode_options, dense_optimizer
 from neorec.trainer.config import TrainConfig
-from neorec.trainer.distributed import DistributedContext, wrap_data_parallel
+from neorec.trainer import distributed
+from neorec.trainer.distributed import DenseGradientSum, DistributedContext
 from neorec.trainer.model import DLRM
 from neorec.trainer.planner.from_config import plan_for_config
 from neorec.trainer.run.step import train_step
@@ -71,23 +72,34 @@ def run_sharded_steps(rank: int, world: int, dataset: Dataset, config: TrainConf
     plan = plan_for_config(dataset, config, world).plan
     dlrm = build_model(dataset, config, plan)
     optimizer = dense_optimizer(dlrm, config)
-    model = wrap_data_parallel(dlrm, precision=config.sharding.precision())
+    dense_sum = DenseGradientSum(dlrm.dense_parameters(), config.sharding.precision().backward)
+    dlrm.embeddings.carry_in_backward(dense_sum)
     context = DistributedContext(rank, world, world, rank)
     predictions = []
     for batch in rank_batches(dataset, config, rank, world):
         with torch.no_grad():
-            predictions.append(model.eval()(batch).clone())
-        model.train()
-        train_step(model, optimizer, batch, context, full_batches=True)
+            predictions.append(dlrm.eval()(batch).clone())
+        dlrm.train()
+        train_step(dlrm, optimizer, batch, context, full_batches=True, dense_sum=dense_sum)
     return dlrm, plan, torch.stack(predictions)
+
+
+def count_separate_sums(module) -> list[int]:
+    """Count the dense gradient sums that ran as collectives of their own (not riding
+    with the backward all-to-all)."""
+    calls: list[int] = []
+    original = module.start_sum
+    module.start_sum = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    return calls
 
 
 def train_sharded(rank: int, world: int, path: str) -> dict:
     dataset = Dataset.load(path)
     config = config_for(path, world)
+    separate_sums = count_separate_sums(distributed)
     dlrm, plan, predictions = run_sharded_steps(rank, world, dataset, config)
     single = single_process_model(dlrm, dataset, config)
-    return {"predictions": predictions, "plan": plan,
+    return {"predictions": predictions, "plan": plan, "separate_sums": len(separate_sums),
             "state": None if single is None else single.state_dict()}
 
 
@@ -114,6 +126,8 @@ def test_sharded_training_matches_single_process_and_repeats_exactly(criteo_data
     path = str(criteo_dataset.root)
     first = run_ranks(train_sharded, world, path)
     kinds = {t.sharding_type for t in first[0]["plan"].tables}
+    # the MLPs' gradients rode with the pooled embeddings' backward all-to-all every step
+    assert [r["separate_sums"] for r in first] == [0] * world
     assert {"row_wise", "column_wise", "data_parallel", "table_wise"} <= kinds
     expected = train_single(path, world)
     got_predictions = torch.cat([r["predictions"] for r in first], dim=1)
