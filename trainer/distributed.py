@@ -177,9 +177,10 @@ class DenseGradientSum:
     small enough to go whole (:func:`~neorec.trainer.sharding.collectives.goes_whole`);
     each rank then adds the ``world`` copies in rank order, the same bits as the sum's own
     all-to-all. Every rank decides alike (the graph, and so autograd's order, is the same
-    on every rank), as the collective's sizes require. Otherwise :meth:`sum` runs the collective after the backward. On 2 ranks
-    sharing 2 cores, each wait for the slower rank costs more than the bytes: one wait
-    fewer per step is ~10% of the step (``neorec bench train --nproc 2``, BENCHMARKS.md).
+    on every rank), as the collective's sizes require. Otherwise :meth:`sum` runs the
+    collective after the backward. On 2 ranks sharing 2 cores each wait for the slower
+    rank costs more than the bytes: one wait fewer per step is +5 to +26% QPS
+    (``neorec train --nproc 2``, BENCHMARKS.md).
     """
 
     def __init__(self, parameters: list[nn.Parameter], precision: str = "fp32",
@@ -191,9 +192,9 @@ class DenseGradientSum:
         self.precision = precision
         self.group = group
         first = self.parameters[0]
-        self.flat = torch.zeros(sum(p.numel() for p in self.parameters), dtype=first.dtype, device=first.device)
-        self._views = [piece.view_as(p) for piece, p in
-                       zip(torch.split(self.flat, [p.numel() for p in self.parameters]), self.parameters)]
+        self._sizes = [p.numel() for p in self.parameters]
+        self.flat = torch.zeros(sum(self._sizes), dtype=first.dtype, device=first.device)
+        self._views = [piece.view_as(p) for piece, p in zip(torch.split(self.flat, self._sizes), self.parameters)]
         self._complete = 0
         """Parameters whose gradient autograd completed since :meth:`zero` (each leaf's
         gradient is accumulated once per backward)."""
@@ -208,7 +209,7 @@ class DenseGradientSum:
             values = torch.cat([p.detach().reshape(-1) for p in self.parameters])
             dist.broadcast(values, src=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
                            group=self.group)
-            for p, piece in zip(self.parameters, torch.split(values, [p.numel() for p in self.parameters])):
+            for p, piece in zip(self.parameters, torch.split(values, self._sizes)):
                 p.copy_(piece.view_as(p))
 
     def zero(self) -> None:

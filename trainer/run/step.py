@@ -92,10 +92,10 @@ def train_step(model: DLRM, optimizer: torch.optim.Optimizer, batch: Batch,
         loss = F.binary_cross_entropy_with_logits(logits[:valid], batch.labels[:valid])
     if dense_sum is None:
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
     else:
         dense_sum.zero()
-        loss.backward()
+    loss.backward()
+    if dense_sum is not None:
         dense_sum.sum()
     optimizer.step()
     return loss.detach()
