@@ -201,6 +201,10 @@ class TrainLoopConfig:
     pin_cores: bool = True
     """When several ranks share a host, run each rank's threads on its own share of the
     host's cores (see :mod:`neorec.trainer.run.affinity`)."""
+    batch_scheduling: bool = True
+    """When several ranks share a host, run each rank's threads under Linux's ``SCHED_BATCH``
+    policy, so that they do not preempt each other when they wake (see
+    :mod:`neorec.trainer.run.affinity`)."""
     background_batches: int = 16
     """Batches a background thread keeps ready ahead of training (enough to cover decoding
     the next row group); 0: read in the training thread."""

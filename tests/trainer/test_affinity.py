@@ -1,4 +1,4 @@
-"""Pinning a rank's threads to its share of the host's cores."""
+"""Pinning a rank's threads to its share of the host's cores; their scheduling policy."""
 
 import os
 import threading
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from neorec.trainer.run.affinity import pin_process, pin_rank, rank_cores
+from neorec.trainer.run.affinity import pin_process, pin_rank, rank_cores, schedule_as_batch
 
 linux_only = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux thread affinity")
 
@@ -65,3 +65,39 @@ def test_a_rank_alone_on_its_host_is_left_alone():
     before = thread_affinities()
     assert pin_rank(0, 1) is None
     assert thread_affinities() == before
+
+
+def thread_policies() -> dict[int, int]:
+    """The scheduling policy of every thread of this process (threads that end meanwhile
+    left out)."""
+    found = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            found[int(task.name)] = os.sched_getscheduler(int(task.name))
+        except ProcessLookupError:
+            pass
+    return found
+
+
+@linux_only
+def test_batch_scheduling_reaches_running_and_later_threads():
+    original = thread_policies()
+    release = threading.Event()
+    running = threading.Thread(target=release.wait)
+    running.start()
+    later_policy = []
+    try:
+        assert schedule_as_batch()
+        assert set(thread_policies().values()) == {os.SCHED_BATCH}
+        later = threading.Thread(target=lambda: later_policy.append(os.sched_getscheduler(0)))
+        later.start()
+        later.join()
+        assert later_policy == [os.SCHED_BATCH]
+    finally:
+        for thread, policy in original.items():
+            try:
+                os.sched_setscheduler(thread, policy, os.sched_param(0))
+            except ProcessLookupError:
+                pass
+        release.set()
+        running.join()

@@ -1,16 +1,25 @@
-"""CPU affinity of a rank that shares its host with other ranks.
+"""CPU affinity and scheduling policy of a rank that shares its host with other ranks.
 
 Ranks on one host that float over all of its cores get in each other's way: the threads
 of one rank (its training thread, its input thread, the collectives' threads) preempt
 another rank's training thread at random moments, and the ranks then wait for each other
 at every collective. Pinning each rank to its own share of the cores keeps a rank's
 threads on its own cores, so the ranks' steps take the same time.
+
+Pinned, a rank's own threads still preempt each other: a collective's thread woken by a
+message, or the input thread woken by a free slot, takes the core from the training
+thread in the middle of its work, and that training thread then waits for the scheduler's
+next tick to get it back while the other rank waits for it. Linux's ``SCHED_BATCH``
+policy (for "non-interactive" work, no privilege needed) turns that wake-up preemption
+off: a woken thread runs when the running one blocks, which in a training step is soon,
+at its next collective.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 
 def rank_cores(available: list[int], local_rank: int, local_world_size: int) -> list[int] | None:
@@ -31,11 +40,7 @@ def pin_process(cores: list[int]) -> None:
     """Run every thread of this process, and the threads it starts later, on ``cores``
     only (Linux: each thread has its own affinity, and new threads inherit their
     creator's)."""
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            os.sched_setaffinity(int(task.name), cores)
-        except ProcessLookupError:  # the thread ended meanwhile
-            pass
+    _for_each_thread(lambda thread: os.sched_setaffinity(thread, cores))
 
 
 def pin_rank(local_rank: int, local_world_size: int) -> list[int] | None:
@@ -48,3 +53,22 @@ def pin_rank(local_rank: int, local_world_size: int) -> list[int] | None:
     if cores is not None:
         pin_process(cores)
     return cores
+
+
+def schedule_as_batch() -> bool:
+    """Run every thread of this process, and the threads it starts later, under
+    ``SCHED_BATCH`` (new threads inherit their creator's policy); returns False where the
+    platform has no such policy."""
+    if not hasattr(os, "SCHED_BATCH") or not Path("/proc/self/task").is_dir():
+        return False
+    _for_each_thread(lambda thread: os.sched_setscheduler(thread, os.SCHED_BATCH, os.sched_param(0)))
+    return True
+
+
+def _for_each_thread(apply: Callable[[int], None]) -> None:
+    """``apply(thread id)`` to every thread of this process."""
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            apply(int(task.name))
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass

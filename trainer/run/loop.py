@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from neorec.ingest.schema import Dataset
 from neorec.trainer.run import run_dir as run_directory
-from neorec.trainer.run.affinity import pin_rank
+from neorec.trainer.run.affinity import pin_rank, schedule_as_batch
 from neorec.trainer.batch import Batch, DistributedSparse
 from neorec.trainer.run.build import (build_model, decode_options, dense_optimizer, sparse_optimizer, store_settings,
                                       table_configs)
@@ -121,6 +121,8 @@ class TrainingRun:
         threads = set_threads(loop.threads, context.local_world_size)  # from the CPUs of all ranks, so before pinning
         if loop.pin_cores:
             pin_rank(context.local_rank, context.local_world_size)
+        if loop.batch_scheduling and context.local_world_size > 1:
+            schedule_as_batch()
         torch.manual_seed(loop.seed)
         self.dataset = Dataset.load(config.data.path)
         check_dense_transform(self.dataset, config)
