@@ -3,6 +3,7 @@
 import os
 import threading
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -27,15 +28,20 @@ def test_rank_outside_the_host_is_an_error():
         rank_cores([0, 1], 2, 2)
 
 
-def thread_affinities() -> dict[int, set[int]]:
-    """The affinity of every thread of this process (threads that end meanwhile left out)."""
+def per_thread(read: Callable[[int], Any]) -> dict[int, Any]:
+    """``read(thread id)`` of every thread of this process (threads that end meanwhile left
+    out)."""
     found = {}
     for task in Path("/proc/self/task").iterdir():
         try:
-            found[int(task.name)] = os.sched_getaffinity(int(task.name))
+            found[int(task.name)] = read(int(task.name))
         except ProcessLookupError:
             pass
     return found
+
+
+def thread_affinities() -> dict[int, set[int]]:
+    return per_thread(os.sched_getaffinity)
 
 
 @linux_only
@@ -68,15 +74,7 @@ def test_a_rank_alone_on_its_host_is_left_alone():
 
 
 def thread_policies() -> dict[int, int]:
-    """The scheduling policy of every thread of this process (threads that end meanwhile
-    left out)."""
-    found = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            found[int(task.name)] = os.sched_getscheduler(int(task.name))
-        except ProcessLookupError:
-            pass
-    return found
+    return per_thread(os.sched_getscheduler)
 
 
 @linux_only
