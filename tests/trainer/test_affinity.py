@@ -78,15 +78,20 @@ def thread_policies() -> dict[int, int]:
 
 
 @linux_only
-def test_batch_scheduling_reaches_running_and_later_threads():
+def test_batch_scheduling_reaches_running_and_later_threads_and_keeps_chosen_policies():
     original = thread_policies()
     release = threading.Event()
     running = threading.Thread(target=release.wait)
+    chosen = threading.Thread(target=release.wait)  # its policy chosen by someone: kept
     running.start()
+    chosen.start()
+    os.sched_setscheduler(chosen.native_id, os.SCHED_IDLE, os.sched_param(0))
     later_policy = []
     try:
         assert schedule_as_batch()
-        assert set(thread_policies().values()) == {os.SCHED_BATCH}
+        policies = thread_policies()
+        assert policies.pop(chosen.native_id) == os.SCHED_IDLE
+        assert set(policies.values()) == {os.SCHED_BATCH}
         later = threading.Thread(target=lambda: later_policy.append(os.sched_getscheduler(0)))
         later.start()
         later.join()
@@ -99,3 +104,4 @@ def test_batch_scheduling_reaches_running_and_later_threads():
                 pass
         release.set()
         running.join()
+        chosen.join()

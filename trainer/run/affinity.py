@@ -56,12 +56,21 @@ def pin_rank(local_rank: int, local_world_size: int) -> list[int] | None:
 
 
 def schedule_as_batch() -> bool:
-    """Run every thread of this process, and the threads it starts later, under
-    ``SCHED_BATCH`` (new threads inherit their creator's policy); returns False where the
-    platform has no such policy."""
+    """Run every thread of this process that has the default policy (``SCHED_OTHER``), and
+    the threads they start later, under ``SCHED_BATCH`` (new threads inherit their
+    creator's policy). A policy someone chose (real time, idle) is kept. Returns False where
+    the platform has no such policy or the change is not permitted (a sandbox's filter)."""
     if not hasattr(os, "SCHED_BATCH") or not Path("/proc/self/task").is_dir():
         return False
-    _for_each_thread(lambda thread: os.sched_setscheduler(thread, os.SCHED_BATCH, os.sched_param(0)))
+
+    def batch(thread: int) -> None:
+        if os.sched_getscheduler(thread) == os.SCHED_OTHER:
+            os.sched_setscheduler(thread, os.SCHED_BATCH, os.sched_param(0))
+
+    try:
+        _for_each_thread(batch)
+    except PermissionError:
+        return False
     return True
 
 
