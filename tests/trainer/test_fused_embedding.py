@@ -7,6 +7,8 @@ from tests.trainer.reference import ReferenceOptimizer, random_kjt, reference_po
 from neorec.trainer.batch import KeyedJaggedTensor
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
+from neorec.trainer.embedding.kernels.forward import LANES, pooled_forward, pooled_sum_lanes
+from neorec.trainer.embedding.kernels.precision import FP32
 
 
 def _tables(rng: np.random.Generator, pooling: str) -> list[TableConfig]:
@@ -123,6 +125,51 @@ def test_bit_identical_with_one_and_two_threads(weight_dtype):
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     assert torch.equal(one, two)
+
+
+def test_wide_float32_sums_pool_in_registers_like_the_general_kernel(monkeypatch):
+    """Tables whose width is a multiple of the register kernel's lanes, fp32 and unweighted
+    sums, take :func:`pooled_sum_lanes`; the same ids with unit weights take the general
+    kernel. Outputs and three steps of training agree bit for bit, and with the reference."""
+    from neorec.trainer.embedding import fused
+
+    calls = []
+    monkeypatch.setattr(fused, "pooled_sum_lanes", lambda *args: calls.append(1) or pooled_sum_lanes(*args))
+    tables = [TableConfig("wide", 50, 2 * LANES, ("a", "b")), TableConfig("narrow", 30, LANES, ("c",))]
+    optimizer = SparseOptimizer("rowwise_adagrad", 0.1)
+    in_registers = FusedEmbeddingBagCollection(tables, optimizer, seed=4)
+    in_memory = FusedEmbeddingBagCollection(tables, optimizer, seed=4)
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        kjt = random_kjt(tables, 64, rng, max_len=6)
+        ones = KeyedJaggedTensor(kjt.keys, kjt.lengths, kjt.values, torch.ones(kjt.values.numel()))
+        expected = reference_pooled(tables, {t.name: in_registers.table_weight(t.name).clone() for t in tables}, kjt)
+        out, general = in_registers(kjt), in_memory(ones)
+        assert torch.equal(out, general)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+        upstream = torch.from_numpy(rng.standard_normal(out.shape).astype(np.float32))
+        (out * upstream).sum().backward()
+        (general * upstream).sum().backward()
+        assert torch.equal(in_registers.weights, in_memory.weights)
+    assert len(calls) == 3
+
+
+def test_the_register_kernel_counts_out_of_range_ids_as_the_general_kernel_does():
+    """The module checks ids before pooling; the kernels count what gets past that, each id
+    once however many lanes its row spans, and pool the other ids alike."""
+    dim = 2 * LANES
+    weights = np.random.default_rng(0).standard_normal(10 * dim).astype(np.float32)
+    i64 = lambda *v: np.array(v, dtype=np.int64)
+    layout = (i64(0), i64(dim), i64(10), i64(0), i64(0), i64(0))  # offsets, dims, rows; feature: table, source, column
+    bag_offsets, values = i64(0, 2, 3), i64(3, 10, -1)
+    lanes_out, general_out = np.full(2 * dim, np.nan, np.float32), np.full(2 * dim, np.nan, np.float32)
+    upstream = np.empty(3, np.int64), np.empty(3, np.int64)
+    bad = pooled_sum_lanes(weights, *layout, bag_offsets, values, 2, 1, lanes_out, upstream[0])
+    general_bad = pooled_forward(weights, np.zeros(0, np.uint16), FP32, *layout, np.zeros(1, np.bool_), bag_offsets,
+                                 values, np.zeros(0, np.float32), 2, 1, general_out, upstream[1], np.zeros(0, np.float32))
+    assert bad == general_bad == 2
+    assert np.array_equal(lanes_out, general_out) and np.array_equal(lanes_out[:dim], weights[3 * dim : 4 * dim])
+    assert np.array_equal(upstream[0], upstream[1])
 
 
 def _one_table_module_and_ids(ids: list[int]) -> tuple[FusedEmbeddingBagCollection, KeyedJaggedTensor]:

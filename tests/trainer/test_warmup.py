@@ -34,7 +34,8 @@ def test_a_run_compiles_nothing_after_the_warm_up(criteo_dataset, tmp_path, mode
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.splitlines()[-1])
     assert report["compiled_in_training"] == []
-    for kernel in ("embedding.kernels.forward.pooled_forward", "embedding.kernels.backward.apply_updates",
+    for kernel in ("embedding.kernels.forward.pooled_forward", "embedding.kernels.forward.pooled_sum_lanes",
+                   "embedding.kernels.backward.apply_updates",
                    "embedding_store.cache.lookup", "embedding_store.cache.admit", "checkpoint.quantize._quantize_rows",
                    "ingest.vocab._hash_strings", "embedding.kernels.routing.route_ids"):
         assert any(name.endswith(kernel) for name in report["warmed"]), kernel

@@ -23,7 +23,8 @@ from neorec.trainer.embedding.bounds import BoundsCheck
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.kernels import backward as backward_kernels
 from neorec.trainer.embedding.kernels import torch_ops
-from neorec.trainer.embedding.kernels.forward import bags_per_job, pooled_forward
+from neorec.trainer.embedding.kernels.forward import (bags_per_job, pooled_forward, pooled_sum_lanes,
+                                                        sums_in_registers)
 from neorec.trainer.embedding.kernels.precision import FP32, PRECISIONS
 from neorec.trainer.embedding.memory import huge_page_empty
 from neorec.common.offsets import exclusive_cumsum
@@ -302,13 +303,20 @@ class FusedEmbeddingBagCollection(nn.Module):
             scale_of_id=np.empty(num_ids, dtype=np.float32) if scaled else _EMPTY_F32,
         )
         out = torch.empty(batch_size, self.output_dim, dtype=torch.float32)
-        bad = pooled_forward(
-            *self._kernel_weights(), self._table_offsets, self._dims, self._rows, self._feature_table,
-            ctx.source, self._out_columns, self._mean_pooling, ctx.bag_offsets, ctx.values,
-            _EMPTY_F32 if sparse.weights is None else sparse.weights.numpy(), batch_size,
-            bags_per_job(len(self.feature_names) * batch_size, numba.get_num_threads()),
-            out.view(-1).numpy(), ctx.upstream_of_id, ctx.scale_of_id,
-        )
+        jobs = bags_per_job(len(self.feature_names) * batch_size, numba.get_num_threads())
+        weights, weights16, precision = self._kernel_weights()
+        if sums_in_registers(precision, self._dims, scaled):
+            bad = pooled_sum_lanes(
+                weights, self._table_offsets, self._dims, self._rows, self._feature_table, ctx.source,
+                self._out_columns, ctx.bag_offsets, ctx.values, batch_size, jobs, out.view(-1).numpy(),
+                ctx.upstream_of_id)
+        else:
+            bad = pooled_forward(
+                weights, weights16, precision, self._table_offsets, self._dims, self._rows, self._feature_table,
+                ctx.source, self._out_columns, self._mean_pooling, ctx.bag_offsets, ctx.values,
+                _EMPTY_F32 if sparse.weights is None else sparse.weights.numpy(), batch_size, jobs,
+                out.view(-1).numpy(), ctx.upstream_of_id, ctx.scale_of_id,
+            )
         if bad:
             raise IndexError(f"{bad} ids are outside their table's rows {self._describe_ranges()}")
         return out, ctx

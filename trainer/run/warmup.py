@@ -22,6 +22,7 @@ from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.dynamic.config import DynamicTableConfig
 from neorec.trainer.embedding.dynamic.table import DynamicTable
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
+from neorec.trainer.embedding.kernels.forward import LANES
 from neorec.trainer.run.build import sparse_optimizer
 from neorec.trainer.sharding.input_dist import SparseAllToAll
 from neorec.trainer.sharding.layout import ShardedLayout
@@ -30,7 +31,7 @@ from neorec.trainer.sharding.plan import ROW_WISE, Shard, ShardingPlan, TableSha
 
 def compile_kernels(config: TrainConfig | None = None) -> None:
     """Run every kernel once on tiny inputs of the types training passes, so that this
-    compiles (or loads) what the run will call: the embedding lookup and fused update (of
+    compiles (or loads) what the run will call: the embedding lookups and fused update (of
     ``config``'s weight storage and sparse optimizer; fp32 and SGD without a config), the
     id routing, a dynamic table's id map, the store's cache, checkpoint quantization and
     string hashing."""
@@ -48,6 +49,8 @@ def _embedding_kernels(config: TrainConfig | None) -> None:
     weight_dtype = config.model.weight_dtype if config is not None else "fp32"
     module = FusedEmbeddingBagCollection(tables, optimizer, weight_dtype=weight_dtype)
     module(kjt).sum().backward()
+    wide = FusedEmbeddingBagCollection([TableConfig("t", 4, LANES, ("a",))], optimizer)  # fp32 tables LANES
+    wide(KeyedJaggedTensor(("a",), kjt.lengths, kjt.values)).sum().backward()  # wide pool in registers
     plan = ShardingPlan(1, (TableSharding("t", ROW_WISE, (Shard(0, 0, 4, 0, 4),)),))
     SparseAllToAll(ShardedLayout(tables, plan, rank=0)).route(kjt)
     dynamic = DynamicTable("t", 0, 4, DynamicTableConfig(capacity=1, min_count=2, ttl=1))

@@ -2,7 +2,9 @@
 
 Weights of all tables live in one flat array (float32, or fp16/bf16 bit patterns);
 table ``t`` occupies ``weights[table_offsets[t] : table_offsets[t] + rows[t] * dims[t]]``
-row-major. Pooling is in float32 whatever the storage.
+row-major. Pooling is in float32 whatever the storage. :func:`pooled_forward` pools any
+batch; :func:`pooled_sum_lanes` the common case of float32 rows, unweighted sums and widths
+that are multiples of 64, faster (see :func:`sums_in_registers`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from neorec.common.cache_prefetch import prefetch
 from neorec.trainer.embedding.kernels.precision import FP32, decode
+from neorec.trainer.embedding.kernels.registers import stack_floats
 from neorec.trainer.embedding.kernels.row_prefetch import prefetch_row
 
 PREFETCH_IDS = 32
@@ -19,12 +23,38 @@ MAX_BAGS_PER_JOB = 256
 """A parallel job pools a run of at most this many consecutive bags of one feature."""
 JOBS_PER_THREAD = 8
 """Jobs are made small enough that each thread gets about this many (load balance)."""
+LANES = 64
+"""Row columns :func:`pooled_sum_lanes` sums at once, in registers (four 16-float vectors)."""
 
 
 def bags_per_job(num_bags: int, threads: int) -> int:
     """Bags a job of :func:`pooled_forward` pools: at most :data:`MAX_BAGS_PER_JOB`, fewer when
     ``num_bags`` would otherwise give a thread fewer than :data:`JOBS_PER_THREAD` jobs."""
     return max(1, min(MAX_BAGS_PER_JOB, num_bags // max(1, threads * JOBS_PER_THREAD)))
+
+
+@numba.njit(nogil=True)
+def _job(job, jobs_per_feature, bags_per_job, batch_size, table_offsets, dims, rows, feature_table, feature_source,
+         out_columns, bag_offsets):
+    """What parallel job ``job`` of a forward kernel pools: bags ``[first_bag, last_bag)``
+    of one module feature. Returns ``(table, dim, base, table_rows, column, first_bag,
+    last_bag, source, feature_end)``: the feature's table, its width, where its weights
+    begin and its rows; the feature's first output column; the bags; where the feature's
+    bags begin in the batch's bags and where its ids end in the batch's ids (a feature's ids
+    are contiguous)."""
+    f = job // jobs_per_feature
+    first_bag = (job - f * jobs_per_feature) * bags_per_job
+    source = feature_source[f] * batch_size
+    t = feature_table[f]
+    return (t, dims[t], table_offsets[t], rows[t], out_columns[f], first_bag,
+            min(first_bag + bags_per_job, batch_size), source, bag_offsets[source + batch_size])
+
+
+def sums_in_registers(precision: int, dims: np.ndarray, scaled: bool) -> bool:
+    """Whether :func:`pooled_sum_lanes` can pool a batch: float32 rows, every table's width
+    (``dims``, int64 ``[T]``) a multiple of :data:`LANES`, and no id's row scaled (``scaled``:
+    the batch has id weights or a table mean-pools)."""
+    return precision == FP32 and not scaled and bool(np.all(dims % LANES == 0))
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -63,16 +93,11 @@ def pooled_forward(
     jobs_per_feature = -(-batch_size // bags_per_job)
     bad = 0  # a reduction over the threads: the count of out-of-range ids
     for job in numba.prange(feature_table.shape[0] * jobs_per_feature):
-        f = job // jobs_per_feature
-        first_bag = (job - f * jobs_per_feature) * bags_per_job
-        t = feature_table[f]
-        dim = dims[t]
-        base = table_offsets[t]
-        table_rows = rows[t]
-        source = feature_source[f] * batch_size
-        feature_end = bag_offsets[source + batch_size]  # ids of one feature are contiguous
-        for b in range(first_bag, min(first_bag + bags_per_job, batch_size)):
-            o = b * width + out_columns[f]
+        t, dim, base, table_rows, column, first_bag, last_bag, source, feature_end = _job(
+            job, jobs_per_feature, bags_per_job, batch_size, table_offsets, dims, rows, feature_table, feature_source,
+            out_columns, bag_offsets)
+        for b in range(first_bag, last_bag):
+            o = b * width + column
             pooled = out[o : o + dim]  # slices indexed by the loop counter vectorize
             start = bag_offsets[source + b]
             end = bag_offsets[source + b + 1]
@@ -103,4 +128,63 @@ def pooled_forward(
             if mean_pooling[t] and end > start:
                 for d in range(dim):
                     pooled[d] /= count
+    return bad
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def pooled_sum_lanes(
+    weights: np.ndarray,         # float32 [sum(rows * dims)]
+    table_offsets: np.ndarray,   # int64 [T]
+    dims: np.ndarray,            # int64 [T], each a multiple of LANES
+    rows: np.ndarray,            # int64 [T]
+    feature_table: np.ndarray,   # int64 [F]
+    feature_source: np.ndarray,  # int64 [F]
+    out_columns: np.ndarray,     # int64 [F]
+    bag_offsets: np.ndarray,     # int64 [F_batch * B + 1]
+    values: np.ndarray,          # int64 [N]
+    batch_size: int,
+    bags_per_job: int,
+    out: np.ndarray,             # float32 [B * sum(dims of features)], written
+    upstream_of_id: np.ndarray,  # int64 [N], written (as in pooled_forward)
+) -> int:
+    """:func:`pooled_forward` for float32 rows, unweighted sum pooling and widths that are
+    multiples of :data:`LANES` (see :func:`sums_in_registers`), with the same result bit
+    for bit: each bag's :data:`LANES` columns at a time are summed in registers and stored
+    once, where the general kernel adds every row into the output in memory (the
+    half-precision decoding, id weights and means that the general kernel also handles keep
+    LLVM from doing the same there). Returns the number of out-of-range ids."""
+    width = out.shape[0] // max(batch_size, 1)
+    jobs_per_feature = -(-batch_size // bags_per_job)
+    bad = 0
+    for job in numba.prange(feature_table.shape[0] * jobs_per_feature):
+        t, dim, base, table_rows, column, first_bag, last_bag, source, feature_end = _job(
+            job, jobs_per_feature, bags_per_job, batch_size, table_offsets, dims, rows, feature_table, feature_source,
+            out_columns, bag_offsets)
+        sums = stack_floats(LANES)
+        for b in range(first_bag, last_bag):
+            o = b * width + column
+            start = bag_offsets[source + b]
+            end = bag_offsets[source + b + 1]
+            for c in range(0, dim, LANES):
+                for d in range(LANES):
+                    sums[d] = 0.0
+                for p in range(start, end):
+                    ahead = p + PREFETCH_IDS
+                    if ahead < feature_end:
+                        row_ahead = values[ahead]
+                        if 0 <= row_ahead < table_rows:
+                            for d in range(0, LANES, 16):
+                                prefetch(weights, base + row_ahead * dim + c + d)
+                    upstream_of_id[p] = o
+                    idx = values[p]
+                    if idx < 0 or idx >= table_rows:
+                        if c == 0:
+                            bad += 1
+                        continue
+                    row = weights[base + idx * dim + c : base + idx * dim + c + LANES]
+                    for d in range(LANES):
+                        sums[d] += row[d]
+                pooled = out[o + c : o + c + LANES]
+                for d in range(LANES):
+                    pooled[d] = sums[d]
     return bad
