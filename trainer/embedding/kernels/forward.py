@@ -33,7 +33,7 @@ def bags_per_job(num_bags: int, threads: int) -> int:
     return max(1, min(MAX_BAGS_PER_JOB, num_bags // max(1, threads * JOBS_PER_THREAD)))
 
 
-@numba.njit(nogil=True)
+@numba.njit(inline="always")
 def _job(job, jobs_per_feature, bags_per_job, batch_size, table_offsets, dims, rows, feature_table, feature_source,
          out_columns, bag_offsets):
     """What parallel job ``job`` of a forward kernel pools: bags ``[first_bag, last_bag)``
@@ -41,7 +41,8 @@ def _job(job, jobs_per_feature, bags_per_job, batch_size, table_offsets, dims, r
     last_bag, source, feature_end)``: the feature's table, its width, where its weights
     begin and its rows; the feature's first output column; the bags; where the feature's
     bags begin in the batch's bags and where its ids end in the batch's ids (a feature's ids
-    are contiguous)."""
+    are contiguous). Inlined: as a called function its values come back through memory and
+    the kernels lose their speed."""
     f = job // jobs_per_feature
     first_bag = (job - f * jobs_per_feature) * bags_per_job
     source = feature_source[f] * batch_size
