@@ -121,6 +121,8 @@ class FusedEmbeddingBagCollection(nn.Module):
             raise ValueError(f"weight_dtype must be one of {tuple(_STORAGE)}, got {weight_dtype!r}")
         self.weight_dtype = weight_dtype
         self._precision = PRECISIONS[weight_dtype]
+        # fixed by the tables and the storage: unweighted batches then pool in registers
+        self._pools_in_registers = sums_in_registers(self._precision, self._dims, bool(self._mean_pooling.any()))
         self._rounding_seed = seed if stochastic_rounding and weight_dtype != "fp32" else -1
         if shard_origins is None:
             shard_origins = [(t, 0, 0, int(d)) for t, d in enumerate(dims)]
@@ -305,7 +307,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         out = torch.empty(batch_size, self.output_dim, dtype=torch.float32)
         jobs = bags_per_job(len(self.feature_names) * batch_size, numba.get_num_threads())
         weights, weights16, precision = self._kernel_weights()
-        if sums_in_registers(precision, self._dims, scaled):
+        if self._pools_in_registers and sparse.weights is None:
             bad = pooled_sum_lanes(
                 weights, self._table_offsets, self._dims, self._rows, self._feature_table, ctx.source,
                 self._out_columns, ctx.bag_offsets, ctx.values, batch_size, jobs, out.view(-1).numpy(),
