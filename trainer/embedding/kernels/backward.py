@@ -19,17 +19,17 @@ import numba
 import numpy as np
 
 from neorec.trainer.embedding.kernels.precision import FP32, decode, encode_row
-from neorec.common.cache_prefetch import prefetch
-from neorec.trainer.embedding.kernels.row_prefetch import prefetch_row
+from neorec.common.cache_prefetch import prefetch, prefetch_for_write
+from neorec.trainer.embedding.kernels.row_prefetch import prefetch_row_for_write
 
 SGD = 0
 ADAGRAD = 1
 ROWWISE_ADAGRAD = 2
 ADAM = 3
 
-PREFETCH_ROWS = 8
+PREFETCH_ROWS = 16
 """How many runs ahead the update prefetches the row (weights, state, touched flag)."""
-PREFETCH_IDS = 8
+PREFETCH_IDS = 24
 """How many ids ahead the update prefetches their upstream gradient rows."""
 
 
@@ -218,11 +218,15 @@ def apply_updates(
             for k in range(runs[r], runs[r + 1]):
                 if k + PREFETCH_IDS < ids_end:  # a later id's row, whatever its run
                     _prefetch_upstream(grad_out, id_upstream[k + PREFETCH_IDS], dim)
-                scale = id_scale[k] if scaled else np.float32(1.0)
                 o = id_upstream[k]
                 upstream = grad_out[o : o + dim]  # slices indexed by the loop counter vectorize
-                for d in range(dim):
-                    grad[d] += scale * upstream[d]
+                if scaled:
+                    scale = id_scale[k]
+                    for d in range(dim):
+                        grad[d] += scale * upstream[d]
+                else:
+                    for d in range(dim):
+                        grad[d] += upstream[d]
             touched[row_offsets[t] + row] = 1
             w0 = table_offsets[t] + row * dim
             s0 = state_offsets[t] + row * state_width[t]
@@ -248,12 +252,12 @@ def apply_updates(
 @numba.njit(inline="always")
 def _prefetch_row_and_state(weights, weights16, precision, state1, touched, table_offsets, state_offsets,
                             state_width, row_offsets, dims, t, row):
-    """Prefetch what the update of ``row`` of table ``t`` touches: its weights, its state
-    and its touched flag."""
-    prefetch_row(weights, weights16, precision, table_offsets[t] + row * dims[t], dims[t])
+    """Prefetch, for writing, what the update of ``row`` of table ``t`` modifies: its
+    weights, its state and its touched flag."""
+    prefetch_row_for_write(weights, weights16, precision, table_offsets[t] + row * dims[t], dims[t])
     if state1.shape[0] > 0:
-        prefetch(state1, state_offsets[t] + row * state_width[t])
-    prefetch(touched, row_offsets[t] + row)
+        prefetch_for_write(state1, state_offsets[t] + row * state_width[t])
+    prefetch_for_write(touched, row_offsets[t] + row)
 
 
 @numba.njit(inline="always")
