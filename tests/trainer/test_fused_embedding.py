@@ -7,7 +7,8 @@ from tests.trainer.reference import ReferenceOptimizer, random_kjt, reference_po
 from neorec.trainer.batch import KeyedJaggedTensor
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
-from neorec.trainer.embedding.kernels.forward import LANES, pooled_forward, pooled_sum_lanes
+from neorec.trainer.embedding.kernels.forward import LANES, pooled_forward, pooled_sum_lanes, streams_output
+from neorec.trainer.embedding.kernels.registers import STREAM_ALIGNMENT
 from neorec.trainer.embedding.kernels.precision import FP32
 
 
@@ -130,11 +131,12 @@ def test_bit_identical_with_one_and_two_threads(weight_dtype):
 def test_wide_float32_sums_pool_in_registers_like_the_general_kernel(monkeypatch):
     """Tables whose width is a multiple of the register kernel's lanes, fp32 and unweighted
     sums, take :func:`pooled_sum_lanes`; the same ids with unit weights take the general
-    kernel. Outputs and three steps of training agree bit for bit, and with the reference."""
+    kernel. Outputs and three steps of training agree bit for bit, and with the reference;
+    the register kernel streams its output (torch's buffers are aligned for it)."""
     from neorec.trainer.embedding import fused
 
     calls = []
-    monkeypatch.setattr(fused, "pooled_sum_lanes", lambda *args: calls.append(1) or pooled_sum_lanes(*args))
+    monkeypatch.setattr(fused, "pooled_sum_lanes", lambda *args: calls.append(args[-1]) or pooled_sum_lanes(*args))
     tables = [TableConfig("wide", 50, 2 * LANES, ("a", "b")), TableConfig("narrow", 30, LANES, ("c",))]
     optimizer = SparseOptimizer("rowwise_adagrad", 0.1)
     in_registers = FusedEmbeddingBagCollection(tables, optimizer, seed=4)
@@ -151,20 +153,30 @@ def test_wide_float32_sums_pool_in_registers_like_the_general_kernel(monkeypatch
         (out * upstream).sum().backward()
         (general * upstream).sum().backward()
         assert torch.equal(in_registers.weights, in_memory.weights)
-    assert len(calls) == 3
+    assert calls == [True] * 3
 
 
-def test_the_register_kernel_counts_out_of_range_ids_as_the_general_kernel_does():
+def _aligned_nans(n: int) -> np.ndarray:
+    """float32 ``[n]`` of NaN starting on a :data:`STREAM_ALIGNMENT` boundary."""
+    buffer = np.full(n + STREAM_ALIGNMENT // 4, np.nan, np.float32)
+    start = (-buffer.ctypes.data % STREAM_ALIGNMENT) // 4
+    return buffer[start : start + n]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_register_kernel_counts_out_of_range_ids_as_the_general_kernel_does(stream):
     """The module checks ids before pooling; the kernels count what gets past that, each id
-    once however many lanes its row spans, and pool the other ids alike."""
+    once however many lanes its row spans, and pool the other ids alike, whether the
+    register kernel stores its output through the caches or around them."""
     dim = 2 * LANES
     weights = np.random.default_rng(0).standard_normal(10 * dim).astype(np.float32)
     i64 = lambda *v: np.array(v, dtype=np.int64)
     layout = (i64(0), i64(dim), i64(10), i64(0), i64(0), i64(0))  # offsets, dims, rows; feature: table, source, column
     bag_offsets, values = i64(0, 2, 3), i64(3, 10, -1)
-    lanes_out, general_out = np.full(2 * dim, np.nan, np.float32), np.full(2 * dim, np.nan, np.float32)
+    lanes_out, general_out = _aligned_nans(2 * dim), np.full(2 * dim, np.nan, np.float32)
     upstream = np.empty(3, np.int64), np.empty(3, np.int64)
-    bad = pooled_sum_lanes(weights, *layout, bag_offsets, values, 2, 1, lanes_out, upstream[0])
+    assert streams_output(lanes_out)
+    bad = pooled_sum_lanes(weights, *layout, bag_offsets, values, 2, 1, lanes_out, upstream[0], stream)
     general_bad = pooled_forward(weights, np.zeros(0, np.uint16), FP32, *layout, np.zeros(1, np.bool_), bag_offsets,
                                  values, np.zeros(0, np.float32), 2, 1, general_out, upstream[1], np.zeros(0, np.float32))
     assert bad == general_bad == 2

@@ -24,7 +24,7 @@ from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.kernels import backward as backward_kernels
 from neorec.trainer.embedding.kernels import torch_ops
 from neorec.trainer.embedding.kernels.forward import (bags_per_job, pooled_forward, pooled_sum_lanes,
-                                                        sums_in_registers)
+                                                        streams_output, sums_in_registers)
 from neorec.trainer.embedding.kernels.precision import FP32, PRECISIONS
 from neorec.trainer.embedding.memory import huge_page_empty
 from neorec.common.offsets import exclusive_cumsum
@@ -311,7 +311,7 @@ class FusedEmbeddingBagCollection(nn.Module):
             bad = pooled_sum_lanes(
                 weights, self._table_offsets, self._dims, self._rows, self._feature_table, ctx.source,
                 self._out_columns, ctx.bag_offsets, ctx.values, batch_size, jobs, out.view(-1).numpy(),
-                ctx.upstream_of_id)
+                ctx.upstream_of_id, streams_output(out.numpy()))
         else:
             bad = pooled_forward(
                 weights, weights16, precision, self._table_offsets, self._dims, self._rows, self._feature_table,

@@ -14,7 +14,7 @@ import numpy as np
 
 from neorec.common.cache_prefetch import prefetch
 from neorec.trainer.embedding.kernels.precision import FP32, decode
-from neorec.trainer.embedding.kernels.registers import stack_floats
+from neorec.trainer.embedding.kernels.registers import STREAM_ALIGNMENT, fence_streaming, stack_floats, store_streaming
 from neorec.trainer.embedding.kernels.row_prefetch import prefetch_row
 
 PREFETCH_IDS = 32
@@ -56,6 +56,13 @@ def sums_in_registers(precision: int, dims: np.ndarray, scaled: bool) -> bool:
     (``dims``, int64 ``[T]``) a multiple of :data:`LANES`, and no id's row scaled (``scaled``:
     the batch has id weights or a table mean-pools)."""
     return precision == FP32 and not scaled and bool(np.all(dims % LANES == 0))
+
+
+def streams_output(out: np.ndarray) -> bool:
+    """Whether :func:`pooled_sum_lanes` can store ``out`` (its float32 output) with
+    non-temporal stores: its first element is on a :data:`STREAM_ALIGNMENT` boundary (a
+    bag's columns then are too, its widths being multiples of :data:`LANES`)."""
+    return out.ctypes.data % STREAM_ALIGNMENT == 0
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -147,13 +154,17 @@ def pooled_sum_lanes(
     bags_per_job: int,
     out: np.ndarray,             # float32 [B * sum(dims of features)], written
     upstream_of_id: np.ndarray,  # int64 [N], written (as in pooled_forward)
+    stream: bool,                # store ``out`` around the caches (see streams_output)
 ) -> int:
     """:func:`pooled_forward` for float32 rows, unweighted sum pooling and widths that are
     multiples of :data:`LANES` (see :func:`sums_in_registers`), with the same result bit
     for bit: each bag's :data:`LANES` columns at a time are summed in registers and stored
     once, where the general kernel adds every row into the output in memory (the
     half-precision decoding, id weights and means that the general kernel also handles keep
-    LLVM from doing the same there). Returns the number of out-of-range ids."""
+    LLVM from doing the same there). With ``stream`` the sums go to memory by non-temporal
+    stores: the output is written once and read by the next layer, and a plain store would
+    first read every line it overwrites (a batch's output is tens of MB) and evict table
+    rows for it. Returns the number of out-of-range ids."""
     width = out.shape[0] // max(batch_size, 1)
     jobs_per_feature = -(-batch_size // bags_per_job)
     bad = 0
@@ -185,7 +196,12 @@ def pooled_sum_lanes(
                     row = weights[base + idx * dim + c : base + idx * dim + c + LANES]
                     for d in range(LANES):
                         sums[d] += row[d]
-                pooled = out[o + c : o + c + LANES]
-                for d in range(LANES):
-                    pooled[d] = sums[d]
+                if stream:
+                    store_streaming(out, o + c, sums, LANES)
+                else:
+                    pooled = out[o + c : o + c + LANES]
+                    for d in range(LANES):
+                        pooled[d] = sums[d]
+        if stream:
+            fence_streaming()
     return bad
