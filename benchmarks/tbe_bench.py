@@ -65,7 +65,7 @@ Step = Callable[[int], int]
 
 def run(quick: bool = False, threads: int = 0) -> dict[str, Any]:
     threads = set_threads(threads)
-    steps, rounds = (3, 2) if quick else (10, 3)
+    steps, rounds = (3, 2) if quick else (10, 7)
     missing = fbgemm_missing()
     results = [_run_config(c, steps, rounds, missing is None) for c in (QUICK_CONFIGS if quick else CONFIGS)]
     return {"benchmark": "tbe", "threads": threads, "fbgemm": missing or "fbgemm-gpu-cpu (CPU kernels)",
