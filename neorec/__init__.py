@@ -21,9 +21,11 @@ if not (_HERE / "trainer").is_dir() and (_CHECKOUT / "trainer" / "__init__.py").
         and (_CHECKOUT / "pyproject.toml").is_file():
     __path__.append(str(_CHECKOUT))  # a source checkout: the subpackages are its top-level folders
 
+from neorec.common.malloc_policy import keep_freed_memory as _keep_freed_memory  # noqa: E402
 from neorec.common.wait_policy import prefer_short_waits as _prefer_short_waits  # noqa: E402
 
 _prefer_short_waits()  # before torch loads its OpenMP runtime (see neorec.common.wait_policy)
+_keep_freed_memory()  # a step's freed temporaries stay mapped (see neorec.common.malloc_policy)
 
 _PUBLIC = {
     # the batch
