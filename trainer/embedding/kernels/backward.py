@@ -20,7 +20,7 @@ import numpy as np
 
 from neorec.trainer.embedding.kernels.precision import FP32, decode, encode_row
 from neorec.common.cache_prefetch import prefetch, prefetch_for_write
-from neorec.trainer.embedding.kernels.row_prefetch import prefetch_row_for_write
+from neorec.trainer.embedding.kernels.row_prefetch import prefetch_row
 
 SGD = 0
 ADAGRAD = 1
@@ -254,7 +254,7 @@ def _prefetch_row_and_state(weights, weights16, precision, state1, touched, tabl
                             state_width, row_offsets, dims, t, row):
     """Prefetch, for writing, what the update of ``row`` of table ``t`` modifies: its
     weights, its state and its touched flag."""
-    prefetch_row_for_write(weights, weights16, precision, table_offsets[t] + row * dims[t], dims[t])
+    prefetch_row(weights, weights16, precision, table_offsets[t] + row * dims[t], dims[t], True)
     if state1.shape[0] > 0:
         prefetch_for_write(state1, state_offsets[t] + row * state_width[t])
     prefetch_for_write(touched, row_offsets[t] + row)

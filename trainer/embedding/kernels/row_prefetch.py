@@ -9,23 +9,21 @@ from neorec.trainer.embedding.kernels.precision import FP32
 
 
 @numba.njit(inline="always")
-def prefetch_row(weights, weights16, precision, start, dim):
+def prefetch_row(weights, weights16, precision, start, dim, for_write):
     """Prefetch the cache lines of one row of ``dim`` weights from ``start``: float32
-    ``weights`` or, in half precision, uint16 ``weights16`` (for reading it)."""
+    ``weights`` or, in half precision, uint16 ``weights16``. ``for_write``: the kernel is
+    about to update the row (each call passes a constant, folded away once inlined)."""
     if precision == FP32:
         for d in range(0, dim, 16):
-            prefetch(weights, start + d)
+            _prefetch_line(weights, start + d, for_write)
     else:
         for d in range(0, dim, 32):
-            prefetch(weights16, start + d)
+            _prefetch_line(weights16, start + d, for_write)
 
 
 @numba.njit(inline="always")
-def prefetch_row_for_write(weights, weights16, precision, start, dim):
-    """:func:`prefetch_row` for a row the kernel is about to update."""
-    if precision == FP32:
-        for d in range(0, dim, 16):
-            prefetch_for_write(weights, start + d)
+def _prefetch_line(array, index, for_write):
+    if for_write:
+        prefetch_for_write(array, index)
     else:
-        for d in range(0, dim, 32):
-            prefetch_for_write(weights16, start + d)
+        prefetch(array, index)
