@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from neorec.common.malloc_policy import MALLOC_VARIABLES, keep_freed_memory
+from neorec.common.malloc_policy import MALLOC_VARIABLES, glibc, keep_freed_memory
 
 _FAULTS_OF_REUSED_BLOCKS = """
 import ctypes, resource, sys
@@ -27,8 +27,7 @@ print(faults() - before)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION"),
-                    reason="glibc's malloc")
+@pytest.mark.skipif(glibc() is None, reason="glibc's malloc")
 def test_importing_neorec_keeps_a_freed_block_for_the_next_one() -> None:
     """With the thresholds at glibc's defaults, each 1 MiB block is mapped and faulted in
     again (256 pages each time); after ``import neorec`` the same blocks reuse the heap."""
