@@ -11,11 +11,9 @@ process on the same ids, from the same weights, interleaved:
 
 Beside them, the machine's memory-bound limit for the step: a random gather of as many rows
 from huge-page memory of the tables' size (the rows a step must read), and our fraction of
-it; where our step's time goes (forward, backward with the update); and what the default
-up-front id check (``bounds_check="fatal"``, which every other figure includes) costs, as a
-fraction of a step: the check alone timed on the same batches (a second module with
-``"none"`` would differ in where its tables lie in memory, more than the check costs). ``threads``: 0 for all cores, 1
-for the per-core comparison.
+it; and where our step's time goes (forward, backward with the update). Our modules run
+with the default id check (``bounds_check="fatal"``: on the CPU, the lookup kernel's own).
+``threads``: 0 for all cores, 1 for the per-core comparison.
 """
 
 from __future__ import annotations
@@ -152,23 +150,14 @@ def _rowwise(setup: _Setup, steps: int, rounds: int, with_fbgemm: bool) -> dict[
 
     candidates["gather_bound"] = gather
     candidates["ours_fp32_forward"] = setup.forward(ours["fp32"])
-    checked = ours["fp32"]
-
-    def bounds_check(i: int) -> int:  # the check alone, on the step's own batches and module
-        checked._bounds(setup.batches[i % NUM_BATCHES])
-        return config.batch_size
-
-    candidates["bounds_check_only"] = bounds_check
     rates = interleaved_rates(candidates, steps, rounds)
     step_ms = 1e3 * config.batch_size / rates["ours_fp32"]
     forward_ms = 1e3 * config.batch_size / rates["ours_fp32_forward"]
     result: dict[str, Any] = {
-        "samples_per_s": {k: v for k, v in rates.items() if k not in ("ours_fp32_forward", "bounds_check_only")},
+        "samples_per_s": {k: v for k, v in rates.items() if k != "ours_fp32_forward"},
         "memory_limit_samples_per_s": rates["gather_bound"],
         "ours_fraction_of_memory_limit": rates["ours_fp32"] / rates["gather_bound"],
         "ours_phases_ms": {"step": step_ms, "forward": forward_ms, "backward_and_update": step_ms - forward_ms},
-        "bounds_check": {"mode": "fatal",
-                         "cost_fraction_of_step": rates["ours_fp32"] / rates["bounds_check_only"]},
     }
     if theirs:
         difference = max(float((a - b).abs().max()) for a, b in zip(setup.weights(ours["fp32"]),

@@ -216,7 +216,8 @@ class TrainLoopConfig:
     runs) or ``auto`` (Numba on CPU, torch ops on CUDA)."""
     bounds_check: str = "fatal"
     """``fatal``: a batch with an id outside its table is refused, naming it, before any
-    embedding kernel runs; ``none``: trust the ids (see docs/guarantees.md)."""
+    weight, optimizer state or cache changes; ``none``: trust the ids (see
+    docs/guarantees.md)."""
     collective_timeout_s: float = 300.0
     """A collective that waits longer than this for another rank fails, naming the ranks
     that went silent (stopped or hung), instead of hanging the job."""

@@ -103,22 +103,34 @@ def test_row_encoder_equals_encoding_each_element(precision, seed):
 
 
 def test_group_by_row_sorts_stably_by_row_with_either_sort():
-    """Tables below and above the radix sort's threshold, rows needing one to three digits:
-    each table's ids in stable row order, and one run per distinct row."""
+    """Tables below and above the radix sort's threshold, rows needing one to three digits,
+    a table of two features, a batch key no table looks up, features in another order than
+    the batch's keys: each table's ids (its features' in feature order) in stable row
+    order, and one run per distinct row."""
     rng = np.random.default_rng(2)
-    sizes = [0, 1, 7, RADIX_MIN_IDS - 1, RADIX_MIN_IDS, 3_000, 5_000]
-    row_limits = [10, 10, 1_000, 50, 2_000, 3_000_000, 2**31 - 1]
+    batch_size = 50
+    sizes = [0, 1, 7, RADIX_MIN_IDS - 1, RADIX_MIN_IDS, 3_000, 5_000, 2_000, 40]  # ids of each batch key
+    row_limits = [10, 10, 1_000, 50, 2_000, 3_000_000, 2**31 - 1, 2**31 - 1, 10]
+    # key k's ids split into batch_size bags at random (some of them empty)
+    lengths = np.concatenate([np.bincount(rng.integers(0, batch_size, n), minlength=batch_size) for n in sizes])
+    bag_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     values = np.concatenate([rng.integers(0, limit, size) for size, limit in zip(sizes, row_limits)])
-    values[-10:] = values[-20:-10]  # repeats in the three-digit table
-    positions = rng.permutation(values.shape[0]).astype(np.int64)
+    key_6 = values[bag_offsets[6 * batch_size] : bag_offsets[7 * batch_size]]
+    key_6[-10:] = key_6[:10]  # repeats in the three-digit table
+    values[bag_offsets[7 * batch_size] :][:10] = key_6[:10]  # and across its two features
     upstream_of_id = rng.integers(0, 1 << 40, values.shape[0])
     scale_of_id = rng.standard_normal(values.shape[0]).astype(np.float32)
-    table_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    id_upstream, id_scale, runs, run_table, run_rows = group_by_row(values, upstream_of_id, scale_of_id, positions,
-                                                                    table_starts)
+    # tables 0..6; table 6 has the features of keys 7 and 6, in that order; key 8 is not looked up
+    feature_source = np.array([1, 0, 2, 4, 3, 5, 7, 6], dtype=np.int64)
+    table_features = np.array([0, 1, 2, 3, 4, 5, 6, 8], dtype=np.int64)
+    id_upstream, id_scale, runs, run_table, run_rows = group_by_row(
+        values, upstream_of_id, scale_of_id, bag_offsets, batch_size, feature_source, table_features)
     expected_runs, expected_tables, expected_rows = [], [], []
-    for t, (lo, hi) in enumerate(zip(table_starts[:-1], table_starts[1:])):
-        table = positions[lo:hi]
+    lo = 0
+    for t in range(len(table_features) - 1):
+        table = np.concatenate([np.arange(bag_offsets[k * batch_size], bag_offsets[(k + 1) * batch_size])
+                                for k in feature_source[table_features[t] : table_features[t + 1]]])
+        hi = lo + table.shape[0]
         expected = table[np.argsort(values[table], kind="stable")]
         assert (id_upstream[lo:hi] == upstream_of_id[expected]).all()
         assert (id_scale[lo:hi] == scale_of_id[expected]).all()
@@ -127,7 +139,9 @@ def test_group_by_row_sorts_stably_by_row_with_either_sort():
         expected_runs += (lo + starts).tolist()
         expected_tables += [t] * len(starts)
         expected_rows += rows[starts].tolist()
-    assert runs.tolist() == expected_runs + [values.shape[0]]
+        lo = hi
+    assert lo == values.shape[0] - sizes[8]
+    assert runs.tolist() == expected_runs + [lo]
     assert run_table.tolist() == expected_tables
     assert run_rows.tolist() == expected_rows
 
@@ -136,6 +150,6 @@ def test_group_by_row_without_scales_gives_none():
     values = np.array([3, 1, 3], dtype=np.int64)
     id_upstream, id_scale, runs, _, run_rows = group_by_row(
         values, np.array([0, 64, 128], dtype=np.int64), np.zeros(0, dtype=np.float32),
-        np.arange(3, dtype=np.int64), np.array([0, 3], dtype=np.int64))
+        np.array([0, 2, 3], dtype=np.int64), 1, np.array([0, 1], dtype=np.int64), np.array([0, 2], dtype=np.int64))
     assert id_scale.shape == (0,)
     assert id_upstream.tolist() == [64, 0, 128] and runs.tolist() == [0, 1, 3] and run_rows.tolist() == [1, 3]

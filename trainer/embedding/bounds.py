@@ -1,11 +1,14 @@
-"""Refusing ids outside their tables before any kernel runs (the ``bounds_check`` setting,
+"""Refusing ids outside their tables before any update (the ``bounds_check`` setting,
 FBGEMM's ``bounds_check_mode``).
 
-``"fatal"`` (the default): every id of a batch is checked against its table's rows up front,
-with one pass over the batch's ids (a Numba loop on the CPU, vectorized torch ops elsewhere), and a bad one raises an ``IndexError``
-naming the feature, the table, the id and the rows, before any lookup, cache admission or
-update. ``"none"``: the caller vouches for its ids (benchmarks); the kernels keep only their
-own guards.
+``"fatal"`` (the default): every id of a batch is checked against its table's rows with one
+pass over the batch's ids (a Numba loop on the CPU, vectorized torch ops elsewhere), and a
+bad one raises an ``IndexError`` naming the feature, the table, the id and the rows. The
+store-backed collection and the torch-ops path run the check before their lookup (before
+any cache admission); the fused collection's Numba lookup checks each id as it reads it
+and runs this pass only to name the bad id of a batch it refuses, before the update.
+``"none"``: the caller vouches for its ids (benchmarks); the Numba kernels keep their own
+guard.
 
 The batch's own invariants (dtypes, shapes, lengths against ids) are checked whatever the
 mode, when a :class:`~neorec.trainer.batch.KeyedJaggedTensor` is made.

@@ -100,6 +100,8 @@ class FusedEmbeddingBagCollection(nn.Module):
         self._feature_table = np.array(
             [i for i, t in enumerate(tables) for _ in t.feature_names], dtype=np.int64
         )
+        self._table_features = np.cumsum([0] + [len(t.feature_names) for t in tables], dtype=np.int64)
+        """int64 [T + 1]: table t's features are ``feature_names[_table_features[t]:_table_features[t + 1]]``."""
         feature_dims = dims[self._feature_table]
         self._out_columns = exclusive_cumsum(feature_dims)
         self.output_dim = int(feature_dims.sum())
@@ -269,7 +271,8 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     # ---------------------------------------------------------------------------- compute
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        self._bounds(sparse, host_kernels=not self._uses_torch_ops())
+        if self._uses_torch_ops():  # the Numba kernels check each id as they read it (see _lookup)
+            self._bounds(sparse, host_kernels=False)
         if self.training and torch.is_grad_enabled():
             return _FusedLookup.apply(self._anchor, self, sparse)
         out = self._lookup(sparse)[0]
@@ -319,7 +322,8 @@ class FusedEmbeddingBagCollection(nn.Module):
                 _EMPTY_F32 if sparse.weights is None else sparse.weights.numpy(), batch_size, jobs,
                 out.view(-1).numpy(), ctx.upstream_of_id, ctx.scale_of_id,
             )
-        if bad:
+        if bad:  # nothing is written yet but the output: the check names the first bad id
+            self._bounds(sparse)
             raise IndexError(f"{bad} ids are outside their table's rows {self._describe_ranges()}")
         return out, ctx
 
@@ -369,9 +373,8 @@ class FusedEmbeddingBagCollection(nn.Module):
                 torch.from_numpy(self._slot_rows).to(self.weights.device) if self._slot_rows.size else None,
             )
             return
-        positions, table_starts = self._positions_by_table(ctx)
-        grouped = backward_kernels.group_by_row(ctx.values, ctx.upstream_of_id, ctx.scale_of_id, positions,
-                                                table_starts)
+        grouped = backward_kernels.group_by_row(ctx.values, ctx.upstream_of_id, ctx.scale_of_id, ctx.bag_offsets,
+                                                ctx.batch_size, ctx.source, self._table_features)
         opt = self.optimizer
         backward_kernels.apply_updates(
             *self._kernel_weights(), self._rounding_seed, self._noise_origin, self._slot_base, self._slot_rows,
@@ -381,20 +384,6 @@ class FusedEmbeddingBagCollection(nn.Module):
             opt.eps, opt.beta1, opt.beta2, opt.weight_decay, opt.adagrad_decay, int(self.optimizer_step), self.touched.numpy(),
             _max_chunks(),
         )
-
-    def _positions_by_table(self, ctx: "_LookupContext") -> tuple[np.ndarray, np.ndarray]:
-        """Positions (into ``values``) of every id of the module's features, table by table,
-        and int64 ``[T + 1]`` table boundaries in that array."""
-        b = ctx.batch_size
-        pieces = []
-        table_starts = np.zeros(len(self.tables) + 1, dtype=np.int64)
-        total = 0
-        for f, source in enumerate(ctx.source.tolist()):
-            lo, hi = int(ctx.bag_offsets[source * b]), int(ctx.bag_offsets[(source + 1) * b])
-            pieces.append(np.arange(lo, hi, dtype=np.int64))
-            total += hi - lo
-            table_starts[self._feature_table[f] + 1] = total
-        return np.concatenate(pieces), np.maximum.accumulate(table_starts)
 
 
 @dataclass

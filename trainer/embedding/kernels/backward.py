@@ -41,13 +41,16 @@ RADIX_MIN_IDS = 256
 
 
 def group_by_row(
-    values: np.ndarray,          # int64 [N]
+    values: np.ndarray,          # int64 [N]: the batch's ids, key-major
     upstream_of_id: np.ndarray,  # int64 [N] (from the forward)
     scale_of_id: np.ndarray,     # float32 [N] or [0] (from the forward)
-    positions: np.ndarray,       # int64 [M]: positions into values, grouped by table
-    table_starts: np.ndarray,    # int64 [T + 1]: table t owns positions[table_starts[t]:table_starts[t+1]]
+    bag_offsets: np.ndarray,     # int64 [K * B + 1]: bag i is values[bag_offsets[i]:bag_offsets[i + 1]]
+    batch_size: int,             # B
+    feature_source: np.ndarray,  # int64 [F]: the batch key of each module feature
+    table_features: np.ndarray,  # int64 [T + 1]: table t's features are [table_features[t], table_features[t + 1])
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The ids of ``positions`` in row order, table by table: returns
+    """The ids of the module's features in row order, table by table (a table's ids in its
+    features' order first, each feature's ids in batch order): returns
 
     - ``id_upstream`` int64 [M] and ``id_scale`` float32 [M] (or [0] if ``scale_of_id`` is):
       each id's upstream gradient offset and scale, in that order;
@@ -58,23 +61,26 @@ def group_by_row(
     back into Python to build them, and a Ctrl-C landing in that call surfaces as a
     ``SystemError`` instead of ``KeyboardInterrupt``.
     """
-    num_ids = positions.shape[0]
+    feature_ids = bag_offsets[(feature_source + 1) * batch_size] - bag_offsets[feature_source * batch_size]
+    table_starts = np.concatenate(([0], np.cumsum(feature_ids)))[table_features]
+    num_ids = int(table_starts[-1])
     id_upstream = np.empty(num_ids, dtype=np.int64)
     id_scale = np.empty(num_ids if scale_of_id.shape[0] > 0 else 0, dtype=np.float32)
     runs = np.empty(num_ids + 1, dtype=np.int64)
     run_table = np.empty(num_ids, dtype=np.int64)
     run_rows = np.empty(num_ids, dtype=np.int64)
-    num_runs = _group_by_row(values, upstream_of_id, scale_of_id, positions, table_starts, id_upstream, id_scale,
-                             runs, run_table, run_rows)
+    num_runs = _group_by_row(values, upstream_of_id, scale_of_id, bag_offsets, batch_size, feature_source,
+                             table_features, table_starts, id_upstream, id_scale, runs, run_table, run_rows)
     return id_upstream, id_scale, runs[: num_runs + 1], run_table[:num_runs], run_rows[:num_runs]
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _group_by_row(values, upstream_of_id, scale_of_id, positions, table_starts,
-                  id_upstream, id_scale, runs, run_table, run_rows) -> int:
-    """:func:`group_by_row` into its arrays (``runs``, ``run_table`` and ``run_rows`` sized
-    for one run per id); returns the number of runs."""
-    num_ids = positions.shape[0]
+def _group_by_row(values, upstream_of_id, scale_of_id, bag_offsets, batch_size, feature_source, table_features,
+                  table_starts, id_upstream, id_scale, runs, run_table, run_rows) -> int:
+    """:func:`group_by_row` into its arrays (``table_starts`` int64 [T + 1]: where each
+    table's ids start in them; ``runs``, ``run_table`` and ``run_rows`` sized for one run
+    per id); returns the number of runs."""
+    num_ids = table_starts[-1]
     num_tables = table_starts.shape[0] - 1
     scaled = scale_of_id.shape[0] > 0
     sorted_rows = np.empty(num_ids, dtype=np.int64)
@@ -84,22 +90,25 @@ def _group_by_row(values, upstream_of_id, scale_of_id, positions, table_starts,
         hi = table_starts[t + 1]
         if hi == lo:
             continue
-        # one sort of (row, index in this table's positions) packed in an int64: rows are
-        # < 2**31 and a batch has < 2**32 ids, so the order is by row, then position order
-        # (the table's upstream offsets and scales are gathered in position order first, so
+        # one sort of (row, index among this table's ids) packed in an int64: rows are
+        # < 2**31 and a batch has < 2**32 ids, so the order is by row, then batch order
+        # (the table's upstream offsets and scales are gathered in batch order first, so
         # that laying them out in row order reads a table-sized array, not the batch's)
         keys = np.empty(hi - lo, dtype=np.int64)
         table_upstream = np.empty(hi - lo, dtype=np.int64)
         table_scale = np.empty(hi - lo if scaled else 0, dtype=np.float32)
         largest_row = 0
-        for i in range(hi - lo):
-            p = positions[lo + i]
-            row = values[p]
-            keys[i] = (row << 32) | i
-            largest_row = max(largest_row, row)
-            table_upstream[i] = upstream_of_id[p]
-            if scaled:
-                table_scale[i] = scale_of_id[p]
+        i = 0
+        for f in range(table_features[t], table_features[t + 1]):
+            source = feature_source[f]
+            for p in range(bag_offsets[source * batch_size], bag_offsets[(source + 1) * batch_size]):
+                row = values[p]
+                keys[i] = (row << 32) | i
+                largest_row = max(largest_row, row)
+                table_upstream[i] = upstream_of_id[p]
+                if scaled:
+                    table_scale[i] = scale_of_id[p]
+                i += 1
         if hi - lo < RADIX_MIN_IDS:
             keys.sort()
         else:
