@@ -165,8 +165,8 @@ def _aligned_nans(n: int) -> np.ndarray:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_register_kernel_counts_out_of_range_ids_as_the_general_kernel_does(stream):
-    """The module checks ids before pooling; the kernels count what gets past that, each id
-    once however many lanes its row spans, and pool the other ids alike, whether the
+    """The kernels count out-of-range ids (the module's ``"fatal"`` check names one when
+    they count any), each id once however many lanes its row spans, and pool the other ids alike, whether the
     register kernel stores its output through the caches or around them."""
     dim = 2 * LANES
     weights = np.random.default_rng(0).standard_normal(10 * dim).astype(np.float32)
@@ -208,7 +208,7 @@ def test_touched_rows_and_eval_mode_do_not_update():
 
 def test_out_of_range_ids_raise():
     module, kjt = _one_table_module_and_ids([3, 10])
-    with pytest.raises(IndexError, match=r"t: \[0, 10\)"):
+    with pytest.raises(IndexError, match=r"id 10 of feature 'a' is outside its table's rows t: \[0, 10\)"):
         module(kjt)
 
 

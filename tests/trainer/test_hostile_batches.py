@@ -1,7 +1,8 @@
 """The public Python API given hostile tensors: a malformed batch is refused when it is made
 (mismatched or negative lengths, wrong dtypes or shapes), ids outside a table (-1, >= rows)
-are refused by the fused, sharded (a real gloo group of 2) and store-backed collections
-before any kernel runs, with the weights unchanged; empty batches, zero-length bags and
+are refused by the fused, sharded (a real gloo group of 2) and store-backed collections,
+named, in training and evaluation, with the weights, optimizer state and touched rows
+unchanged; empty batches, zero-length bags and
 non-contiguous tensors give the result of ``nn.functional.embedding_bag``."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from neorec.embedding_store.segments import SegmentTier
 from neorec.trainer.batch import KeyedJaggedTensor
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
+from neorec.trainer.embedding.kernels.forward import LANES
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StoreSettings, StoreTable
 from neorec.trainer.sharding.plan import ROW_WISE, TABLE_WISE, Shard, ShardingPlan, TableSharding
 from neorec.trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection
@@ -86,9 +88,10 @@ def _store_backed(tmp_path) -> StoreBackedEmbeddings:
 
 
 def _weights(module) -> list[torch.Tensor]:
-    """Every tensor the module trains (the store-backed module: its cache slots)."""
+    """Every tensor the module trains (the store-backed module: its cache slots), and its
+    touched rows."""
     inner = module.module if isinstance(module, StoreBackedEmbeddings) else module
-    return [inner.weights.clone(), inner.state1.clone(), inner.optimizer_step.clone()]
+    return [inner.weights.clone(), inner.state1.clone(), inner.optimizer_step.clone(), inner.touched.clone()]
 
 
 def _train_step(module, kjt: KeyedJaggedTensor) -> torch.Tensor:
@@ -116,6 +119,34 @@ def test_ids_outside_a_table_are_refused_and_nothing_is_written(module, lengths,
     before = _weights(module)
     with pytest.raises(IndexError, match=match):
         _train_step(module, _kjt(lengths, values))
+    module.eval()
+    with torch.no_grad(), pytest.raises(IndexError, match=match):
+        module(_kjt(lengths, values))
+    for got, want in zip(_weights(module), before):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_fused_lookup_names_the_bad_id_whichever_kernel_pools(weighted):
+    """A float32 sum table 64 wide pools in registers (``pooled_sum_lanes``), weighted ids
+    in the general kernel: either way, in training and evaluation, the bad id is named by
+    its feature (one of its table's two), nothing is written, and a batch key the module
+    does not look up is not checked."""
+    module = FusedEmbeddingBagCollection([TableConfig("wide", 5, LANES, ("x", "y"))],
+                                         SparseOptimizer("rowwise_adagrad", 0.1), seed=SEED)
+    keys = ("z", "y", "x")  # z: not looked up, its ids beyond any row
+
+    def batch(y_ids: list[int]) -> KeyedJaggedTensor:
+        return _kjt([1] * 6, [100, 7] + y_ids + [1, 2], [1.0, 2.0, 0.5, 3.0, 1.5, 1.0] if weighted else None, keys)
+
+    _train_step(module, batch([0, 4]))
+    before = _weights(module)
+    match = r"id 9 of feature 'y' is outside its table's rows wide: \[0, 5\)"
+    with pytest.raises(IndexError, match=match):
+        _train_step(module, batch([0, 9]))
+    module.eval()
+    with torch.no_grad(), pytest.raises(IndexError, match=match):
+        module(batch([0, 9]))
     for got, want in zip(_weights(module), before):
         assert torch.equal(got, want)
 

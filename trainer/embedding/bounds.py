@@ -35,7 +35,7 @@ def check_mode(mode: str) -> str:
 
 
 class BoundsCheck:
-    """The up-front id check of one embedding collection: ``features[i]`` looks up table
+    """The id check of one embedding collection: ``features[i]`` looks up table
     ``tables[i]`` of ``rows[i]`` rows."""
 
     def __init__(self, mode: str, features: Sequence[str], tables: Sequence[str], rows: Sequence[int]) -> None:

@@ -72,8 +72,9 @@ class FusedEmbeddingBagCollection(nn.Module):
         ``slot_tables``: tables whose rows are slots of a cache (the store tier); each slot's
         row in its table is set in :meth:`slot_rows`, and rounding noise follows it.
 
-        ``bounds_check``: ``"fatal"`` refuses a batch with an id outside its table before any
-        kernel runs, ``"none"`` trusts the caller (:mod:`neorec.trainer.embedding.bounds`).
+        ``bounds_check``: ``"fatal"`` refuses a batch with an id outside its table, naming it,
+        before any weight or optimizer state changes; ``"none"`` trusts the caller (the Numba
+        lookup still refuses it, unnamed) (:mod:`neorec.trainer.embedding.bounds`).
         """
         super().__init__()
         if not tables:

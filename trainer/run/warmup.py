@@ -49,6 +49,7 @@ def _embedding_kernels(config: TrainConfig | None) -> None:
     weight_dtype = config.model.weight_dtype if config is not None else "fp32"
     module = FusedEmbeddingBagCollection(tables, optimizer, weight_dtype=weight_dtype)
     module(kjt).sum().backward()
+    module._bounds(kjt)  # the store-backed collection's up-front id check (the fused one's lookup checks)
     wide = FusedEmbeddingBagCollection([TableConfig("t", 4, LANES, ("a",))], optimizer)  # fp32 tables LANES
     wide(KeyedJaggedTensor(("a",), kjt.lengths, kjt.values)).sum().backward()  # wide pool in registers
     plan = ShardingPlan(1, (TableSharding("t", ROW_WISE, (Shard(0, 0, 4, 0, 4),)),))

@@ -1,5 +1,5 @@
-"""The up-front id range check of a batch on the CPU: one pass over the ids, no temporaries
-(the ``bounds_check = "fatal"`` setting; :mod:`neorec.trainer.embedding.bounds`)."""
+"""The id range check of a batch on the CPU: one pass over the ids, no temporaries (the
+``bounds_check = "fatal"`` setting; :mod:`neorec.trainer.embedding.bounds`)."""
 
 from __future__ import annotations
 
