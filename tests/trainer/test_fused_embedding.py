@@ -64,7 +64,9 @@ def test_matches_pytorch_reference_over_steps(optimizer, pooling, weighted, seed
         expected = reference_pooled(tables, leaves, kjt)
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
         upstream = torch.from_numpy(rng.standard_normal(out.shape).astype(np.float32))
-        (out * upstream).sum().backward()
+        given = upstream.clone()
+        out.backward(given)  # the update reads the upstream gradient, never writes it
+        assert torch.equal(given, upstream)
         (expected * upstream).sum().backward()
         reference.apply(weights, {n: leaves[n].grad for n in leaves}, touched_rows(tables, kjt))
         if weight_dtype in HALF:

@@ -6,7 +6,10 @@ Two phases:
    contributions stay in (feature, sample, position) order) and lays out, in that order,
    where each id's upstream gradient row is and its scale, and the runs of ids of one row.
 2. :func:`apply_updates` gives every run to one thread, which sums the row's gradient
-   contributions in that fixed order and applies the optimizer to the row.
+   contributions in that fixed order and applies the optimizer to the row. A row's only
+   id, unscaled, gives its upstream row as the gradient, uncopied (the sum of it alone,
+   but for a zero's sign: ``0.0 + -0.0`` is ``0.0``, which the update cannot tell apart
+   except on a weight of exactly ``-0.0``).
 
 So the result is bit-identical whatever the number of threads. Half-precision rows are
 updated in float32 and rounded back once per step. Both phases read their inputs in order
@@ -199,6 +202,7 @@ def apply_updates(
 ) -> None:
     """One optimizer step on every row of ``runs`` (the layout of :func:`group_by_row`)."""
     scaled = id_scale.shape[0] > 0
+    decays = weight_decay != 0.0  # then _update_row adds to the gradient: it must be a copy
     max_dim = 0
     for t in range(dims.shape[0]):
         max_dim = max(max_dim, dims[t])
@@ -222,34 +226,42 @@ def apply_updates(
             t = run_table[r]
             dim = dims[t]
             row = run_rows[r]
-            for d in range(dim):
-                grad[d] = 0.0
-            for k in range(runs[r], runs[r + 1]):
-                if k + PREFETCH_IDS < ids_end:  # a later id's row, whatever its run
+            if runs[r + 1] - runs[r] == 1 and not scaled and not decays:
+                # the row's one id, unscaled: its upstream row is the gradient (read, not copied)
+                k = runs[r]
+                if k + PREFETCH_IDS < ids_end:
                     _prefetch_upstream(grad_out, id_upstream[k + PREFETCH_IDS], dim)
-                o = id_upstream[k]
-                upstream = grad_out[o : o + dim]  # slices indexed by the loop counter vectorize
-                if scaled:
-                    scale = id_scale[k]
-                    for d in range(dim):
-                        grad[d] += scale * upstream[d]
-                else:
-                    for d in range(dim):
-                        grad[d] += upstream[d]
+                row_grad = grad_out[id_upstream[k] : id_upstream[k] + dim]
+            else:
+                row_grad = grad[:dim]
+                for d in range(dim):
+                    row_grad[d] = 0.0
+                for k in range(runs[r], runs[r + 1]):
+                    if k + PREFETCH_IDS < ids_end:  # a later id's row, whatever its run
+                        _prefetch_upstream(grad_out, id_upstream[k + PREFETCH_IDS], dim)
+                    o = id_upstream[k]
+                    upstream = grad_out[o : o + dim]  # slices indexed by the loop counter vectorize
+                    if scaled:
+                        scale = id_scale[k]
+                        for d in range(dim):
+                            row_grad[d] += scale * upstream[d]
+                    else:
+                        for d in range(dim):
+                            row_grad[d] += upstream[d]
             touched[row_offsets[t] + row] = 1
             w0 = table_offsets[t] + row * dim
             s0 = state_offsets[t] + row * state_width[t]
             s1 = state1[s0 : s0 + state_width[t]]
             s2 = state2[s0 : s0 + state_width[t]] if optimizer == ADAM else state2
             if precision == FP32:
-                _update_row(weights[w0 : w0 + dim], s1, s2, grad, dim, optimizer, learning_rates[t],
+                _update_row(weights[w0 : w0 + dim], s1, s2, row_grad, dim, optimizer, learning_rates[t],
                             np.float32(eps), beta1, beta2, np.float32(weight_decay), np.float32(adagrad_decay),
                             adam_step_size)
                 continue
             bits = weights16[w0 : w0 + dim]
             for d in range(dim):
                 row_copy[d] = decode(bits[d], precision)
-            _update_row(row_copy, s1, s2, grad, dim, optimizer, learning_rates[t],
+            _update_row(row_copy, s1, s2, row_grad, dim, optimizer, learning_rates[t],
                         np.float32(eps), beta1, beta2, np.float32(weight_decay), np.float32(adagrad_decay),
                         adam_step_size)
             held = row if slot_base[t] < 0 else slot_rows[slot_base[t] + row]
@@ -280,8 +292,10 @@ def _prefetch_upstream(grad_out, offset, dim):
 def _update_row(weights, state1, state2, grad, dim, optimizer, lr, eps, beta1, beta2, weight_decay,
                 adagrad_decay, adam_step_size):
     """Apply ``optimizer`` to one row (``weights[:dim]``, its state ``state1``/``state2``:
-    views of the row) given its summed gradient ``grad[:dim]``. The Adagrad sums are
-    multiplied by ``adagrad_decay`` first unless it is 1 (plain Adagrad, untouched)."""
+    views of the row) given its summed gradient ``grad[:dim]``, which it only reads unless
+    ``weight_decay`` is not 0 (so a row of one id passes its upstream row itself). The
+    Adagrad sums are multiplied by ``adagrad_decay`` first unless it is 1 (plain Adagrad,
+    untouched)."""
     if weight_decay != 0.0:
         for d in range(dim):
             grad[d] += weight_decay * weights[d]
