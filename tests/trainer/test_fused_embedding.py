@@ -168,8 +168,9 @@ def _aligned_nans(n: int) -> np.ndarray:
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_register_kernel_counts_out_of_range_ids_as_the_general_kernel_does(stream):
     """The kernels count out-of-range ids (the module's ``"fatal"`` check names one when
-    they count any), each id once however many lanes its row spans, and pool the other ids alike, whether the
-    register kernel stores its output through the caches or around them."""
+    they count any), each id once however many lanes its row spans, and pool the other ids
+    alike, whether the register kernel stores its output through the caches or around
+    them."""
     dim = 2 * LANES
     weights = np.random.default_rng(0).standard_normal(10 * dim).astype(np.float32)
     i64 = lambda *v: np.array(v, dtype=np.int64)

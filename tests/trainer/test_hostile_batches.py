@@ -2,8 +2,8 @@
 (mismatched or negative lengths, wrong dtypes or shapes), ids outside a table (-1, >= rows)
 are refused by the fused, sharded (a real gloo group of 2) and store-backed collections,
 named, in training and evaluation, with the weights, optimizer state and touched rows
-unchanged; empty batches, zero-length bags and
-non-contiguous tensors give the result of ``nn.functional.embedding_bag``."""
+unchanged; empty batches, zero-length bags and non-contiguous tensors give the result of
+``nn.functional.embedding_bag``."""
 
 from __future__ import annotations
 

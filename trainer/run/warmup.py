@@ -18,6 +18,7 @@ from neorec.ingest.vocab import hash_encode
 from neorec.trainer.batch import KeyedJaggedTensor
 from neorec.trainer.checkpoint.quantize import quantize
 from neorec.trainer.config import TrainConfig
+from neorec.trainer.embedding.bounds import BoundsCheck
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.dynamic.config import DynamicTableConfig
 from neorec.trainer.embedding.dynamic.table import DynamicTable
@@ -49,7 +50,7 @@ def _embedding_kernels(config: TrainConfig | None) -> None:
     weight_dtype = config.model.weight_dtype if config is not None else "fp32"
     module = FusedEmbeddingBagCollection(tables, optimizer, weight_dtype=weight_dtype)
     module(kjt).sum().backward()
-    module._bounds(kjt)  # the store-backed collection's up-front id check (the fused one's lookup checks)
+    BoundsCheck("fatal", ("a",), ("t",), (4,))(kjt)  # the store-backed collection's up-front pass
     wide = FusedEmbeddingBagCollection([TableConfig("t", 4, LANES, ("a",))], optimizer)  # fp32 tables LANES
     wide(KeyedJaggedTensor(("a",), kjt.lengths, kjt.values)).sum().backward()  # wide pool in registers
     plan = ShardingPlan(1, (TableSharding("t", ROW_WISE, (Shard(0, 0, 4, 0, 4),)),))
