@@ -107,7 +107,7 @@ class Checkpointer:
         self.writer.wait()  # one checkpoint in flight at a time
         started = time.perf_counter()
         views = self.views()
-        touched_here = sum(int(v.touched.sum()) for v in views if self.rank == 0 or not v.replicated)
+        touched_here = sum(v.touched.count() for v in views if self.rank == 0 or not v.replicated)
         (touched,) = self.sum_over_ranks([float(touched_here)])
         full = self.config.mode == "full" or not self.chain or self.chain_rows + touched > self.total_rows
         shards = take_snapshot(views, full, self.rank)

@@ -1,7 +1,7 @@
 """The part of a checkpoint that stalls training: copying what is to be written.
 
 A full snapshot copies every row a rank holds; an incremental one only the rows modified
-since the last snapshot (each shard's ``touched`` mask, which the fused update kernels set
+since the last snapshot (each shard's ``touched`` flags, which the fused update kernels set
 and the snapshot clears). Replicated (data-parallel) shards are written by rank 0 only.
 The copies are numpy arrays the background writer owns: training may change the module
 right after the snapshot without changing what is written.
@@ -33,13 +33,13 @@ class ShardSnapshot:
 
 def take_snapshot(views: list[ShardView], full: bool, rank: int) -> list[ShardSnapshot]:
     """Copy ``views``' rows (all of them when ``full``, else the touched ones) and clear
-    their touched masks."""
+    their touched flags."""
     snapshots = []
     for view in views:
-        touched_mask = view.touched.bool()
+        touched_mask = view.touched.mask()
         touched = int(touched_mask.sum())
         if view.replicated and rank != 0:
-            view.touched.zero_()
+            view.touched.clear()
             continue
         rows, cols = view.weight.shape
         if full:
@@ -49,7 +49,7 @@ def take_snapshot(views: list[ShardView], full: bool, rank: int) -> list[ShardSn
             index = torch.nonzero(touched_mask).flatten()
             ids = index.cpu().numpy()
             weight, states = view.weight.index_select(0, index), [s.index_select(0, index) for s in view.states]
-        view.touched.zero_()
+        view.touched.clear()
         snapshots.append(ShardSnapshot(
             ShardRows(view.table, view.row_offset, rows, view.col_offset, cols, view.storage, ids,
                       _storage_array(weight), [s.cpu().numpy() for s in states]),

@@ -27,6 +27,7 @@ from neorec.trainer.embedding.kernels.forward import (bags_per_job, pooled_forwa
                                                         streams_output, sums_in_registers)
 from neorec.trainer.embedding.kernels.precision import FP32, PRECISIONS
 from neorec.trainer.embedding.memory import huge_page_empty
+from neorec.trainer.embedding.touched import TouchedRows, bitmap_offsets
 from neorec.common.offsets import exclusive_cumsum
 
 _STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -48,7 +49,8 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     In training mode (with grad enabled) ``loss.backward()`` updates the weights with
     ``optimizer``; there is no separate optimizer step. Rows updated since the last
-    :meth:`clear_touched` are marked in :attr:`touched`.
+    :meth:`clear_touched` are marked in :attr:`touched`, a bitmap
+    (:mod:`~neorec.trainer.embedding.touched`; per table: :meth:`table_touched`).
     """
 
     def __init__(self, tables: Sequence[TableConfig], optimizer: SparseOptimizer, *, seed: int = 0,
@@ -97,7 +99,9 @@ class FusedEmbeddingBagCollection(nn.Module):
         self._rows, self._dims, self._state_width = rows, dims, widths
         self._table_offsets = exclusive_cumsum(rows * dims)
         self._state_offsets = exclusive_cumsum(rows * widths)
-        self._row_offsets = exclusive_cumsum(rows)
+        self._touched_offsets = bitmap_offsets(rows)
+        """int64 [T + 1]: where each table's rows start in the ``touched`` bitmap (and in the torch
+        ops' numbering of all rows); the last is the bitmap's size in bits."""
         self._feature_table = np.array(
             [i for i, t in enumerate(tables) for _ in t.feature_names], dtype=np.int64
         )
@@ -143,7 +147,8 @@ class FusedEmbeddingBagCollection(nn.Module):
         self.register_buffer("state2", huge_page_empty(state_size if optimizer.num_states >= 2 else 0,
                                                        torch.float32).zero_())
         self.register_buffer("optimizer_step", torch.zeros((), dtype=torch.int64))
-        self.register_buffer("touched", torch.zeros(int(rows.sum()), dtype=torch.uint8), persistent=False)
+        self.register_buffer("touched", torch.zeros(int(self._touched_offsets[-1]) // 8, dtype=torch.uint8),
+                             persistent=False)
         self._anchor = torch.zeros((), requires_grad=True)
         self._bounds = BoundsCheck(bounds_check, self.feature_names,
                                    [t.name for t in tables for _ in t.feature_names],
@@ -234,11 +239,11 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     def table_touched(self, name: str) -> torch.Tensor:
         """bool ``[rows]``: rows of table ``name`` updated since :meth:`clear_touched`."""
-        return self._touched_view(self._table_index(name)).bool()
+        return self._touched_rows(self._table_index(name)).mask()
 
-    def _touched_view(self, t: int) -> torch.Tensor:
-        start = int(self._row_offsets[t])
-        return self.touched[start : start + int(self._rows[t])]
+    def _touched_rows(self, t: int) -> TouchedRows:
+        start = int(self._touched_offsets[t]) // 8
+        return TouchedRows(self.touched[start : start + -(-int(self._rows[t]) // 8)], int(self._rows[t]))
 
     def clear_touched(self) -> None:
         self.touched.zero_()
@@ -261,7 +266,7 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     def shard_views(self) -> list["ShardView"]:
         """Every table as a :class:`ShardView` of itself (the whole table at offset 0)."""
-        return [ShardView(t.name, 0, 0, self._table_view(i), self._state_views(i), self._touched_view(i),
+        return [ShardView(t.name, 0, 0, self._table_view(i), self._state_views(i), self._touched_rows(i),
                           self.weight_dtype, replicated=False) for i, t in enumerate(self.tables)]
 
     def _table_index(self, name: str) -> int:
@@ -332,7 +337,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         """The layout the torch ops index, on ``device`` (copied there once)."""
         if device not in self._torch_tables:
             self._torch_tables[device] = torch_ops.TorchTables.build(
-                device, self._table_offsets, self._state_offsets, self._row_offsets, self._rows, self._dims,
+                device, self._table_offsets, self._state_offsets, self._touched_offsets, self._rows, self._dims,
                 self._state_width, self._mean_pooling, self._learning_rates, self._noise_origin, self._slot_base,
                 self._feature_table, self._out_columns)
         return self._torch_tables[device]
@@ -380,7 +385,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         backward_kernels.apply_updates(
             *self._kernel_weights(), self._rounding_seed, self._noise_origin, self._slot_base, self._slot_rows,
             self.state1.numpy(), self.state2.numpy(),
-            self._table_offsets, self._state_offsets, self._state_width, self._row_offsets, self._dims, *grouped,
+            self._table_offsets, self._state_offsets, self._state_width, self._touched_offsets, self._dims, *grouped,
             grad_out.view(-1).numpy(), _OPTIMIZER_CODES[opt.kind], self._learning_rates,
             opt.eps, opt.beta1, opt.beta2, opt.weight_decay, opt.adagrad_decay, int(self.optimizer_step), self.touched.numpy(),
             _max_chunks(),
@@ -391,7 +396,7 @@ class FusedEmbeddingBagCollection(nn.Module):
 class ShardView:
     """A piece of a table that a module holds, as views of the module's storage:
     ``weight`` ``[rows, cols]`` (storage dtype), each optimizer state ``[rows, width]``
-    (float32) and ``touched`` uint8 ``[rows]``, for rows ``[row_offset, row_offset + rows)``
+    (float32) and ``touched``, the flags of the rows updated, for rows ``[row_offset, row_offset + rows)``
     and columns ``[col_offset, col_offset + cols)`` of table ``table``. A ``replicated``
     piece has an identical copy on every rank (a data-parallel table)."""
 
@@ -400,7 +405,7 @@ class ShardView:
     col_offset: int
     weight: torch.Tensor
     states: list[torch.Tensor]
-    touched: torch.Tensor
+    touched: TouchedRows
     storage: str
     replicated: bool
 

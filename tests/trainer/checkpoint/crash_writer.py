@@ -32,7 +32,7 @@ def apply_step(module: FusedEmbeddingBagCollection, step: int) -> None:
         rows = torch.from_numpy(rng.choice(t.num_embeddings, size=3000, replace=False))
         module.table_weight(t.name).index_fill_(0, rows, float(step))
         module.table_state(t.name)[0].index_fill_(0, rows, float(step) * 2)
-        module.shard_views()[TABLES.index(t)].touched.index_fill_(0, rows, 1)  # as the update kernels mark rows
+        module.shard_views()[TABLES.index(t)].touched.mark(rows)  # as the update kernels mark rows
     module.optimizer_step.fill_(step)
 
 

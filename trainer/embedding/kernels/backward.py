@@ -181,7 +181,7 @@ def apply_updates(
     table_offsets: np.ndarray,  # int64 [T]
     state_offsets: np.ndarray,  # int64 [T]: first state element of each table
     state_width: np.ndarray,    # int64 [T]: state floats per row (dim, 1 or 0)
-    row_offsets: np.ndarray,    # int64 [T]: first global row of each table (for `touched`)
+    touched_offsets: np.ndarray,  # int64 [T]: each table's first bit in `touched` (a multiple of 8)
     dims: np.ndarray,           # int64 [T]
     id_upstream: np.ndarray,    # int64 [M]: upstream gradient offset of each id, in row order
     id_scale: np.ndarray,       # float32 [M] or [0] (all ones): each id's scale, same order
@@ -197,10 +197,13 @@ def apply_updates(
     weight_decay: float,
     adagrad_decay: float,       # (0, 1]: the Adagrad sums of squares are multiplied by it before each update
     step: int,                  # 1-based optimizer step (Adam bias correction)
-    touched: np.ndarray,        # uint8 [total rows], set to 1 for every updated row
+    touched: np.ndarray,        # uint8 bitmap (neorec.trainer.embedding.touched): every updated row's bit is set
     max_chunks: int,            # work is split into at most this many chunks (a few per thread)
 ) -> None:
-    """One optimizer step on every row of ``runs`` (the layout of :func:`group_by_row`)."""
+    """One optimizer step on every row of ``runs`` (the layout of :func:`group_by_row`).
+
+    The runs are cut into chunks where two neighbouring runs' rows have their touched bits
+    in different bytes, so that no two threads write one byte."""
     scaled = id_scale.shape[0] > 0
     decays = weight_decay != 0.0  # then _update_row adds to the gradient: it must be a copy
     max_dim = 0
@@ -213,15 +216,15 @@ def apply_updates(
         grad = np.empty(max_dim, dtype=np.float32)
         row_copy = np.empty(max_dim, dtype=np.float32)  # a half-precision row, in float32
         noise_bits = np.empty(max_dim, dtype=np.uint64)  # its stochastic rounding's noise
-        first = c * num_runs // chunks
-        last = (c + 1) * num_runs // chunks
+        first = _chunk_start(c, chunks, num_runs, run_table, run_rows, touched_offsets)
+        last = _chunk_start(c + 1, chunks, num_runs, run_table, run_rows, touched_offsets)
         ids_end = runs[last]
         for k in range(runs[first], min(runs[first] + PREFETCH_IDS, ids_end)):
             _prefetch_upstream(grad_out, id_upstream[k], dims[run_table[first]])
         for r in range(first, last):
             if r + PREFETCH_ROWS < last:
                 _prefetch_row_and_state(weights, weights16, precision, state1, touched, table_offsets, state_offsets,
-                                        state_width, row_offsets, dims, run_table[r + PREFETCH_ROWS],
+                                        state_width, touched_offsets, dims, run_table[r + PREFETCH_ROWS],
                                         run_rows[r + PREFETCH_ROWS])
             t = run_table[r]
             dim = dims[t]
@@ -248,7 +251,8 @@ def apply_updates(
                     else:
                         for d in range(dim):
                             row_grad[d] += upstream[d]
-            touched[row_offsets[t] + row] = 1
+            bit = touched_offsets[t] + row
+            touched[bit >> 3] |= np.uint8(1 << (bit & 7))
             w0 = table_offsets[t] + row * dim
             s0 = state_offsets[t] + row * state_width[t]
             s1 = state1[s0 : s0 + state_width[t]]
@@ -272,13 +276,25 @@ def apply_updates(
 
 @numba.njit(inline="always")
 def _prefetch_row_and_state(weights, weights16, precision, state1, touched, table_offsets, state_offsets,
-                            state_width, row_offsets, dims, t, row):
+                            state_width, touched_offsets, dims, t, row):
     """Prefetch, for writing, what the update of ``row`` of table ``t`` modifies: its
-    weights, its state and its touched flag."""
+    weights, its state and its touched bit's byte."""
     prefetch_row(weights, weights16, precision, table_offsets[t] + row * dims[t], dims[t], True)
     if state1.shape[0] > 0:
         prefetch_for_write(state1, state_offsets[t] + row * state_width[t])
-    prefetch_for_write(touched, row_offsets[t] + row)
+    prefetch_for_write(touched, (touched_offsets[t] + row) >> 3)
+
+
+@numba.njit(inline="always")
+def _chunk_start(c, chunks, num_runs, run_table, run_rows, touched_offsets):
+    """The first run of chunk ``c`` of ``chunks``: run ``c * num_runs // chunks``, or the
+    first after it whose touched bit is in another byte than its predecessor's (at most 7
+    runs on); ``num_runs`` for ``c == chunks``."""
+    r = c * num_runs // chunks
+    while 0 < r < num_runs and ((touched_offsets[run_table[r]] + run_rows[r]) >> 3
+                                == (touched_offsets[run_table[r - 1]] + run_rows[r - 1]) >> 3):
+        r += 1
+    return r
 
 
 @numba.njit(inline="always")

@@ -35,8 +35,8 @@ class TorchTables:
     """A fused module's tables as torch ops index them, on the module's device.
 
     Per table (int64 ``[T]`` unless said): ``table_offsets`` (first element in the flat
-    weights), ``state_offsets`` (in each flat state array), ``row_offsets`` (first row in
-    the flat ``touched``; ``[T + 1]``, the last is the total), ``rows``, ``mean_pooling``
+    weights), ``state_offsets`` (in each flat state array), ``row_offsets`` (first bit in
+    the ``touched`` bitmap, a multiple of 8; ``[T + 1]``, the last is the total), ``rows``, ``mean_pooling``
     (bool), ``learning_rates`` (float32), ``noise_origin`` (``[T, 4]``, see :func:`_round`)
     ``slot_base`` (first of the table's slot rows; -1: not a slot table) and ``group``
     (its dimension's number in ``dim_groups``); per module feature (int64 ``[F]``)
@@ -76,7 +76,7 @@ class TorchTables:
         for t, d in enumerate(dims.tolist()):
             groups.setdefault(int(d), []).append(t)
         group = np.array([list(groups).index(int(d)) for d in dims.tolist()], dtype=np.int64)
-        return cls(on(table_offsets), on(state_offsets), on(np.append(row_offsets, rows.sum())), on(rows),
+        return cls(on(table_offsets), on(state_offsets), on(row_offsets), on(rows),
                    on(mean_pooling), on(learning_rates), on(noise_origin), on(slot_base), on(group),
                    on(feature_table.astype(np.int64)), on(out_columns.astype(np.int64)), feature_table.tolist(),
                    out_columns.tolist(), dims.tolist(), state_widths.tolist(), mean_pooling.tolist(), groups)
@@ -157,7 +157,8 @@ def apply_updates(weights: torch.Tensor, states: list[torch.Tensor], touched: to
                   saved: TorchLookup, grad_out: torch.Tensor, optimizer: SparseOptimizer, step: torch.Tensor,
                   rounding: Rounding, slot_rows: torch.Tensor | None) -> None:
     """Update every row the lookup touched, in place: the flat ``weights`` (storage dtype),
-    flat optimizer ``states`` (float32), ``touched`` uint8 (one per row of all tables).
+    flat optimizer ``states`` (float32), the ``touched`` bitmap (uint8, see
+    :mod:`~neorec.trainer.embedding.touched`).
     ``grad_out`` float32 ``[B, C]``; ``step`` int64 scalar (device): the optimizer step;
     ``slot_rows`` int64: the table row each slot holds, for slot tables (the rounding
     noise follows the row), else None."""
@@ -205,8 +206,16 @@ def apply_updates(weights: torch.Tensor, states: list[torch.Tensor], touched: to
         weights.index_put_((element,), torch.where(keep2, rounded, weights[element]))
         for target, old, new in zip(states, current, new_states):
             target.index_put_((state_element,), torch.where(keep2, new, old))
-        touched_at = tables.row_offsets[t] + row
-        touched.index_put_((touched_at,), torch.where(keep, 1, touched[touched_at]).to(touched.dtype))
+        _mark(touched, tables.row_offsets[t] + row, mine)
+
+
+def _mark(touched: torch.Tensor, bits: torch.Tensor, mine: torch.Tensor) -> None:
+    """Set the bits ``bits[mine]`` (int64; those of ``mine`` distinct) of the ``touched``
+    bitmap, without a host sync: each byte gets the sum of its bits not yet set."""
+    byte = bits >> 3
+    value = torch.ones_like(bits) << (bits & 7)
+    unset = (touched[byte].to(torch.int64) & value) == 0
+    touched.index_put_((byte,), torch.where(mine & unset, value, 0).to(torch.uint8), accumulate=True)
 
 
 def _optimizer_step(w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor], opt: SparseOptimizer,
