@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
 
 from neorec.ingest.schema import Dataset
 from neorec.ingest.synth import SynthSpec, generate
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Let Ctrl-C reach the tests that send it. A shell starts a background job with SIGINT
+    ignored, and every process it starts inherits that: ``neorec train`` then rightly
+    ignores the SIGINT those tests send. A handler set here is reset to the default in the
+    processes the tests start."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
