@@ -26,12 +26,13 @@ def test_touched_rows_mark_mask_count_clear():
     touched = TouchedRows(bits, 13)
     touched.mark(torch.tensor([12, 0, 7, 8, 0]))
     assert touched.mask().nonzero().flatten().tolist() == [0, 7, 8, 12]
+    assert touched.indices().tolist() == [0, 7, 8, 12] and touched.indices().dtype == torch.int64
     assert bits.tolist() == [0b1000_0001, 0b0001_0001]
     assert touched.count() == 4
     touched.mark(torch.tensor([1]))
     assert touched.mask().nonzero().flatten().tolist() == [0, 1, 7, 8, 12]
     touched.clear()
-    assert touched.count() == 0 and not bits.any()
+    assert touched.count() == 0 and touched.indices().numel() == 0 and not bits.any()
     with pytest.raises(ValueError, match="13 rows need 2 uint8 bytes"):
         TouchedRows(torch.zeros(3, dtype=torch.uint8), 13)
 
@@ -75,6 +76,8 @@ def test_update_sets_the_bits_of_exactly_the_rows_written(kernels, threads, rest
             expected[t.name] |= set(rows)
         for t in TABLES:
             assert module.table_touched(t.name).nonzero().flatten().tolist() == sorted(expected[t.name]), t.name
+    indices = {v.table: v.touched.indices().tolist() for v in module.shard_views()}
+    assert indices == {name: sorted(rows) for name, rows in expected.items()}
     counts = {v.table: v.touched.count() for v in module.shard_views()}
     assert counts == {name: len(rows) for name, rows in expected.items()}
     padding = [int(module.touched[16 // 8 - 1]) >> 5, int(module.touched[1016 // 8]) >> 3]

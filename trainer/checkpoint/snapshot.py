@@ -36,8 +36,8 @@ def take_snapshot(views: list[ShardView], full: bool, rank: int) -> list[ShardSn
     their touched flags."""
     snapshots = []
     for view in views:
-        touched_mask = view.touched.mask()
-        touched = int(touched_mask.sum())
+        index = view.touched.indices()
+        touched = int(index.numel())
         if view.replicated and rank != 0:
             view.touched.clear()
             continue
@@ -46,7 +46,6 @@ def take_snapshot(views: list[ShardView], full: bool, rank: int) -> list[ShardSn
             ids = None
             weight, states = view.weight.clone(), [s.clone() for s in view.states]
         else:
-            index = torch.nonzero(touched_mask).flatten()
             ids = index.cpu().numpy()
             weight, states = view.weight.index_select(0, index), [s.index_select(0, index) for s in view.states]
         view.touched.clear()
