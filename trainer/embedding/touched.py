@@ -38,19 +38,19 @@ class TouchedRows:
 
     def mask(self) -> torch.Tensor:
         """bool ``[rows]`` on the bitmap's device: the rows updated."""
-        return ((self.bits[:, None] >> self._shifts()) & 1).bool().reshape(-1)[: self.rows]
+        if self.bits.device.type == "cpu":
+            unpacked = np.unpackbits(self.bits.numpy(), count=self.rows, bitorder="little")
+            return torch.from_numpy(unpacked.view(np.bool_))
+        shifts = torch.arange(BITS, dtype=torch.uint8, device=self.bits.device)
+        return ((self.bits[:, None] >> shifts) & 1).bool().reshape(-1)[: self.rows]
 
     def indices(self) -> torch.Tensor:
-        """int64 ``[count]``, ascending, on the bitmap's device: the rows updated (memory
-        for the bytes that hold one, not for every row)."""
-        marked = torch.nonzero(self.bits).flatten()
-        shifts = self._shifts()
-        set_bits = ((self.bits[marked, None] >> shifts) & 1).bool()
-        return (marked[:, None] * BITS + shifts.to(torch.int64))[set_bits]
+        """int64 ``[count]``, ascending, on the bitmap's device: the rows updated."""
+        return torch.nonzero(self.mask()).flatten()
 
     def count(self) -> int:
         """How many rows were updated."""
-        return int(self.indices().numel())
+        return int(torch.count_nonzero(self.mask()))
 
     def mark(self, rows: torch.Tensor) -> None:
         """Flag ``rows`` (int64, any order, repeats allowed)."""
@@ -60,9 +60,6 @@ class TouchedRows:
 
     def clear(self) -> None:
         self.bits.zero_()
-
-    def _shifts(self) -> torch.Tensor:
-        return torch.arange(BITS, dtype=torch.uint8, device=self.bits.device)
 
 
 def _packed(flags: torch.Tensor) -> torch.Tensor:
