@@ -27,7 +27,7 @@ from neorec.trainer.embedding.kernels.forward import (bags_per_job, pooled_forwa
                                                         streams_output, sums_in_registers)
 from neorec.trainer.embedding.kernels.precision import FP32, PRECISIONS
 from neorec.trainer.embedding.memory import huge_page_empty
-from neorec.trainer.embedding.touched import TouchedRows, bitmap_offsets
+from neorec.trainer.embedding.touched import TouchedRows, bitmap_bytes, bitmap_offsets
 from neorec.common.offsets import exclusive_cumsum
 
 _STORAGE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -147,7 +147,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         self.register_buffer("state2", huge_page_empty(state_size if optimizer.num_states >= 2 else 0,
                                                        torch.float32).zero_())
         self.register_buffer("optimizer_step", torch.zeros((), dtype=torch.int64))
-        self.register_buffer("touched", torch.zeros(int(self._touched_offsets[-1]) // 8, dtype=torch.uint8),
+        self.register_buffer("touched", torch.zeros(bitmap_bytes(int(self._touched_offsets[-1])), dtype=torch.uint8),
                              persistent=False)
         self._anchor = torch.zeros((), requires_grad=True)
         self._bounds = BoundsCheck(bounds_check, self.feature_names,
@@ -242,8 +242,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         return self._touched_rows(self._table_index(name)).mask()
 
     def _touched_rows(self, t: int) -> TouchedRows:
-        start = int(self._touched_offsets[t]) // 8
-        return TouchedRows(self.touched[start : start + -(-int(self._rows[t]) // 8)], int(self._rows[t]))
+        return TouchedRows.of_table(self.touched, int(self._touched_offsets[t]), int(self._rows[t]))
 
     def clear_touched(self) -> None:
         self.touched.zero_()

@@ -18,11 +18,16 @@ BITS = 8
 """Rows per byte of the bitmap."""
 
 
+def bitmap_bytes(rows: int) -> int:
+    """Bytes that hold the flags of ``rows`` rows."""
+    return -(-rows // BITS)
+
+
 def bitmap_offsets(rows: np.ndarray) -> np.ndarray:
     """int64 ``[T + 1]``: where each of the tables of ``rows`` (int64 ``[T]``) starts in
     the bitmap, in rows (bits), each a multiple of :data:`BITS`; the last is the bitmap's
     size in bits."""
-    padded = -(-np.asarray(rows, dtype=np.int64) // BITS) * BITS
+    padded = np.array([bitmap_bytes(int(n)) * BITS for n in np.asarray(rows).tolist()], dtype=np.int64)
     return np.concatenate(([0], np.cumsum(padded))).astype(np.int64)
 
 
@@ -31,10 +36,17 @@ class TouchedRows:
     module's bitmap on its device), row ``r`` in bit ``r % 8`` of byte ``r // 8``."""
 
     def __init__(self, bits: torch.Tensor, rows: int) -> None:
-        if bits.dtype != torch.uint8 or bits.numel() != -(-rows // BITS):
-            raise ValueError(f"{rows} rows need {-(-rows // BITS)} uint8 bytes, got {bits.numel()} {bits.dtype}")
+        if bits.dtype != torch.uint8 or bits.numel() != bitmap_bytes(rows):
+            raise ValueError(f"{rows} rows need {bitmap_bytes(rows)} uint8 bytes, got {bits.numel()} {bits.dtype}")
         self.bits = bits
         self.rows = rows
+
+    @classmethod
+    def of_table(cls, bitmap: torch.Tensor, first_bit: int, rows: int) -> "TouchedRows":
+        """The flags of a table whose ``rows`` start at bit ``first_bit`` (from
+        :func:`bitmap_offsets`) of a module's ``bitmap``."""
+        start = first_bit // BITS
+        return cls(bitmap[start : start + bitmap_bytes(rows)], rows)
 
     def mask(self) -> torch.Tensor:
         """bool ``[rows]`` on the bitmap's device: the rows updated."""
@@ -64,7 +76,7 @@ class TouchedRows:
 
 def _packed(flags: torch.Tensor) -> torch.Tensor:
     """uint8 ``[ceil(n / 8)]``: bool ``[n]`` ``flags`` packed as :class:`TouchedRows` reads them."""
-    padded = torch.zeros(-(-flags.numel() // BITS) * BITS, dtype=torch.uint8, device=flags.device)
+    padded = torch.zeros(bitmap_bytes(flags.numel()) * BITS, dtype=torch.uint8, device=flags.device)
     padded[: flags.numel()] = flags
     weights = torch.tensor([1 << b for b in range(BITS)], dtype=torch.uint8, device=flags.device)
     return (padded.reshape(-1, BITS) * weights).sum(dim=1, dtype=torch.uint8)
