@@ -47,34 +47,42 @@ boundary."""
 @pytest.mark.parametrize("weight_dtype", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("kernels", ["numba", "torch"])
 def test_matches_pytorch_reference_over_steps(optimizer, pooling, weighted, seed, weight_dtype, kernels):
-    """The reference trains float32 copies and rounds them to the storage type after each
-    update (to nearest even, as the module is told to). ``kernels="torch"`` is the path a
-    CUDA module takes, run here on CPU."""
+    """``kernels="torch"`` is the path a CUDA module takes, run here on CPU (on a GPU:
+    ``tests/trainer/test_cuda.py``)."""
+    train_against_reference(optimizer, pooling, weighted, seed, weight_dtype, kernels, torch.device("cpu"))
+
+
+def train_against_reference(optimizer: SparseOptimizer, pooling: str, weighted: bool, seed: int, weight_dtype: str,
+                            kernels: str, device: torch.device) -> None:
+    """Three steps of a module on ``device`` against the reference on the CPU. The reference
+    trains float32 copies and rounds them to the storage type after each update (to nearest
+    even, as the module is told to)."""
     rng = np.random.default_rng(seed)
     tables = _tables(rng, pooling)
     module = FusedEmbeddingBagCollection(tables, optimizer, seed=seed, weight_dtype=weight_dtype,
-                                         stochastic_rounding=False, kernels=kernels)
-    weights = {t.name: module.table_weight(t.name).float().clone() for t in tables}  # not views of the module's
+                                         stochastic_rounding=False, kernels=kernels).to(device)
+    weights = {t.name: module.table_weight(t.name).float().cpu() for t in tables}  # not views of the module's
     reference = ReferenceOptimizer(tables, optimizer)
     rtol, atol = TOLERANCE[weight_dtype]
     for _ in range(3):
         kjt = random_kjt(tables, int(rng.integers(1, 12)), rng, weighted=weighted)
-        out = module(kjt)
+        out = module(kjt.to(device))
+        assert out.device == module.weights.device
         leaves = {n: w.clone().requires_grad_(True) for n, w in weights.items()}
         expected = reference_pooled(tables, leaves, kjt)
-        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(out.cpu(), expected, rtol=1e-6, atol=1e-7)
         upstream = torch.from_numpy(rng.standard_normal(out.shape).astype(np.float32))
-        given = upstream.clone()
+        given = upstream.to(device)
         out.backward(given)  # the update reads the upstream gradient, never writes it
-        assert torch.equal(given, upstream)
+        assert torch.equal(given.cpu(), upstream)
         (expected * upstream).sum().backward()
         reference.apply(weights, {n: leaves[n].grad for n in leaves}, touched_rows(tables, kjt))
         if weight_dtype in HALF:
             weights = {n: w.to(HALF[weight_dtype]).float() for n, w in weights.items()}
         for t in tables:
-            torch.testing.assert_close(module.table_weight(t.name).float(), weights[t.name], rtol=rtol, atol=atol)
-            # a value one ulp off would drift apart: continue from (a copy of) the module's
-            weights[t.name] = module.table_weight(t.name).float().clone()
+            stored = module.table_weight(t.name).float().cpu()
+            torch.testing.assert_close(stored, weights[t.name], rtol=rtol, atol=atol)
+            weights[t.name] = stored  # a value one ulp off would drift apart: continue from the module's
 
 
 def test_adagrad_and_adam_match_torch_optimizers():
