@@ -61,8 +61,49 @@ def permutation(key: int, n: int) -> np.ndarray:
     the indices sorted by their hash. The hash is a bijection of the index (xor with a
     constant, then splitmix64), so no two indices tie and any sort gives the same order."""
     salted = np.uint64(((key & _MASK64) * GOLDEN + SALT) & _MASK64)
-    hashes = splitmix64(np.arange(n, dtype=np.uint64) ^ salted)
-    return np.argsort(hashes).astype(np.int64, copy=False)
+    return _argsort_spread(splitmix64(np.arange(n, dtype=np.uint64) ^ salted))
+
+
+MAX_BUCKET = 64
+"""Keys in one bucket above which :func:`_argsort_spread` sorts by comparison instead."""
+
+
+@numba.njit(cache=True, nogil=True)
+def _argsort_spread(keys: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """int64 ``[n]``: the order of distinct ``uint64`` ``keys`` spread evenly over their
+    range (hashes), as ``np.argsort`` gives it, in linear time: the keys are counted into
+    about ``n`` buckets by their top bits, placed bucket by bucket, and each bucket (one or
+    two keys on average) is insertion-sorted; keys that crowd into a bucket (not hashes)
+    are sorted by ``np.argsort`` instead. A window's shuffle took 17 ms with ``np.argsort``
+    for 262k rows, 5 ms so."""
+    n = keys.size
+    bits = 1
+    while (1 << bits) < n and bits < 32:
+        bits += 1
+    shift = np.uint64(64 - bits)
+    starts = np.zeros((1 << bits) + 1, dtype=np.int64)
+    for i in range(n):
+        starts[(keys[i] >> shift) + np.uint64(1)] += 1
+    if n and starts.max() > MAX_BUCKET:
+        return np.argsort(keys)
+    for b in range(1 << bits):
+        starts[b + 1] += starts[b]
+    order = np.empty(n, dtype=np.int64)
+    fill = starts[:-1].copy()
+    for i in range(n):
+        b = keys[i] >> shift
+        order[fill[b]] = i
+        fill[b] += 1
+    for b in range(1 << bits):
+        for j in range(starts[b] + 1, starts[b + 1]):
+            index = order[j]
+            key = keys[index]
+            k = j
+            while k > starts[b] and keys[order[k - 1]] > key:
+                order[k] = order[k - 1]
+                k -= 1
+            order[k] = index
+    return order
 
 
 def signed(value: int) -> int:
