@@ -4,7 +4,7 @@ service both cut into batches.
 A run of rows is decoded in chunks of at most :data:`CHUNK_ROWS`. An unpermuted window's
 chunk is a slice of its row group. A permuted window's chunk (row-level shuffling) is
 gathered from the Arrow tables of the window's row groups
-(:func:`~neorec.ingest.take.take_rows` on the raw columns) and decoded at once, so each
+(:class:`~neorec.ingest.take.WindowTables` of the raw columns) and decoded at once, so each
 row is still decoded and checked once, an error names the file, row group and row the bad
 value came from, and the gathered rows are decoded while they are still in the CPU's
 caches, not written out for a whole window and read back.
@@ -25,7 +25,7 @@ from neorec.ingest.batch import HostBatch
 from neorec.ingest.decoder import DecodeOptions, decode_table
 from neorec.ingest.rows import RowGroupInfo, RowSpan
 from neorec.ingest.schema import DatasetSchema
-from neorec.ingest.take import take_rows
+from neorec.ingest.take import WindowTables
 
 CHUNK_ROWS = 65_536
 """Rows decoded at once. Larger chunks allocate arrays beyond what the allocator keeps for
@@ -62,7 +62,7 @@ class ChunkDecoder:
                                           file=self.paths[group.file_index], row_group=group.row_group,
                                           first_row=piece.start)
             return
-        tables = [self.load(g) for g in window.groups]
+        tables = WindowTables([self.load(g) for g in window.groups], window.group_starts())
         pieces = span.pieces(CHUNK_ROWS)
         if self.executor is None:
             for piece in pieces:
@@ -82,12 +82,12 @@ class ChunkDecoder:
             for _, future in ahead:
                 future.cancel()
 
-    def _gathered(self, tables: list[pa.Table], piece: RowSpan) -> HostBatch:
+    def _gathered(self, tables: WindowTables, piece: RowSpan) -> HostBatch:
         """The rows of ``piece`` of a permuted window, gathered from ``tables`` (the
         window's row groups) and decoded."""
         window = piece.window
         positions = window.order()[piece.start : piece.stop]
-        starts = window.group_starts()
+        starts = tables.starts
 
         def locate(i: int) -> tuple[str, int, int]:
             p = int(positions[i])
@@ -96,5 +96,5 @@ class ChunkDecoder:
             return self.paths[group.file_index], group.row_group, p - int(starts[g])
 
         first = window.groups[0]
-        return decode_table(take_rows(tables, starts, positions), self.schema, self.options,
+        return decode_table(tables.take(positions), self.schema, self.options,
                             file=self.paths[first.file_index], row_group=first.row_group, locate=locate)

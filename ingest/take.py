@@ -1,8 +1,9 @@
 """Rows of a window's row groups taken in a given order, as one Arrow table: what a
 permuted window's chunk is decoded from (row-level shuffling, :mod:`neorec.ingest.chunks`).
 
-Flat columns go through Arrow's take; one with nulls as two takes, of its values and of
-its validity, which together cost less than Arrow's take that minds the nulls. List
+Flat columns go through Arrow's take, from one contiguous array per window
+(:class:`WindowTables`); one with nulls as two takes, of its values and of its validity,
+which together cost less than Arrow's take that minds the nulls. List
 columns (multi-hot features) go through a Numba gather of whole bags: Arrow's take of a
 ``list<int64>`` column costs several times the decoding of the same rows, while a bag is
 one contiguous run of ids that can be copied at once. The gather writes the result's bags
@@ -21,6 +22,7 @@ from typing import Sequence
 import numba
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from neorec.common.cache_prefetch import prefetch
 
@@ -29,47 +31,71 @@ PREFETCH_BAGS = 16
 as far ahead)."""
 
 
-def take_rows(tables: Sequence[pa.Table], starts: np.ndarray, positions: np.ndarray) -> pa.Table:
-    """The rows ``positions`` (int64 ``[B]``, numbered across ``tables`` one after the
-    other; ``starts``: int64 ``[G + 1]``, where each table's rows begin) in that order.
+class WindowTables:
+    """A permuted window's row groups (``tables``, one schema; ``starts``: int64 ``[G + 1]``,
+    where each one's rows begin in the window), prepared once for the takes of all the
+    window's chunks: each flat column as one contiguous array, since Arrow's take of a
+    chunked column costs about ten times its take of the same rows from one array (a
+    criteo column of 262k rows in four groups: 1.8 ms against 0.14 ms for 64k rows). A
+    column with nulls is kept as its values (read as if none were null) and its validity,
+    taken apart. Memory: one copy of the flat columns of the window's groups when there are
+    several."""
 
-    ``tables`` share one schema. Memory: the returned table alone (the result's columns),
-    besides int64 ``[B]`` scratch arrays.
-    """
-    window = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-    indices = pa.array(positions)
-    columns: dict[str, pa.Array | pa.ChunkedArray] = {}
-    plain = []  # columns Arrow takes as they are
-    sources = None
-    for field in window.schema:
-        column = window.column(field.name)
-        if pa.types.is_list(field.type) or pa.types.is_large_list(field.type):
-            chunks = [_single(t.column(field.name)) for t in tables]
-            if not pa.types.is_integer(field.type.value_type) or any(c.values.null_count for c in chunks):
-                columns[field.name] = column.take(indices)
+    def __init__(self, tables: Sequence[pa.Table], starts: np.ndarray) -> None:
+        self.tables = list(tables)
+        self.starts = starts
+        self.schema = self.tables[0].schema
+        window = pa.concat_tables(self.tables) if len(self.tables) > 1 else self.tables[0]
+        self._flat: dict[str, pa.Array] = {}  # columns taken as they are
+        self._nullable: dict[str, tuple[pa.Array, pa.Array]] = {}  # (values without validity, validity)
+        self._lists: dict[str, list[pa.Array] | None] = {}  # per group; None: Arrow's take of the column
+        for field in self.schema:
+            if pa.types.is_list(field.type) or pa.types.is_large_list(field.type):
+                chunks = [_single(t.column(field.name)) for t in self.tables]
+                bags = pa.types.is_integer(field.type.value_type) and not any(c.values.null_count for c in chunks)
+                self._lists[field.name] = chunks if bags else None
+                if not bags:
+                    self._flat[field.name] = _single(window.column(field.name))
                 continue
-            if sources is None:
-                sources = _Sources(starts, positions)
-            columns[field.name] = _take_bags(chunks, sources)
-        elif column.null_count and (pa.types.is_integer(field.type) or pa.types.is_floating(field.type)):
-            columns[field.name] = _take_nullable(column, indices)
-        else:
-            plain.append(field.name)
-    if plain:
-        taken = window.select(plain).take(indices)
-        columns.update((name, taken.column(name)) for name in plain)
-    return pa.table({field.name: columns[field.name] for field in window.schema})
+            column = _single(window.column(field.name))
+            if column.null_count and (pa.types.is_integer(field.type) or pa.types.is_floating(field.type)):
+                values = pa.Array.from_buffers(column.type, len(column), [None, column.buffers()[1]],
+                                               offset=column.offset)
+                self._nullable[field.name] = (values, column.is_valid())
+            else:
+                self._flat[field.name] = column
+
+    def take(self, positions: np.ndarray) -> pa.Table:
+        """The rows ``positions`` (int64 ``[B]``, numbered across the window's groups, each
+        inside it) in that order. Memory: the returned table, besides int64 ``[B]`` scratch."""
+        indices = pa.array(positions)
+        columns: dict[str, pa.Array] = {}
+        sources = None
+        for field in self.schema:
+            name = field.name
+            if self._lists.get(name) is not None:
+                if sources is None:
+                    sources = _Sources(self.starts, positions)
+                columns[name] = _take_bags(self._lists[name], sources)
+            elif name in self._nullable:
+                values, valid = self._nullable[name]
+                columns[name] = _with_validity(_take(values, indices), _take(valid, indices))
+            else:
+                columns[name] = _take(self._flat[name], indices)
+        return pa.table({field.name: columns[field.name] for field in self.schema})
 
 
-def _take_nullable(column: pa.ChunkedArray, indices: pa.Array) -> pa.Array:
-    """Arrow's take of a fixed-width column with nulls, as a take of its values (read as
-    if none were null) and one of its validity, which together cost about 0.7 of Arrow's
-    take that handles the nulls itself. The values under the nulls are whatever the
-    source holds there (Arrow's take writes zeros)."""
-    values = pa.chunked_array([pa.Array.from_buffers(c.type, len(c), [None, c.buffers()[1]], offset=c.offset)
-                               for c in column.chunks], type=column.type).take(indices).combine_chunks()
-    valid = pa.chunked_array([c.is_valid() for c in column.chunks], type=pa.bool_()).take(indices).combine_chunks()
-    return pa.Array.from_buffers(column.type, len(indices), [valid.buffers()[1], values.buffers()[1]],
+def _take(array: pa.Array, indices: pa.Array) -> pa.Array:
+    """Arrow's take without its bounds check: the positions come from the window's own
+    permutation of its rows."""
+    return pc.take(array, indices, boundscheck=False)
+
+
+def _with_validity(values: pa.Array, valid: pa.Array) -> pa.Array:
+    """``values`` (fixed width, no nulls) with ``valid`` (boolean) as their validity; the
+    values under the nulls are whatever the source held there (Arrow's take of a column
+    with nulls writes zeros, and costs about 1.4 times the two takes)."""
+    return pa.Array.from_buffers(values.type, len(values), [valid.buffers()[1], values.buffers()[1]],
                                  offset=0)
 
 

@@ -11,7 +11,7 @@ from neorec.ingest.decoder import DecodeOptions, decode_table
 from neorec.ingest.errors import DataError
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.schema import Dataset, DatasetSchema, SparseFeature
-from neorec.ingest.take import take_rows
+from neorec.ingest.take import WindowTables
 
 SCHEMA = DatasetSchema(
     label="label",
@@ -56,10 +56,11 @@ def test_rows_of_several_groups_decode_as_arrows_take_of_them(seed):
               _table(rng, 1)]
     starts = np.concatenate([[0], np.cumsum([t.num_rows for t in tables])]).astype(np.int64)
     window = pa.concat_tables(tables)
+    source = WindowTables(tables, starts)  # prepared once, taken from many times
     for positions in (rng.permutation(window.num_rows)[:400], rng.integers(0, window.num_rows, 50),
                       np.arange(window.num_rows), np.array([starts[1]])):
         positions = positions.astype(np.int64)
-        got = decode_table(take_rows(tables, starts, positions), SCHEMA, OPTIONS)
+        got = decode_table(source.take(positions), SCHEMA, OPTIONS)
         _same(got, decode_table(window.take(pa.array(positions)), SCHEMA, OPTIONS))
         assert got.values.size > 0 or positions.size < 5
 
