@@ -1,10 +1,13 @@
 """Ingestion throughput: rows/s one reader service process delivers to a client over gRPC
 (uncompressed and zstd), against the in-process decoder on the same files, same plan; and
-the cost of row-level shuffling against row-group shuffling, in process and over gRPC."""
+the cost of row-level shuffling against row-group shuffling, in process and over gRPC, in
+rows/s and, in process, in CPU time per epoch (all the reader's threads; steadier than
+rows/s on a machine whose second core is not always free)."""
 
 from __future__ import annotations
 
 import tempfile
+import time
 from typing import Any, Callable
 
 from neorec.benchmarks.timing import interleaved_rates
@@ -45,6 +48,8 @@ def run(quick: bool = False) -> dict[str, Any]:
                     rates = interleaved_rates(
                         {name: _epoch_rows(r, k, len(readers)) for k, (name, r) in enumerate(readers.items())},
                         steps=1, rounds=3 if quick else 7, warmup=1)
+                    cpu = _cpu_per_epoch({name: readers[name] for name in ("in_process", "in_process_rows")},
+                                         rounds=2 if quick else 5)
                 finally:
                     for reader in readers.values():
                         reader.close()
@@ -57,6 +62,8 @@ def run(quick: bool = False) -> dict[str, Any]:
                 "ratio_grpc_zstd": rates["grpc_zstd"] / base,
                 "row_shuffle_ratio_in_process": rates["in_process_rows"] / base,
                 "row_shuffle_ratio_grpc": rates["grpc_rows"] / rates["grpc"],
+                "cpu_ms_per_epoch": {name: 1e3 * seconds for name, seconds in cpu.items()},
+                "row_shuffle_cpu_ratio_in_process": cpu["in_process"] / cpu["in_process_rows"],
             }
     finally:
         service.stop()
@@ -68,3 +75,15 @@ def _epoch_rows(reader: BatchReader, index: int, count: int) -> Callable[[int], 
     rows delivered. Each of ``count`` candidates reads its own epochs, so that the service's
     row group cache (shared within an epoch) never serves one candidate another's reads."""
     return lambda i: sum(batch.num_valid for batch in reader.epoch(i * count + index))
+
+
+def _cpu_per_epoch(readers: dict[str, BatchReader], rounds: int) -> dict[str, float]:
+    """CPU seconds this process spends reading one whole epoch with each reader, the least
+    over ``rounds`` interleaved epochs (fresh shuffles, after those the rates read)."""
+    best = {name: float("inf") for name in readers}
+    for r in range(rounds):
+        for name, reader in readers.items():
+            started = time.process_time()
+            sum(batch.num_valid for batch in reader.epoch(10_000 + r))
+            best[name] = min(best[name], time.process_time() - started)
+    return best
