@@ -211,11 +211,14 @@ def apply_updates(weights: torch.Tensor, states: list[torch.Tensor], touched: to
 
 def _mark(touched: torch.Tensor, bits: torch.Tensor, mine: torch.Tensor) -> None:
     """Set the bits ``bits[mine]`` (int64; those of ``mine`` distinct) of the ``touched``
-    bitmap, without a host sync: each byte gets the sum of its bits not yet set."""
+    bitmap, without a host sync: each byte gets the sum of its bits not yet set. An integer
+    sum is exact in any order, so ``index_add_``'s atomic adds on CUDA give one result; its
+    ``index_put_(accumulate=True)`` sorted the indices first and took 0.7 ms a step on an
+    H100 (a third of the demo step's GPU time)."""
     byte = bits >> 3
     value = torch.ones_like(bits) << (bits & 7)
     unset = (touched[byte].to(torch.int64) & value) == 0
-    touched.index_put_((byte,), torch.where(mine & unset, value, 0).to(torch.uint8), accumulate=True)
+    touched.index_add_(0, byte, torch.where(mine & unset, value, 0).to(torch.uint8))
 
 
 def _optimizer_step(w: torch.Tensor, g: torch.Tensor, states: list[torch.Tensor], opt: SparseOptimizer,
