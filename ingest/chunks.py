@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from neorec.ingest.batch import HostBatch
 from neorec.ingest.decoder import DecodeOptions, decode_table
+from neorec.ingest.errors import DataError
 from neorec.ingest.rows import RowGroupInfo, RowSpan
 from neorec.ingest.schema import DatasetSchema
 from neorec.ingest.take import WindowTables
@@ -51,18 +52,27 @@ class ChunkDecoder:
         self.executor = executor
         self.workers = max(1, workers)
 
+    def _load(self, group: RowGroupInfo) -> pa.Table:
+        """The row group's table, which must hold the rows its metadata promised when the
+        read was planned (the takes of a permuted window index it without bounds checks)."""
+        table = self.load(group)
+        if table.num_rows != group.num_rows:
+            raise DataError(f"the row group holds {table.num_rows} rows, {group.num_rows} when the read was "
+                            f"planned: the file changed", file=self.paths[group.file_index], row_group=group.row_group)
+        return table
+
     def chunks(self, span: RowSpan) -> Iterator[tuple[RowSpan, HostBatch]]:
         """``span``'s rows decoded, as ``(piece, rows)`` pairs in read order."""
         window = span.window
         if not window.permuted and len(window.groups) == 1:
             group = window.groups[0]
-            table = self.load(group)
+            table = self._load(group)
             for piece in span.pieces(CHUNK_ROWS):
                 yield piece, decode_table(table.slice(piece.start, piece.num_rows), self.schema, self.options,
                                           file=self.paths[group.file_index], row_group=group.row_group,
                                           first_row=piece.start)
             return
-        tables = WindowTables([self.load(g) for g in window.groups], window.group_starts())
+        tables = WindowTables([self._load(g) for g in window.groups], window.group_starts())
         pieces = span.pieces(CHUNK_ROWS)
         if self.executor is None:
             for piece in pieces:

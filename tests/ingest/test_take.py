@@ -7,9 +7,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from neorec.ingest.batch import HostBatch
+from neorec.ingest.chunks import ChunkDecoder
 from neorec.ingest.decoder import DecodeOptions, decode_table
 from neorec.ingest.errors import DataError
 from neorec.ingest.reader import InProcessReader, ReaderConfig
+from neorec.ingest.rows import RowGroupInfo, RowSpan, Window
 from neorec.ingest.schema import Dataset, DatasetSchema, SparseFeature
 from neorec.ingest.take import WindowTables
 
@@ -100,3 +102,16 @@ def test_a_null_id_inside_a_list_is_named_by_its_row(tmp_path):
     with pytest.raises(DataError, match=r"row group 2, column 'm0', row 7: null id inside a list"):
         list(reader.epoch(0))
     reader.close()
+
+
+@pytest.mark.parametrize("seed", [None, 4])
+def test_a_row_group_shorter_than_its_planned_rows_is_named_not_read_past(seed):
+    """A file that changed after the read was planned: the window's takes, which skip
+    Arrow's bounds check, never see it."""
+    rng = np.random.default_rng(1)
+    groups = (RowGroupInfo(0, 0, 40), RowGroupInfo(0, 1, 40)) if seed is not None else (RowGroupInfo(0, 1, 40),)
+    tables = {0: _table(rng, 40), 1: _table(rng, 25)}  # group 1 lost rows
+    decoder = ChunkDecoder(lambda g: tables[g.row_group], ["part-0.parquet"], SCHEMA, OPTIONS)
+    window = Window(groups, seed)
+    with pytest.raises(DataError, match=r"part-0.parquet, row group 1: the row group holds 25 rows, 40 when"):
+        list(decoder.chunks(RowSpan(window, 0, window.num_rows)))
