@@ -73,8 +73,8 @@ def _argsort_spread(keys: np.ndarray) -> np.ndarray:  # pragma: no cover - compi
     """int64 ``[n]``: the order of distinct ``uint64`` ``keys`` spread evenly over their
     range (hashes), as ``np.argsort`` gives it, in linear time: the keys are counted into
     about ``n`` buckets by their top bits, placed bucket by bucket, and each bucket (one or
-    two keys on average) is insertion-sorted; keys that crowd into a bucket (not hashes)
-    are sorted by ``np.argsort`` instead. A window's shuffle took 17 ms with ``np.argsort``
+    two keys on average) is insertion-sorted. If any bucket holds more than
+    :data:`MAX_BUCKET` keys (not hashes), all the keys are sorted by ``np.argsort`` instead. A window's shuffle took 17 ms with ``np.argsort``
     for 262k rows, 5 ms so."""
     n = keys.size
     bits = 1
@@ -84,7 +84,7 @@ def _argsort_spread(keys: np.ndarray) -> np.ndarray:  # pragma: no cover - compi
     starts = np.zeros((1 << bits) + 1, dtype=np.int64)
     for i in range(n):
         starts[(keys[i] >> shift) + np.uint64(1)] += 1
-    if n and starts.max() > MAX_BUCKET:
+    if starts.max() > MAX_BUCKET:
         return np.argsort(keys)
     for b in range(1 << bits):
         starts[b + 1] += starts[b]

@@ -47,7 +47,7 @@ def executable_regions(pid: int) -> list[Region]:
         for line in maps:
             fields = line.split()
             anonymous = len(fields) < 6 or fields[5].startswith("[anon")
-            if "x" in fields[1] and anonymous:
+            if "r" in fields[1] and "x" in fields[1] and anonymous:
                 start, end = (int(a, 16) for a in fields[0].split("-"))
                 memory.seek(start)
                 regions.append(Region(start, memory.read(end - start)))

@@ -28,3 +28,12 @@ def test_keys_that_crowd_one_bucket_are_still_sorted():
     for keys in (crowded, edges, spread, np.unique(a_few_per_bucket)):
         keys = rng.permutation(keys)
         assert np.array_equal(_argsort_spread(keys), np.argsort(keys))
+
+
+@pytest.mark.parametrize("n", [1000, 262_144])
+def test_a_windows_hashes_spread_over_the_buckets_so_the_linear_sort_runs(n):
+    """The bucket sort gives up for np.argsort when a bucket holds more than MAX_BUCKET
+    keys; the hashes of permutation never come near that."""
+    keys = splitmix64(np.arange(n, dtype=np.uint64) ^ np.uint64(SALT))
+    bits = int(np.ceil(np.log2(n)))
+    assert np.bincount((keys >> np.uint64(64 - bits)).astype(np.int64)).max() <= MAX_BUCKET // 4

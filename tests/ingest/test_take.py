@@ -115,3 +115,10 @@ def test_a_row_group_shorter_than_its_planned_rows_is_named_not_read_past(seed):
     window = Window(groups, seed)
     with pytest.raises(DataError, match=r"part-0.parquet, row group 1: the row group holds 25 rows, 40 when"):
         list(decoder.chunks(RowSpan(window, 0, window.num_rows)))
+
+
+def test_window_tables_refuse_starts_that_do_not_match_their_rows():
+    rng = np.random.default_rng(2)
+    tables = [_table(rng, 10), _table(rng, 5)]
+    with pytest.raises(ValueError, match=r"row group starts \[0, 10, 16\] do not match the tables' rows \[10, 5\]"):
+        WindowTables(tables, np.array([0, 10, 16]))

@@ -57,7 +57,7 @@ def _state(module: FusedEmbeddingBagCollection) -> list[torch.Tensor]:
 @pytest.mark.parametrize("weight_dtype", ["fp32", "bf16"])
 def test_cuda_steps_are_bit_identical_run_to_run(kind, weight_dtype):
     """Rows hit by many ids of one batch (the grouping's sort and the segment sums), bf16
-    with stochastic rounding: no atomics, so two runs agree bit for bit."""
+    with stochastic rounding: floats are summed without atomics, so two runs agree bit for bit."""
     tables = _tables(np.random.default_rng(2), "sum")
     runs = [_state(_train(tables, SparseOptimizer(kind, 0.05), weight_dtype, "torch", CUDA, 512)) for _ in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -61,7 +61,7 @@ def train_against_reference(optimizer: SparseOptimizer, pooling: str, weighted: 
     tables = _tables(rng, pooling)
     module = FusedEmbeddingBagCollection(tables, optimizer, seed=seed, weight_dtype=weight_dtype,
                                          stochastic_rounding=False, kernels=kernels).to(device)
-    weights = {t.name: module.table_weight(t.name).float().cpu() for t in tables}  # not views of the module's
+    weights = {t.name: module.table_weight(t.name).float().cpu().clone() for t in tables}  # not views of the module's
     reference = ReferenceOptimizer(tables, optimizer)
     rtol, atol = TOLERANCE[weight_dtype]
     for _ in range(3):
@@ -72,7 +72,7 @@ def train_against_reference(optimizer: SparseOptimizer, pooling: str, weighted: 
         expected = reference_pooled(tables, leaves, kjt)
         torch.testing.assert_close(out.cpu(), expected, rtol=1e-6, atol=1e-7)
         upstream = torch.from_numpy(rng.standard_normal(out.shape).astype(np.float32))
-        given = upstream.to(device)
+        given = upstream.to(device, copy=True)
         out.backward(given)  # the update reads the upstream gradient, never writes it
         assert torch.equal(given.cpu(), upstream)
         (expected * upstream).sum().backward()
@@ -80,7 +80,7 @@ def train_against_reference(optimizer: SparseOptimizer, pooling: str, weighted: 
         if weight_dtype in HALF:
             weights = {n: w.to(HALF[weight_dtype]).float() for n, w in weights.items()}
         for t in tables:
-            stored = module.table_weight(t.name).float().cpu()
+            stored = module.table_weight(t.name).float().cpu().clone()  # a copy: the reference updates in place
             torch.testing.assert_close(stored, weights[t.name], rtol=rtol, atol=atol)
             weights[t.name] = stored  # a value one ulp off would drift apart: continue from the module's
 

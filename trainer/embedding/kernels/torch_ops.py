@@ -13,8 +13,9 @@ Forward: gather every id's row from the flat weights, scale by the per-id weight
 summed with ``segment_reduce`` over ``n`` segments (one per id, the empty ones after the
 last run); the optimizer updates every run's row. A write for a run that is not a row of
 the dimension being updated repeats the write of the first run that is, so that no two
-writes to one element differ. No atomics anywhere, so the result does not depend on
-scheduling. Half-precision weights are read as float32 and each update is rounded back
+writes to one element differ. Atomics only add integers (counts, the touched bitmap's
+bits), which are exact in any order, so the result does not depend on scheduling.
+Half-precision weights are read as float32 and each update is rounded back
 to nearest even or stochastically, with the Numba kernels' noise
 (``precision.noise_bits_of``, here in int64 ops).
 """
@@ -210,11 +211,12 @@ def apply_updates(weights: torch.Tensor, states: list[torch.Tensor], touched: to
 
 
 def _mark(touched: torch.Tensor, bits: torch.Tensor, mine: torch.Tensor) -> None:
-    """Set the bits ``bits[mine]`` (int64; those of ``mine`` distinct) of the ``touched``
-    bitmap, without a host sync: each byte gets the sum of its bits not yet set. An integer
-    sum is exact in any order, so ``index_add_``'s atomic adds on CUDA give one result; its
-    ``index_put_(accumulate=True)`` sorted the indices first and took 0.7 ms a step on an
-    H100 (a third of the demo step's GPU time)."""
+    """Set the bits ``bits[mine]`` (int64; the ones where ``mine`` is true must be distinct)
+    of the ``touched`` bitmap, without a host sync: each byte gets the sum of its bits not
+    yet set (distinct powers of two, so no carry; entries outside ``mine`` add 0). An
+    integer sum is exact in any order, so the atomic adds of ``index_add_`` on CUDA give one
+    result (``index_put_(accumulate=True)``, which sorts first, was a GPU step's largest
+    kernel: BENCHMARKS.md)."""
     byte = bits >> 3
     value = torch.ones_like(bits) << (bits & 7)
     unset = (touched[byte].to(torch.int64) & value) == 0
