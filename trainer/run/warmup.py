@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from neorec.common.hashing import permutation
 from neorec.embedding_store.cache import SetAssociativeCache
 from neorec.ingest.vocab import hash_encode
 from neorec.trainer.batch import KeyedJaggedTensor
@@ -34,12 +35,13 @@ def compile_kernels(config: TrainConfig | None = None) -> None:
     """Run every kernel once on tiny inputs of the types training passes, so that this
     compiles (or loads) what the run will call: the embedding lookups and fused update (of
     ``config``'s weight storage and sparse optimizer; fp32 and SGD without a config), the
-    id routing, a dynamic table's id map, the store's cache, checkpoint quantization and
-    string hashing."""
+    id routing, a dynamic table's id map, the store's cache, checkpoint quantization, string
+    hashing and the shuffle's permutation."""
     _embedding_kernels(config)
     _store_cache_kernels()
     quantize(np.zeros((2, 4), dtype=np.float32), 8)
     hash_encode(pa.array(["a", None, "b"]), rows=4, seed=0)
+    permutation(0, 4)
 
 
 def _embedding_kernels(config: TrainConfig | None) -> None:
