@@ -51,15 +51,13 @@ class WindowTables:
         window = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         self._flat: dict[str, pa.Array] = {}  # columns taken as they are
         self._nullable: dict[str, tuple[pa.Array, pa.Array]] = {}  # (values without validity, validity)
-        self._lists: dict[str, list[pa.Array] | None] = {}  # per group; None: Arrow's take of the column
+        self._bags: dict[str, list[pa.Array]] = {}  # list columns of integer ids, per group
         for field in self.schema:
             if pa.types.is_list(field.type) or pa.types.is_large_list(field.type):
                 chunks = [_single(t.column(field.name)) for t in tables]
-                bags = pa.types.is_integer(field.type.value_type) and not any(c.values.null_count for c in chunks)
-                self._lists[field.name] = chunks if bags else None
-                if not bags:
-                    self._flat[field.name] = _single(window.column(field.name))
-                continue
+                if pa.types.is_integer(field.type.value_type) and not any(c.values.null_count for c in chunks):
+                    self._bags[field.name] = chunks
+                    continue
             column = _single(window.column(field.name))
             if column.null_count and (pa.types.is_integer(field.type) or pa.types.is_floating(field.type)):
                 values = pa.Array.from_buffers(column.type, len(column), [None, column.buffers()[1]],
@@ -78,10 +76,10 @@ class WindowTables:
         sources = None
         for field in self.schema:
             name = field.name
-            if self._lists.get(name) is not None:
+            if name in self._bags:
                 if sources is None:
                     sources = _Sources(self.starts, positions)
-                columns[name] = _take_bags(self._lists[name], sources)
+                columns[name] = _take_bags(self._bags[name], sources)
             elif name in self._nullable:
                 values, valid = self._nullable[name]
                 columns[name] = _with_validity(_take(values, indices), _take(valid, indices))
