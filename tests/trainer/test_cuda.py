@@ -27,7 +27,7 @@ CUDA = torch.device("cuda", 0)
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: f"{o.kind}-wd{o.weight_decay}-decay{o.adagrad_decay}")
-@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("pooling", ["sum", "mean", "mixed"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("weight_dtype", ["fp32", "fp16", "bf16"])
 def test_torch_ops_on_cuda_match_the_reference_over_steps(optimizer, pooling, weighted, weight_dtype):

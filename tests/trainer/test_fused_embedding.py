@@ -13,13 +13,18 @@ from neorec.trainer.embedding.kernels.precision import FP32
 
 
 def _tables(rng: np.random.Generator, pooling: str) -> list[TableConfig]:
-    """Tables of different dims and sizes; one table is shared by two features."""
-    return [
-        TableConfig("t0", int(rng.integers(5, 40)), 8, ("a", "b"), pooling=pooling),
-        TableConfig("t1", int(rng.integers(50, 200)), int(rng.choice([4, 16])), ("c",), pooling=pooling,
+    """Tables of different dims and sizes; one table is shared by two features. Pooling
+    ``"mixed"``: these sum, and a fourth table of t0's dimension takes means."""
+    each = "sum" if pooling == "mixed" else pooling
+    tables = [
+        TableConfig("t0", int(rng.integers(5, 40)), 8, ("a", "b"), pooling=each),
+        TableConfig("t1", int(rng.integers(50, 200)), int(rng.choice([4, 16])), ("c",), pooling=each,
                     learning_rate=0.03),
-        TableConfig("t2", 3, 5, ("d",), pooling=pooling),
+        TableConfig("t2", 3, 5, ("d",), pooling=each),
     ]
+    if pooling == "mixed":
+        tables.append(TableConfig("t3", int(rng.integers(5, 40)), 8, ("e",), pooling="mean"))
+    return tables
 
 
 OPTIMIZERS = [
@@ -41,7 +46,7 @@ boundary."""
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: f"{o.kind}-wd{o.weight_decay}-decay{o.adagrad_decay}")
-@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("pooling", ["sum", "mean", "mixed"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("weight_dtype", ["fp32", "fp16", "bf16"])

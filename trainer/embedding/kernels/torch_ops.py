@@ -22,7 +22,7 @@ to nearest even or stochastically, with the Numba kernels' noise
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -63,6 +63,7 @@ class TorchTables:
     state_widths: list[int]
     means: list[bool]
     dim_groups: dict[int, list[int]]
+    _placements: dict[tuple[int, ...], list["GroupPlacement"]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, device: torch.device, table_offsets: np.ndarray, state_offsets: np.ndarray,
@@ -86,6 +87,37 @@ class TorchTables:
     def width(self) -> int:
         """Columns of the pooled output."""
         return sum(self.dims[t] for t in self.feature_table)
+
+    def placements(self, source: tuple[int, ...]) -> list["GroupPlacement"]:
+        """Per dimension group (``dim_groups`` order), where its pooled bags go in the
+        output when module feature ``f`` is batch feature ``source[f]`` (made on the device
+        once per batch layout)."""
+        placed = self._placements.get(source)
+        if placed is None:
+            device = self.rows.device
+            placed = []
+            for dim, members in self.dim_groups.items():
+                features = [f for f, t in enumerate(self.feature_table) if t in members]
+                columns = [self.out_columns[f] + c for f in features for c in range(dim)]
+                means = [self.means[self.feature_table[f]] for f in features]
+                placed.append(GroupPlacement(
+                    torch.tensor([source[f] for f in features], dtype=torch.int64, device=device),
+                    torch.tensor(columns, dtype=torch.int64, device=device),
+                    torch.tensor(means, device=device)[:, None] if any(means) else None))
+            self._placements[source] = placed
+        return placed
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    """Where the pooled bags of one dimension group's module features go (device tensors):
+    ``batch_features`` int64 ``[F_g]``, the batch feature of each; ``columns`` int64
+    ``[F_g * dim]``, their output columns in that order; ``means`` bool ``[F_g, 1]``, which
+    are mean-pooled (None: none is)."""
+
+    batch_features: torch.Tensor
+    columns: torch.Tensor
+    means: torch.Tensor | None
 
 
 @dataclass
@@ -129,7 +161,8 @@ def pooled_forward(weights: torch.Tensor, tables: TorchTables, source: list[int]
     counts = bag_lengths.clamp(min=1).to(torch.float32)
     weight = used.to(torch.float32) if id_weights is None else torch.where(used, id_weights, 0.0)
     scales = torch.where(tables.mean_pooling[table], weight / counts[bag], weight)
-    out = torch.zeros(batch_size, tables.width, dtype=torch.float32, device=device)
+    out = torch.empty(batch_size, tables.width, dtype=torch.float32, device=device)  # every column is placed
+    placements = tables.placements(tuple(source))
     for g, (dim, members) in enumerate(tables.dim_groups.items()):
         in_group = used & (tables.group[table] == g)
         element = torch.where(in_group, tables.table_offsets[table] + ids * dim, 0)
@@ -137,11 +170,11 @@ def pooled_forward(weights: torch.Tensor, tables: TorchTables, source: list[int]
         rows = rows * torch.where(in_group, weight, 0.0)[:, None]
         pooled = torch.segment_reduce(rows, "sum", lengths=bag_lengths, unsafe=True) if n else \
             torch.zeros(bag_lengths.numel(), dim, device=device)
-        for f, t in enumerate(tables.feature_table):
-            if t in members:
-                bags = slice(source[f] * batch_size, (source[f] + 1) * batch_size)
-                block = pooled[bags] / counts[bags, None] if tables.means[t] else pooled[bags]
-                out[:, tables.out_columns[f] : tables.out_columns[f] + dim] = block
+        place = placements[g]
+        block = pooled.view(-1, batch_size, dim)[place.batch_features]  # [F_g, B, dim]
+        if place.means is not None:  # (x / 1 is x)
+            block = block / torch.where(place.means, counts.view(-1, batch_size)[place.batch_features], 1.0)[:, :, None]
+        out[:, place.columns] = block.transpose(0, 1).reshape(batch_size, -1)
     return out, TorchLookup(ids, table, feature, bag % batch_size, scales, bad_ids)
 
 
