@@ -1,9 +1,11 @@
 """Counting the host synchronisations a piece of trainer code would make on a GPU, on the
-CPU: every read of a tensor's value into Python (``item``, ``tolist``, ``bool``/``int``/
-``float`` of a tensor, ``numpy``, ``cpu``) and every op whose output size depends on its
-input's values (``nonzero``, ``unique``, ``masked_select``, ``repeat_interleave``
-without ``output_size``, boolean-mask indexing), each recorded with the library function
-it came from."""
+CPU: every read of a tensor's value into Python (a ``scalar read``: ``item``, ``bool``/
+``int``/``float`` of a tensor, seen as the op they all dispatch to, also inside an autograd
+function's forward and backward, which torch-function modes do not see; ``tolist``,
+``numpy``, ``cpu``) and every op whose output size depends on its input's values
+(``nonzero``, ``unique``, ``masked_select``, ``repeat_interleave`` without
+``output_size``, boolean-mask indexing), each recorded with the library function it came
+from."""
 
 from __future__ import annotations
 
@@ -16,16 +18,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[2]
-_READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"}
-_DATA_DEPENDENT = {"nonzero", "unique", "unique_consecutive", "masked_select", "_unique2", "unique_dim",
-                   "_local_scalar_dense"}
+_READS = {"tolist", "numpy", "cpu"}
+_DATA_DEPENDENT = {"nonzero", "unique", "unique_consecutive", "masked_select", "_unique2", "unique_dim"}
 
 
 def _site() -> str:
     """``path function`` of the innermost frame in the project's library code (not tests)."""
     for frame in reversed(traceback.extract_stack()):
         path = Path(frame.filename).resolve()
-        if path.is_relative_to(ROOT) and not path.is_relative_to(ROOT / "tests"):
+        if path.is_relative_to(ROOT) and not any(path.is_relative_to(ROOT / d) for d in ("tests", ".venv")):
             return f"{path.relative_to(ROOT)} {frame.name}"
     return "<outside the project>"
 
@@ -50,7 +51,9 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name in _DATA_DEPENDENT and name != "_local_scalar_dense":  # item & co. are counted as reads
+        if name == "_local_scalar_dense":
+            self.found[("scalar read", _site())] += 1
+        elif name in _DATA_DEPENDENT:
             self.found[(name, _site())] += 1
         elif name == "repeat_interleave" and kwargs.get("output_size") is None and \
                 (len(args) < 3 or args[2] is None) and isinstance(args[0], torch.Tensor) and \

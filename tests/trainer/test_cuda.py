@@ -96,11 +96,20 @@ def test_cuda_torch_ops_train_like_the_numba_kernels(kind, weight_dtype):
         assert torch.equal(gpu.table_touched(table.name).cpu(), cpu.table_touched(table.name))
 
 
-def test_out_of_range_ids_on_cuda_raise_naming_the_feature():
+def test_out_of_range_ids_on_cuda_raise_naming_the_feature_before_any_update():
+    """A training step's batch is refused when its update is due (the count of bad ids
+    read after the event that marks its copy), an evaluation's at once."""
     module = FusedEmbeddingBagCollection([TableConfig("t", 10, 4, ("a",))], SparseOptimizer("sgd", 0.1)).to(CUDA)
-    kjt = KeyedJaggedTensor(("a",), torch.tensor([2], dtype=torch.int32), torch.tensor([3, 10]))
-    with pytest.raises(IndexError, match=r"id 10 of feature 'a' is outside its table's rows t: \[0, 10\)"):
-        module(kjt.to(CUDA))
+    kjt = KeyedJaggedTensor(("a",), torch.tensor([2], dtype=torch.int32), torch.tensor([3, 10])).to(CUDA)
+    before = [module.weights.clone(), module.optimizer_step.clone(), module.touched.clone()]
+    match = r"id 10 of feature 'a' is outside its table's rows t: \[0, 10\)"
+    with pytest.raises(IndexError, match=match):
+        module(kjt).sum().backward()
+    module.eval()
+    with torch.no_grad(), pytest.raises(IndexError, match=match):
+        module(kjt)
+    for got, want in zip((module.weights, module.optimizer_step, module.touched), before):
+        assert torch.equal(got, want)
 
 
 def test_host_to_device_copies_land_on_the_gpu_unchanged():

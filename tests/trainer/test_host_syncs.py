@@ -22,8 +22,10 @@ STEPS = 3
 # What every step still reads on the host, each for a reason:
 STEP_SYNCS = {
     # train.bounds_check = "fatal" (the default) refuses a batch with an id outside its
-    # table by name before any kernel: one flag read per batch ("none" drops it)
-    ("__bool__", "trainer/embedding/bounds.py __call__"): 1,
+    # table before any update: the lookup's count of them, read before the update (on a
+    # GPU, after an event that marks the count's copy, made early in the forward, so the
+    # host waits for the forward's first kernels at most); "none" drops it
+    ("scalar read", "trainer/embedding/fused.py refuse_if_bad"): 1,
     # KeyedJaggedTensor checks its invariants where it is made (lengths >= 0 adding up to
     # the ids): once from the host arrays (no device then) and once on the run's device
     ("tolist", "trainer/batch.py __post_init__"): 2,
@@ -40,10 +42,10 @@ SHARDED_STEP_SYNCS = {
     # every rank's invalid-batch flag
     ("tolist", "trainer/sharding/input_dist.py send_values"): 1,
     # how many of the batch's ids the sharded tables look up (the size of the routed ids)
-    ("__int__", "trainer/sharding/input_dist.py _concat_ranges"): 1,
+    ("scalar read", "trainer/sharding/input_dist.py _concat_ranges"): 1,
     # whether an id is outside its table: the error naming it is made on the host (and
     # flagged to the other ranks before the ids' all-to-all, so none waits in it)
-    ("__bool__", "trainer/sharding/input_dist.py _route_torch"): 1,
+    ("scalar read", "trainer/sharding/input_dist.py _route_torch"): 1,
 }
 
 

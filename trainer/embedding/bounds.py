@@ -4,9 +4,9 @@ FBGEMM's ``bounds_check_mode``).
 ``"fatal"`` (the default): every id of a batch is checked against its table's rows with one
 pass over the batch's ids (a Numba loop on the CPU, vectorized torch ops elsewhere), and a
 bad one raises an ``IndexError`` naming the feature, the table, the id and the rows. The
-store-backed collection and the torch-ops path run the check before their lookup (before
-any cache admission); the fused collection's Numba lookup checks each id as it reads it
-and runs this pass only to name the bad id of a batch it refuses, before the update.
+store-backed collection runs the check before its lookup (before any cache admission);
+the fused collection's lookups (Numba kernels and torch ops) find bad ids themselves, and
+this pass only names the bad id of a batch they refuse, before the update.
 ``"none"``: the caller vouches for its ids (benchmarks); the Numba kernels keep their own
 guard.
 
@@ -49,7 +49,7 @@ class BoundsCheck:
         feature of the collection lies outside ``[0, rows)``; features the collection does
         not look up are not checked. Nothing is checked in mode ``"none"``. ``host_kernels``:
         the lookup runs the Numba kernels (then a CPU batch is checked in one Numba pass;
-        the torch-ops path checks with torch ops, as it would on a GPU)."""
+        the torch-ops path names a refused batch's id with torch ops, as on a GPU)."""
         if self.mode == "none" or sparse.values.numel() == 0 or not sparse.keys:
             return
         values, limits = sparse.values, self._limits_for(sparse.keys, sparse.values.device)

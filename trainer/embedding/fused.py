@@ -157,8 +157,9 @@ class FusedEmbeddingBagCollection(nn.Module):
         self._torch_tables: dict[torch.device, torch_ops.TorchTables] = {}
         self._torch_sources: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
         self._bad_ids: torch.Tensor | None = None
-        """Ids outside their table's rows that torch-ops lookups left out, counted on the
-        device (no host sync per step); :meth:`check_ids` raises when there were any."""
+        """Ids outside their table's rows that torch-ops lookups left out with ``bounds_check
+        = "none"``, counted on the device (no host sync per step); :meth:`check_ids` raises
+        when there were any."""
 
     # ----------------------------------------------------------------------------- layout
     def feature_columns(self, feature: str) -> slice:
@@ -276,13 +277,29 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     # ---------------------------------------------------------------------------- compute
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        if self._uses_torch_ops():  # the Numba kernels check each id as they read it (see _lookup)
-            self._bounds(sparse, host_kernels=False)
         if self.training and torch.is_grad_enabled():
             return _FusedLookup.apply(self._anchor, self, sparse)
-        out = self._lookup(sparse)[0]
+        out, lookup = self._lookup(sparse)
+        pending = self._id_check(sparse, lookup)
+        if pending is not None:
+            pending.refuse_if_bad()
         self.check_ids()
         return out
+
+    def _id_check(self, sparse: KeyedJaggedTensor,
+                  lookup: "_LookupContext | torch_ops.TorchLookup") -> "_PendingIdCheck | None":
+        """What refuses a torch-ops lookup's batch with ids outside their tables (the
+        lookup left them out and counted them on the device): with ``bounds_check =
+        "fatal"``, a check that reads the count when the update is due (its copy to the
+        host starts now, so the host need not wait for the device before then); otherwise
+        None, the count added to those :meth:`check_ids` reads. None for the Numba lookup,
+        which refused such a batch itself."""
+        if not isinstance(lookup, torch_ops.TorchLookup):
+            return None
+        if self._bounds.mode == "fatal":
+            return _PendingIdCheck(self, sparse, lookup.bad_ids)
+        self._bad_ids = lookup.bad_ids if self._bad_ids is None else self._bad_ids + lookup.bad_ids
+        return None
 
     def _feature_source(self, sparse: KeyedJaggedTensor) -> np.ndarray:
         source = self._source_cache.get(sparse.keys)
@@ -299,7 +316,6 @@ class FusedEmbeddingBagCollection(nn.Module):
             out, lookup = torch_ops.pooled_forward(
                 self.weights, self._tables_on(self.weights.device), self._feature_source(sparse).tolist(),
                 self._module_features(sparse), sparse.lengths, sparse.values, sparse.weights, sparse.batch_size)
-            self._bad_ids = lookup.bad_ids if self._bad_ids is None else self._bad_ids + lookup.bad_ids
             return out, lookup
         batch_size = sparse.batch_size
         num_ids = sparse.values.numel()
@@ -329,7 +345,7 @@ class FusedEmbeddingBagCollection(nn.Module):
             )
         if bad:  # nothing is written yet but the output: the check names the first bad id
             self._bounds(sparse)
-            raise IndexError(f"{bad} ids are outside their table's rows {self._describe_ranges()}")
+            self._refuse(bad)
         return out, ctx
 
     def _tables_on(self, device: torch.device) -> torch_ops.TorchTables:
@@ -353,10 +369,14 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     def check_ids(self) -> None:
         """Raise ``IndexError`` if a torch-ops lookup since the last check met ids outside
-        their table's rows (they were left out); reads one number from the device."""
+        their table's rows (they were left out; ``bounds_check = "none"``); reads one
+        number from the device."""
         bad, self._bad_ids = self._bad_ids, None
         if bad is not None and int(bad):
-            raise IndexError(f"{int(bad)} ids are outside their table's rows {self._describe_ranges()}")
+            self._refuse(int(bad))
+
+    def _refuse(self, bad: int) -> None:
+        raise IndexError(f"{bad} ids are outside their table's rows {self._describe_ranges()}")
 
     def _kernel_weights(self) -> tuple[np.ndarray, np.ndarray, int]:
         """The kernels' view of the weights: float32 array, uint16 half array (one of them
@@ -368,7 +388,10 @@ class FusedEmbeddingBagCollection(nn.Module):
     def _describe_ranges(self) -> str:
         return ", ".join(f"{t.name}: [0, {t.num_embeddings})" for t in self.tables)
 
-    def _backward_update(self, ctx: "_LookupContext | torch_ops.TorchLookup", grad_out: torch.Tensor) -> None:
+    def _backward_update(self, ctx: "_LookupContext | torch_ops.TorchLookup", grad_out: torch.Tensor,
+                         pending: "_PendingIdCheck | None" = None) -> None:
+        if pending is not None:  # before anything is updated
+            pending.refuse_if_bad()
         self.optimizer_step += 1
         if isinstance(ctx, torch_ops.TorchLookup):
             torch_ops.apply_updates(
@@ -438,12 +461,40 @@ class _FusedLookup(torch.autograd.Function):
         out, lookup = module._lookup(sparse)
         ctx.module = module
         ctx.lookup = lookup
+        ctx.pending = module._id_check(sparse, lookup)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        ctx.module._backward_update(ctx.lookup, grad_out.contiguous().float())
+        ctx.module._backward_update(ctx.lookup, grad_out.contiguous().float(), ctx.pending)
         return None, None, None
+
+
+class _PendingIdCheck:
+    """The refusal of a torch-ops lookup's batch if it had ids outside their tables: the
+    lookup's int64 count of them is copied to the host without waiting (CUDA: into pinned
+    memory, an event marking the copy's end), read only by :meth:`refuse_if_bad`."""
+
+    def __init__(self, module: FusedEmbeddingBagCollection, sparse: KeyedJaggedTensor, bad_ids: torch.Tensor) -> None:
+        self.module = module
+        self.sparse = sparse
+        self.event: torch.cuda.Event | None = None
+        if bad_ids.device.type == "cuda":
+            self.count = torch.empty((), dtype=torch.int64, pin_memory=True)
+            self.count.copy_(bad_ids, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.count = bad_ids
+
+    def refuse_if_bad(self) -> None:
+        """Raise ``IndexError`` naming the batch's first bad id if the count is not zero."""
+        if self.event is not None:
+            self.event.synchronize()
+        bad = int(self.count)
+        if bad:
+            self.module._bounds(self.sparse, host_kernels=False)
+            self.module._refuse(bad)
 
 
 def _max_chunks() -> int:
