@@ -87,9 +87,24 @@ class KeyedJaggedTensor:
         return offsets
 
     def to(self, device: torch.device) -> "KeyedJaggedTensor":
-        return KeyedJaggedTensor(self.keys, self.lengths.to(device, non_blocking=True),
-                                 self.values.to(device, non_blocking=True),
-                                 None if self.weights is None else self.weights.to(device, non_blocking=True))
+        return self.copied_to(self.lengths.to(device, non_blocking=True), self.values.to(device, non_blocking=True),
+                              None if self.weights is None else self.weights.to(device, non_blocking=True))
+
+    def copied_to(self, lengths: torch.Tensor, values: torch.Tensor,
+                  weights: torch.Tensor | None) -> "KeyedJaggedTensor":
+        """This block with copies of its tensors (e.g. on a device: same dtypes and
+        shapes, ``ValueError`` otherwise). The invariants were checked when the block was
+        made, so the copies' lengths are not read again (on a GPU that read would wait for
+        the copies and for every kernel queued before them)."""
+        for name, copied, original in (("lengths", lengths, self.lengths), ("values", values, self.values),
+                                       ("weights", weights, self.weights)):
+            if (copied is None) != (original is None) or copied is not None and \
+                    (copied.dtype != original.dtype or copied.shape != original.shape):
+                raise ValueError(f"{name}: a copy must keep the dtype and shape of {name}")
+        block = copy.copy(self)
+        block.lengths, block.values, block.weights = lengths.contiguous(), values.contiguous(), \
+            None if weights is None else weights.contiguous()
+        return block
 
 
 @dataclass
@@ -139,8 +154,7 @@ class Batch:
         sparse = self.sparse
         dense, labels, lengths, values, weights = move([self.dense, self.labels, sparse.lengths, sparse.values,
                                                         sparse.weights])
-        return replace(self, dense=dense, labels=labels,
-                       sparse=KeyedJaggedTensor(sparse.keys, lengths, values, weights))
+        return replace(self, dense=dense, labels=labels, sparse=sparse.copied_to(lengths, values, weights))
 
     @classmethod
     def from_host(cls, host: HostBatch) -> "Batch":

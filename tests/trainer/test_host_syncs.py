@@ -27,15 +27,16 @@ STEP_SYNCS = {
     # host waits for the forward's first kernels at most); "none" drops it
     ("scalar read", "trainer/embedding/fused.py refuse_if_bad"): 1,
     # KeyedJaggedTensor checks its invariants where it is made (lengths >= 0 adding up to
-    # the ids): once from the host arrays (no device then) and once on the run's device
-    ("tolist", "trainer/batch.py __post_init__"): 2,
+    # the ids): from the host arrays (no device then); its copy on the run's device keeps
+    # the checked lengths (not read there)
+    ("tolist", "trainer/batch.py __post_init__"): 1,
 }
 
 # What a sharded step still reads on the host, each for a reason:
 SHARDED_STEP_SYNCS = {
     # the KeyedJaggedTensor invariants (as above), also of the ids received from the ranks;
     # the bounds check is the routing's, below
-    ("tolist", "trainer/batch.py __post_init__"): 3,
+    ("tolist", "trainer/batch.py __post_init__"): 2,
     # how many ids this rank sends to each: the send splits of the ids' all-to-all
     ("tolist", "trainer/sharding/input_dist.py prepare"): 1,
     # how many ids each rank sends here (the receive splits, to size the buffer), read with

@@ -69,6 +69,21 @@ def test_new_values_keep_the_checked_lengths_and_must_match_the_old():
         kjt.with_values(torch.arange(4, dtype=torch.int32))
 
 
+def test_copies_keep_the_checked_block_and_must_match_it():
+    kjt = KeyedJaggedTensor(KEYS, torch.tensor([1, 0, 2, 1], dtype=torch.int32), torch.arange(4),
+                            torch.ones(4))
+    copied = kjt.to(torch.device("cpu"))
+    assert copied.keys == kjt.keys and all(torch.equal(a, b) for a, b in
+                                           ((copied.lengths, kjt.lengths), (copied.values, kjt.values),
+                                            (copied.weights, kjt.weights)))
+    with pytest.raises(ValueError, match="values: a copy must keep the dtype and shape"):
+        kjt.copied_to(kjt.lengths, torch.arange(3), kjt.weights)
+    with pytest.raises(ValueError, match="lengths: a copy must keep the dtype and shape"):
+        kjt.copied_to(kjt.lengths.long(), kjt.values, kjt.weights)
+    with pytest.raises(ValueError, match="weights: a copy must keep the dtype and shape"):
+        kjt.copied_to(kjt.lengths, kjt.values, None)
+
+
 def test_wrong_shapes_are_refused_when_made():
     with pytest.raises(ValueError, match=r"lengths must be 1-D, got shape \(2, 2\)"):
         KeyedJaggedTensor(KEYS, torch.ones(2, 2, dtype=torch.int32), torch.arange(4))
