@@ -14,7 +14,7 @@ import torch
 from neorec.embedding_store.segments import SegmentTier
 from neorec.trainer.batch import KeyedJaggedTensor
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
-from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
+from neorec.trainer.embedding.fused import MAX_UNREAD_CHECKS, FusedEmbeddingBagCollection
 from neorec.trainer.embedding.kernels.forward import LANES
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StoreSettings, StoreTable
 from neorec.trainer.sharding.plan import ROW_WISE, TABLE_WISE, Shard, ShardingPlan, TableSharding
@@ -139,6 +139,51 @@ def test_ids_outside_a_table_are_refused_and_nothing_is_written(module, lengths,
         module(_kjt(lengths, values))
     for got, want in zip(_weights(module), before):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+@pytest.mark.parametrize("bad_first", [True, False])
+def test_a_bad_batch_among_several_forwards_is_refused_before_any_update(kernels, bad_first):
+    """Two forwards, then one backward over both (the torch-ops lookup reads its counts of
+    bad ids when an update is due: every count since the last update is read before it)."""
+    module = FusedEmbeddingBagCollection(TABLES, SparseOptimizer("adagrad", 0.1), seed=SEED, kernels=kernels)
+    before = _weights(module)
+    good, bad = _kjt([1, 1, 1, 1], [0, 1, 2, 3]), _kjt([1, 1, 1, 1], [10, 1, 2, 3])
+    with pytest.raises(IndexError, match=r"id 10 of feature 'a' is outside its table's rows t: \[0, 10\)"):
+        first, second = (bad, good) if bad_first else (good, bad)
+        (module(first).sum() + module(second).sum()).backward()
+    for got, want in zip(_weights(module), before):
+        assert torch.equal(got, want)
+
+
+def test_torch_ops_forwards_without_an_update_are_checked_when_asked_or_when_many():
+    """A training-mode forward that no backward follows: its count waits for ``check_ids``
+    (the loop's log lines), or is read once ``MAX_UNREAD_CHECKS`` wait."""
+    module = FusedEmbeddingBagCollection(TABLES, SparseOptimizer("adagrad", 0.1), seed=SEED, kernels="torch")
+    good, bad = _kjt([1, 1, 1, 1], [0, 1, 2, 3]), _kjt([1, 1, 1, 1], [10, 1, 2, 3])
+    module(bad)
+    with pytest.raises(IndexError, match="id 10 of feature 'a'"):
+        module.check_ids()
+    module.check_ids()  # read: nothing left
+    module(bad)
+    for _ in range(MAX_UNREAD_CHECKS - 1):
+        module(good)
+    with pytest.raises(IndexError, match="id 10 of feature 'a'"):
+        module(good)
+
+
+def test_torch_ops_without_the_check_leave_bad_ids_out_and_raise_at_the_next_check():
+    """``bounds_check = "none"``: the torch-ops step trains the batch's good ids (the bad
+    one left out, unwritten) and ``check_ids`` raises with the count."""
+    module = FusedEmbeddingBagCollection(TABLES, SparseOptimizer("adagrad", 0.1), seed=SEED, kernels="torch",
+                                         bounds_check="none")
+    before = module.table_weight("t").clone()
+    _train_step(module, _kjt([1, 1, 1, 1], [10, 1, 2, 3]))  # a: 10 (outside t), 1; b: 2, 3
+    changed = (module.table_weight("t") != before).any(dim=1).nonzero().flatten().tolist()
+    assert changed == [1]
+    with pytest.raises(IndexError, match=r"1 ids are outside their table's rows t: \[0, 10\)"):
+        module.check_ids()
+    module.check_ids()
 
 
 @pytest.mark.parametrize("weighted", [False, True])

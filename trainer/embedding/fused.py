@@ -39,6 +39,10 @@ _OPTIMIZER_CODES = {
     "adam": backward_kernels.ADAM,
 }
 
+MAX_UNREAD_CHECKS = 64
+"""Torch-ops lookups whose counts of bad ids may wait unread for an update (forwards with no
+backward, or several before one); at this many the next lookup reads them first."""
+
 
 class FusedEmbeddingBagCollection(nn.Module):
     """Pooled embeddings of all ``tables`` for a :class:`KeyedJaggedTensor`.
@@ -76,7 +80,8 @@ class FusedEmbeddingBagCollection(nn.Module):
 
         ``bounds_check``: ``"fatal"`` refuses a batch with an id outside its table, naming it,
         before any weight or optimizer state changes; ``"none"`` trusts the caller (the Numba
-        lookup still refuses it, unnamed) (:mod:`neorec.trainer.embedding.bounds`).
+        lookup still refuses it, unnamed; the torch-ops lookup leaves such ids out and
+        counts them, and :meth:`check_ids` raises) (:mod:`neorec.trainer.embedding.bounds`).
         """
         super().__init__()
         if not tables:
@@ -160,6 +165,9 @@ class FusedEmbeddingBagCollection(nn.Module):
         """Ids outside their table's rows that torch-ops lookups left out with ``bounds_check
         = "none"``, counted on the device (no host sync per step); :meth:`check_ids` raises
         when there were any."""
+        self._unread_checks: list[_PendingIdCheck] = []
+        """With ``bounds_check = "fatal"``: the torch-ops lookups' counts of bad ids not yet
+        read, oldest first (read before any update, by :meth:`check_ids` and in evaluation)."""
 
     # ----------------------------------------------------------------------------- layout
     def feature_columns(self, feature: str) -> slice:
@@ -280,26 +288,32 @@ class FusedEmbeddingBagCollection(nn.Module):
         if self.training and torch.is_grad_enabled():
             return _FusedLookup.apply(self._anchor, self, sparse)
         out, lookup = self._lookup(sparse)
-        pending = self._id_check(sparse, lookup)
-        if pending is not None:
-            pending.refuse_if_bad()
+        self._note_bad_ids(sparse, lookup)
         self.check_ids()
         return out
 
-    def _id_check(self, sparse: KeyedJaggedTensor,
-                  lookup: "_LookupContext | torch_ops.TorchLookup") -> "_PendingIdCheck | None":
-        """What refuses a torch-ops lookup's batch with ids outside their tables (the
-        lookup left them out and counted them on the device): with ``bounds_check =
-        "fatal"``, a check that reads the count when the update is due (its copy to the
-        host starts now, so the host need not wait for the device before then); otherwise
-        None, the count added to those :meth:`check_ids` reads. None for the Numba lookup,
-        which refused such a batch itself."""
+    def _note_bad_ids(self, sparse: KeyedJaggedTensor, lookup: "_LookupContext | torch_ops.TorchLookup") -> None:
+        """Keep a torch-ops lookup's count of the ids outside their tables (it left them
+        out) for a later read: with ``bounds_check = "fatal"`` as an unread check, whose
+        copy to the host starts now and which the next update (or :meth:`check_ids`) reads
+        first, so the host need not wait for the device before then; otherwise added to
+        the count :meth:`check_ids` reads. Nothing for the Numba lookup, which refused such
+        a batch itself."""
         if not isinstance(lookup, torch_ops.TorchLookup):
-            return None
+            return
         if self._bounds.mode == "fatal":
-            return _PendingIdCheck(self, sparse, lookup.bad_ids)
+            if len(self._unread_checks) >= MAX_UNREAD_CHECKS:  # forwards with no update: read them now
+                self._refuse_unread()
+            self._unread_checks.append(_PendingIdCheck(self, sparse, lookup.bad_ids))
+            return
         self._bad_ids = lookup.bad_ids if self._bad_ids is None else self._bad_ids + lookup.bad_ids
-        return None
+
+    def _refuse_unread(self) -> None:
+        """Read the unread checks, oldest first; ``IndexError`` naming the first bad id of
+        the first batch that had one."""
+        unread, self._unread_checks = self._unread_checks, []
+        for pending in unread:
+            pending.refuse_if_bad()
 
     def _feature_source(self, sparse: KeyedJaggedTensor) -> np.ndarray:
         source = self._source_cache.get(sparse.keys)
@@ -368,9 +382,10 @@ class FusedEmbeddingBagCollection(nn.Module):
         return self._torch_sources[key]
 
     def check_ids(self) -> None:
-        """Raise ``IndexError`` if a torch-ops lookup since the last check met ids outside
-        their table's rows (they were left out; ``bounds_check = "none"``); reads one
-        number from the device."""
+        """Raise ``IndexError`` if a torch-ops lookup since the last check (or, with
+        ``bounds_check = "fatal"``, since the last update) met ids outside their table's
+        rows (they were left out); reads their counts from the device."""
+        self._refuse_unread()
         bad, self._bad_ids = self._bad_ids, None
         if bad is not None and int(bad):
             self._refuse(int(bad))
@@ -388,10 +403,8 @@ class FusedEmbeddingBagCollection(nn.Module):
     def _describe_ranges(self) -> str:
         return ", ".join(f"{t.name}: [0, {t.num_embeddings})" for t in self.tables)
 
-    def _backward_update(self, ctx: "_LookupContext | torch_ops.TorchLookup", grad_out: torch.Tensor,
-                         pending: "_PendingIdCheck | None" = None) -> None:
-        if pending is not None:  # before anything is updated
-            pending.refuse_if_bad()
+    def _backward_update(self, ctx: "_LookupContext | torch_ops.TorchLookup", grad_out: torch.Tensor) -> None:
+        self._refuse_unread()  # every lookup since the last update, before anything is updated
         self.optimizer_step += 1
         if isinstance(ctx, torch_ops.TorchLookup):
             torch_ops.apply_updates(
@@ -448,8 +461,9 @@ class _LookupContext:
 
 def check_ids(model: nn.Module) -> None:
     """Raise ``IndexError`` if a torch-ops lookup of any fused module in ``model`` met ids
-    outside their table's rows since the last check (a training step only counts them on
-    the device; the loop checks at its log lines)."""
+    outside their table's rows since the last check (with ``bounds_check = "none"`` a
+    training step only counts them on the device, and the loop checks at its log lines;
+    with ``"fatal"`` each update reads the counts first)."""
     for module in model.modules():
         if isinstance(module, FusedEmbeddingBagCollection):
             module.check_ids()
@@ -461,12 +475,12 @@ class _FusedLookup(torch.autograd.Function):
         out, lookup = module._lookup(sparse)
         ctx.module = module
         ctx.lookup = lookup
-        ctx.pending = module._id_check(sparse, lookup)
+        module._note_bad_ids(sparse, lookup)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        ctx.module._backward_update(ctx.lookup, grad_out.contiguous().float(), ctx.pending)
+        ctx.module._backward_update(ctx.lookup, grad_out.contiguous().float())
         return None, None, None
 
 
@@ -481,9 +495,9 @@ class _PendingIdCheck:
         self.event: torch.cuda.Event | None = None
         if bad_ids.device.type == "cuda":
             self.count = torch.empty((), dtype=torch.int64, pin_memory=True)
-            self.count.copy_(bad_ids, non_blocking=True)
+            self.count.copy_(bad_ids, non_blocking=True)  # on the current stream of bad_ids' device
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(bad_ids.device))
         else:
             self.count = bad_ids
 
