@@ -73,12 +73,7 @@ class KeyedJaggedTensor:
     def with_values(self, values: torch.Tensor) -> "KeyedJaggedTensor":
         """This block with ``values`` (int64, as many as it holds) in place of its ids: the
         lengths, already checked, are not checked again."""
-        if values.dtype != torch.int64 or values.shape != self.values.shape:
-            raise ValueError(f"values must be int64 of shape {tuple(self.values.shape)}, got {values.dtype} "
-                             f"{tuple(values.shape)}")
-        block = copy.copy(self)
-        block.values = values.contiguous()
-        return block
+        return self.copied_to(self.lengths, values, self.weights)
 
     def offsets(self) -> torch.Tensor:
         """int64 ``[F * B + 1]``: bag ``i`` is ``values[offsets[i]:offsets[i+1]]``."""
@@ -100,11 +95,16 @@ class KeyedJaggedTensor:
                                        ("weights", weights, self.weights)):
             if (copied is None) != (original is None) or copied is not None and \
                     (copied.dtype != original.dtype or copied.shape != original.shape):
-                raise ValueError(f"{name}: a copy must keep the dtype and shape of {name}")
+                raise ValueError(f"{name}: a copy must keep the dtype and shape of {name}, {_described(original)}; "
+                                 f"got {_described(copied)}")
         block = copy.copy(self)
         block.lengths, block.values, block.weights = lengths.contiguous(), values.contiguous(), \
             None if weights is None else weights.contiguous()
         return block
+
+
+def _described(tensor: torch.Tensor | None) -> str:
+    return "None" if tensor is None else f"{tensor.dtype} of shape {tuple(tensor.shape)}"
 
 
 @dataclass
