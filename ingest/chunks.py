@@ -3,11 +3,11 @@ service both cut into batches.
 
 A run of rows is decoded in chunks of at most :data:`CHUNK_ROWS`. An unpermuted window's
 chunk is a slice of its row group. A permuted window's chunk (row-level shuffling) is
-gathered from the Arrow tables of the window's row groups
-(:class:`~neorec.ingest.take.WindowTables` of the raw columns) and decoded at once, so each
+decoded from the Arrow tables of the window's row groups
+(:class:`~neorec.ingest.take.WindowTables` of the raw columns), picking its rows, so each
 row is still decoded and checked once, an error names the file, row group and row the bad
-value came from, and the gathered rows are decoded while they are still in the CPU's
-caches, not written out for a whole window and read back.
+value came from, and no copy of the raw rows is written out for a whole window and read
+back.
 With an executor, a permuted window's chunks are gathered and decoded on it, a few ahead
 of the one being delivered (the gathers and numpy's work run without the GIL).
 """
@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from neorec.ingest.batch import HostBatch
-from neorec.ingest.decoder import DecodeOptions, decode_table
+from neorec.ingest.decoder import DecodeOptions, decode_columns, decode_table
 from neorec.ingest.errors import DataError
 from neorec.ingest.rows import RowGroupInfo, RowSpan
 from neorec.ingest.schema import DatasetSchema
@@ -106,5 +106,5 @@ class ChunkDecoder:
             return self.paths[group.file_index], group.row_group, p - int(starts[g])
 
         first = window.groups[0]
-        return decode_table(tables.take(positions), self.schema, self.options,
-                            file=self.paths[first.file_index], row_group=first.row_group, locate=locate)
+        return decode_columns(tables.picked(positions), self.schema, self.options,
+                              file=self.paths[first.file_index], row_group=first.row_group, locate=locate)

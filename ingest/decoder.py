@@ -1,14 +1,15 @@
-"""Vectorized Parquet → :class:`HostBatch` decoding, with validation that names bad input.
+"""Parquet → :class:`HostBatch` decoding, with validation that names bad input.
 
-No Python loop runs over rows or ids: every column is turned into numpy arrays by Arrow
-compute functions and numpy vector operations.
+No Python loop runs over rows or ids: flat columns are decoded by the Numba kernels of
+:mod:`neorec.ingest.flat_columns`, list columns by Arrow compute functions and numpy vector
+operations.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -17,6 +18,7 @@ import pyarrow.parquet as pq
 
 from neorec.ingest.batch import HostBatch
 from neorec.ingest.errors import DataError
+from neorec.ingest.flat_columns import Part, decodable, ids_into, numbers_into
 from neorec.ingest.schema import DatasetSchema
 
 DENSE_TRANSFORMS = ("log1p", "identity")
@@ -87,6 +89,41 @@ def read_row_group(parquet_file: pq.ParquetFile, path: str, row_group: int, sche
         raise DataError(f"cannot read row group: {err}", file=path, row_group=row_group) from err
 
 
+class ColumnSource(Protocol):
+    """The raw columns of the rows being decoded: a table (:class:`TableColumns`) or rows
+    picked from several row groups (:class:`neorec.ingest.take.PickedRows`)."""
+
+    num_rows: int
+
+    def field_type(self, name: str) -> pa.DataType | None:
+        """The column's type, None when the rows have no such column."""
+
+    def parts(self, name: str) -> list[Part]:
+        """A flat column's values, as parts of arrays (:mod:`neorec.ingest.flat_columns`)."""
+
+    def array(self, name: str) -> pa.Array:
+        """The column's values of the rows, in order, as one array."""
+
+
+class TableColumns:
+    """The columns of an Arrow table."""
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+        self.num_rows = table.num_rows
+
+    def field_type(self, name: str) -> pa.DataType | None:
+        index = self.table.schema.get_field_index(name)
+        return None if index < 0 else self.table.schema.field(index).type
+
+    def parts(self, name: str) -> list[Part]:
+        return [Part(self.array(name))]
+
+    def array(self, name: str) -> pa.Array:
+        column = self.table.column(name)
+        return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+
+
 def decode_table(
     table: pa.Table,
     schema: DatasetSchema,
@@ -102,34 +139,56 @@ def decode_table(
     Errors name row ``first_row + i`` of ``row_group`` of ``file`` for the table's row
     ``i``, or the ``(file, row group, row)`` that ``locate(i)`` gives when the table's rows
     were gathered from several row groups."""
+    return decode_columns(TableColumns(table), schema, options, file=file, row_group=row_group,
+                          first_row=first_row, locate=locate)
+
+
+def decode_columns(
+    source: ColumnSource,
+    schema: DatasetSchema,
+    options: DecodeOptions,
+    *,
+    file: str = "<table>",
+    row_group: int | None = None,
+    first_row: int = 0,
+    locate: Callable[[int], tuple[str, int, int]] | None = None,
+) -> HostBatch:
+    """Decode ``source``'s rows into a batch, errors naming rows as :func:`decode_table`
+    says. Flat columns of integers, float32 and float64 are decoded by the kernels of
+    :mod:`neorec.ingest.flat_columns`; a numeric column in which they find a value that is
+    not finite is decoded again from its Arrow array, which names the first bad row."""
     where = _Where(file, row_group, first_row, locate)
-    n = table.num_rows
-    labels = _numeric(table, schema.label, where)
-    if np.any((labels < 0) | (labels > 1)):
-        raise where.error(f"labels must lie in [0, 1], found {labels[(labels < 0) | (labels > 1)][0]}",
-                          schema.label, int(np.flatnonzero((labels < 0) | (labels > 1))[0]))
+    n = source.num_rows
+    labels = np.empty(n, dtype=np.float32)
+    _numbers_into(source, schema.label, where, None, labels)
+    if not np.all((labels >= 0) & (labels <= 1)):
+        bad = int(np.flatnonzero((labels < 0) | (labels > 1))[0])
+        raise where.error(f"labels must lie in [0, 1], found {labels[bad]}", schema.label, bad)
     dense = np.empty((n, len(schema.dense)), dtype=np.float32)
     for j, column in enumerate(schema.dense):
-        dense[:, j] = _numeric(table, column, where, missing=0.0)
+        _numbers_into(source, column, where, 0.0, dense[:, j])
     if options.dense_transform == "log1p":
         # log(1 + x) rather than np.log1p: numpy vectorizes it in float32, and it is off by at
         # most one float32 ulp of 1 for tiny x, far below what a model input resolves.
         np.maximum(dense, 0.0, out=dense)
         np.log(np.add(dense, np.float32(1.0), out=dense), out=dense)
-    lengths = []
-    values = []
-    for feature, rows in zip(schema.sparse, options.table_rows):
-        bag_lengths, ids = _ids(table, feature.name, feature.multi_hot, where)
-        raw = feature.name in options.raw_features
-        values.append(ids if raw else _map_ids(ids, rows, options.id_mapping, where, feature.name, bag_lengths))
-        lengths.append(bag_lengths)
-    return HostBatch(
-        dense=dense,
-        labels=labels,
-        keys=schema.feature_names,
-        lengths=np.concatenate(lengths) if lengths else np.zeros(0, np.int32),
-        values=np.concatenate(values) if values else np.zeros(0, np.int64),
-    )
+    lists = {f.name: _bags(source, f.name, where) for f in schema.sparse if f.multi_hot}
+    lengths = np.empty(len(schema.sparse) * n, dtype=np.int32)
+    values = np.empty(sum(n if not f.multi_hot else lists[f.name][1].size for f in schema.sparse), dtype=np.int64)
+    written = 0
+    for f, (feature, rows) in enumerate(zip(schema.sparse, options.table_rows)):
+        bag_lengths = lengths[f * n : (f + 1) * n]
+        if feature.multi_hot:
+            list_lengths, ids = lists.pop(feature.name)
+            bag_lengths[:] = list_lengths
+            values[written : written + ids.size] = ids
+            count = ids.size
+        else:
+            count = _single_ids(source, feature.name, where, bag_lengths, values[written:])
+        if feature.name not in options.raw_features:
+            _map_ids(values[written : written + count], rows, options.id_mapping, where, feature.name, bag_lengths)
+        written += count
+    return HostBatch(dense=dense, labels=labels, keys=schema.feature_names, lengths=lengths, values=values[:written])
 
 
 @dataclass(frozen=True)
@@ -149,18 +208,28 @@ class _Where:
         return DataError(problem, file=self.file, row_group=self.row_group, column=column, row=row)
 
 
-def _column(table: pa.Table, name: str, where: _Where) -> pa.Array:
-    if name not in table.column_names:
+def _field_type(source: ColumnSource, name: str, where: _Where) -> pa.DataType:
+    kind = source.field_type(name)
+    if kind is None:
         raise where.error("column is missing", name)
-    column = table.column(name)
-    return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    return kind
 
 
-def _numeric(table: pa.Table, name: str, where: _Where, missing: float | None = None) -> np.ndarray:
+def _numbers_into(source: ColumnSource, name: str, where: _Where, missing: float | None, out: np.ndarray) -> None:
+    """``out`` (float32 ``[n]``, may be strided) ← a numeric column; nulls become
+    ``missing`` or, when it is None, an error, as does a value that is not finite."""
+    kind = _field_type(source, name, where)
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+        raise where.error(f"expected a numeric column, found {kind}", name)
+    if decodable(kind):
+        numbers_into(source.parts(name), np.nan if missing is None else missing, out)
+        if np.isfinite(out).all():
+            return
+    out[:] = _numeric(source.array(name), name, where, missing)
+
+
+def _numeric(array: pa.Array, name: str, where: _Where, missing: float | None) -> np.ndarray:
     """float32 ``[n]``; nulls become ``missing`` or, when it is None, an error."""
-    array = _column(table, name, where)
-    if not (pa.types.is_integer(array.type) or pa.types.is_floating(array.type)):
-        raise where.error(f"expected a numeric column, found {array.type}", name)
     if array.null_count:
         if missing is None:
             raise where.error("missing value", name, int(np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0]))
@@ -173,45 +242,46 @@ def _numeric(table: pa.Table, name: str, where: _Where, missing: float | None = 
     return out
 
 
-def _ids(table: pa.Table, name: str, multi_hot: bool, where: _Where) -> tuple[np.ndarray, np.ndarray]:
-    """(int32 ``[n]`` bag lengths, int64 ids); a missing single id is an empty bag."""
-    array = _column(table, name, where)
-    if multi_hot:
-        if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
-            raise where.error(f"expected list<int64>, found {array.type}", name)
-        lengths = pc.fill_null(pc.list_value_length(array), 0).to_numpy(zero_copy_only=False).astype(np.int32)
-        flat = pc.list_flatten(array)
-        if flat.null_count:
-            bag = np.repeat(np.arange(len(lengths)), lengths)[np.flatnonzero(flat.is_null().to_numpy(zero_copy_only=False))[0]]
-            raise where.error("null id inside a list", name, int(bag))
-        if not pa.types.is_integer(flat.type):
-            raise where.error(f"expected integer ids, found {flat.type}", name)
-        return lengths, flat.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-    if not pa.types.is_integer(array.type):
-        raise where.error(f"expected int64, found {array.type}", name)
-    if array.null_count:
-        valid = array.is_valid().to_numpy(zero_copy_only=False)
-        ids = pc.drop_null(array).to_numpy(zero_copy_only=False)
-        return valid.astype(np.int32), ids.astype(np.int64, copy=False)
-    return np.ones(len(array), dtype=np.int32), array.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+def _single_ids(source: ColumnSource, name: str, where: _Where, lengths: np.ndarray, out: np.ndarray) -> int:
+    """A single-id feature: ``lengths`` (int32 ``[n]``) ← 1 or, for a missing id, 0 (an
+    empty bag); ``out`` ← the ids (int64). Returns how many."""
+    kind = _field_type(source, name, where)
+    if not pa.types.is_integer(kind):
+        raise where.error(f"expected int64, found {kind}", name)
+    return ids_into(source.parts(name), lengths, out)
 
 
-def _map_ids(
-    ids: np.ndarray, rows: int, mapping: str, where: _Where, column: str, lengths: np.ndarray
-) -> np.ndarray:
-    """Map raw ids into ``[0, rows)``; name the row of the first bad id."""
+def _bags(source: ColumnSource, name: str, where: _Where) -> tuple[np.ndarray, np.ndarray]:
+    """(int32 ``[n]`` bag lengths, int64 ids) of a list column (a null list: an empty bag)."""
+    _field_type(source, name, where)
+    array = source.array(name)
+    if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
+        raise where.error(f"expected list<int64>, found {array.type}", name)
+    lengths = pc.fill_null(pc.list_value_length(array), 0).to_numpy(zero_copy_only=False).astype(np.int32)
+    flat = pc.list_flatten(array)
+    if flat.null_count:
+        bag = np.repeat(np.arange(len(lengths)), lengths)[np.flatnonzero(flat.is_null().to_numpy(zero_copy_only=False))[0]]
+        raise where.error("null id inside a list", name, int(bag))
+    if not pa.types.is_integer(flat.type):
+        raise where.error(f"expected integer ids, found {flat.type}", name)
+    return lengths, flat.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+
+
+def _map_ids(ids: np.ndarray, rows: int, mapping: str, where: _Where, column: str, lengths: np.ndarray) -> None:
+    """Map raw ids into ``[0, rows)`` in place; name the row of the first bad id."""
     if ids.size == 0:
-        return ids
+        return
     low = ids.min()
     if low < 0:
         raise where.error(f"negative id {low}", column, _row_of_id(lengths, int(np.argmax(ids < 0))))
-    if mapping == "modulo":
-        return ids % rows if ids.max() >= rows else ids
     high = ids.max()
-    if high >= rows:
-        raise where.error(f"id {high} is out of range for a table of {rows} rows", column,
-                          _row_of_id(lengths, int(np.argmax(ids >= rows))))
-    return ids
+    if high < rows:
+        return
+    if mapping == "modulo":
+        np.remainder(ids, rows, out=ids)
+        return
+    raise where.error(f"id {high} is out of range for a table of {rows} rows", column,
+                      _row_of_id(lengths, int(np.argmax(ids >= rows))))
 
 
 def _row_of_id(lengths: np.ndarray, position: int) -> int:

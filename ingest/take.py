@@ -1,10 +1,10 @@
-"""Rows of a window's row groups taken in a given order, as one Arrow table: what a
-permuted window's chunk is decoded from (row-level shuffling, :mod:`neorec.ingest.chunks`).
+"""Rows of a window's row groups picked in a given order: what a permuted window's chunk is
+decoded from (row-level shuffling, :mod:`neorec.ingest.chunks`).
 
-Flat columns go through Arrow's take, from one contiguous array per window
-(:class:`WindowTables`); one with nulls as two takes, of its values and of its validity,
-which together cost less than Arrow's take that minds the nulls. List
-columns (multi-hot features) go through a Numba gather of whole bags: Arrow's take of a
+Flat columns are not taken at all: each row group gives the kernels of
+:mod:`neorec.ingest.flat_columns` the rows the chunk picks from it in ascending order and
+their places, and they decode the values straight into the chunk's batch. List columns
+(multi-hot features) go through a Numba gather of whole bags: Arrow's take of a
 ``list<int64>`` column costs several times the decoding of the same rows, while a bag is
 one contiguous run of ids that can be copied at once. The gather writes the result's bags
 in order, one row group at a time, and reads each bag from wherever it lies in its group,
@@ -12,7 +12,8 @@ prefetching the bags a few rows ahead (the reads are random, and without prefetc
 waits for memory in turn). It yields a ``large_list`` column with the same bags: a null
 list becomes an empty bag, as decoding reads it anyway. A list column whose ids hold a
 null anywhere goes through Arrow's take, so that decoding names the bad row exactly as
-before.
+before (as does a flat column of a type the kernels do not read, or one decoded again to
+name a bad value).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from neorec.common.cache_prefetch import prefetch
+from neorec.ingest.flat_columns import Part
 
 PREFETCH_BAGS = 16
 """How many bags ahead of the one being copied the gather prefetches (their offsets twice
@@ -33,14 +35,9 @@ as far ahead)."""
 
 class WindowTables:
     """A permuted window's row groups (``tables``, one schema; ``starts``: int64 ``[G + 1]``,
-    where each one's rows begin in the window), prepared once for the takes of all the
-    window's chunks: each flat column as one contiguous array, since Arrow's take of a
-    chunked column costs about ten times its take of the same rows from one array (a
-    criteo column of 262k rows in four groups: 1.8 ms against 0.14 ms for 64k rows). A
-    column with nulls is kept as its values (read as if none were null) and its validity,
-    taken apart. Memory: one copy of the flat columns of the window's groups when there are
-    several. Raises ``ValueError`` if ``starts`` does not match the tables' row counts: the
-    takes index the columns without bounds checks."""
+    where each one's rows begin in the window), prepared once for the chunks that pick
+    rows of them. Raises ``ValueError`` if ``starts`` does not match the tables' row
+    counts: the picks index the columns without bounds checks."""
 
     def __init__(self, tables: Sequence[pa.Table], starts: np.ndarray) -> None:
         if not np.array_equal(np.diff(starts), [t.num_rows for t in tables]) or starts[0] != 0:
@@ -48,58 +45,70 @@ class WindowTables:
                              f"{[t.num_rows for t in tables]}")
         self.starts = starts
         self.schema = tables[0].schema
-        window = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-        self._flat: dict[str, pa.Array] = {}  # columns taken as they are
-        self._nullable: dict[str, tuple[pa.Array, pa.Array]] = {}  # (values without validity, validity)
-        self._bags: dict[str, list[pa.Array]] = {}  # list columns of integer ids, per group
-        for field in self.schema:
-            if pa.types.is_list(field.type) or pa.types.is_large_list(field.type):
-                chunks = [_single(t.column(field.name)) for t in tables]
-                if pa.types.is_integer(field.type.value_type) and not any(c.values.null_count for c in chunks):
-                    self._bags[field.name] = chunks
-                    continue
-            column = _single(window.column(field.name))
-            if column.null_count and (pa.types.is_integer(field.type) or pa.types.is_floating(field.type)):
-                values = pa.Array.from_buffers(column.type, len(column), [None, column.buffers()[1]],
-                                               offset=column.offset)
-                self._nullable[field.name] = (values, column.is_valid())
-            else:
-                self._flat[field.name] = column
+        self.columns = {name: [_single(t.column(name)) for t in tables] for name in self.schema.names}
+        self.bags = {  # list columns of integer ids that the bag gather copies
+            field.name for field in self.schema
+            if (pa.types.is_list(field.type) or pa.types.is_large_list(field.type))
+            and pa.types.is_integer(field.type.value_type)
+            and not any(c.values.null_count for c in self.columns[field.name])}
 
-    def take(self, positions: np.ndarray) -> pa.Table:
+    def picked(self, positions: np.ndarray) -> "PickedRows":
         """The rows ``positions`` (int64 ``[B]``, numbered across the window's groups) in
-        that order. Every position must lie in ``[0, starts[-1])``: they are not checked (an
-        out-of-range one reads past the columns). Memory: the returned table, besides int64
-        ``[B]`` scratch."""
-        indices = pa.array(positions)
-        columns: dict[str, pa.Array] = {}
-        sources = None
-        for field in self.schema:
-            name = field.name
-            if name in self._bags:
-                if sources is None:
-                    sources = _Sources(self.starts, positions)
-                columns[name] = _take_bags(self._bags[name], sources)
-            elif name in self._nullable:
-                values, valid = self._nullable[name]
-                columns[name] = _with_validity(_take(values, indices), _take(valid, indices))
-            else:
-                columns[name] = _take(self._flat[name], indices)
-        return pa.table({field.name: columns[field.name] for field in self.schema})
+        that order, as columns to decode. Every position must lie in ``[0, starts[-1])``:
+        they are not checked (an out-of-range one reads past the columns)."""
+        return PickedRows(self, positions)
 
 
-def _take(array: pa.Array, indices: pa.Array) -> pa.Array:
-    """Arrow's take without its bounds check: the positions come from the window's own
-    permutation of its rows."""
-    return pc.take(array, indices, boundscheck=False)
+class PickedRows:
+    """Rows of a window's groups in a given order, as a
+    :class:`~neorec.ingest.decoder.ColumnSource`: a flat column as one part per group, the
+    rows it gives in ascending order and their places; a list column of integer ids
+    gathered by whole bags."""
+
+    def __init__(self, window: WindowTables, positions: np.ndarray) -> None:
+        self.window = window
+        self.positions = positions
+        self.num_rows = positions.size
+        rows = np.empty(positions.size, dtype=np.int64)
+        places = np.empty(positions.size, dtype=np.int64)
+        _ascending(positions, int(window.starts[-1]), rows, places)
+        bounds = np.searchsorted(rows, window.starts).tolist()
+        self._picks = [(rows[lo:hi] - start, places[lo:hi])
+                       for lo, hi, start in zip(bounds[:-1], bounds[1:], window.starts[:-1].tolist())]
+        self._sources: _Sources | None = None
+
+    def field_type(self, name: str) -> pa.DataType | None:
+        index = self.window.schema.get_field_index(name)
+        return None if index < 0 else self.window.schema.field(index).type
+
+    def parts(self, name: str) -> list[Part]:
+        return [Part(chunk, rows, places)
+                for chunk, (rows, places) in zip(self.window.columns[name], self._picks) if rows.size]
+
+    def array(self, name: str) -> pa.Array:
+        chunks = self.window.columns[name]
+        if name in self.window.bags:
+            if self._sources is None:
+                self._sources = _Sources(self.window.starts, self.positions)
+            return _take_bags(chunks, self._sources)
+        return pc.take(pa.chunked_array(chunks), pa.array(self.positions)).combine_chunks()
 
 
-def _with_validity(values: pa.Array, valid: pa.Array) -> pa.Array:
-    """``values`` (fixed width, no nulls) with ``valid`` (boolean) as their validity; the
-    values under the nulls are whatever the source held there (Arrow's take of a column
-    with nulls writes zeros, and costs about 1.4 times the two takes)."""
-    return pa.Array.from_buffers(values.type, len(values), [valid.buffers()[1], values.buffers()[1]],
-                                 offset=0)
+@numba.njit(cache=True, nogil=True)
+def _ascending(positions, num_rows, rows, places):  # pragma: no cover - compiled
+    """``rows`` ← ``positions`` in ascending order, ``places`` ← where each one was
+    (equal positions in their order): a counting sort over the window's rows."""
+    first = np.zeros(num_rows + 1, dtype=np.int64)
+    for k in range(positions.size):
+        first[positions[k] + 1] += 1
+    for r in range(num_rows):
+        first[r + 1] += first[r]
+    for k in range(positions.size):
+        p = positions[k]
+        slot = first[p]
+        first[p] = slot + 1
+        rows[slot] = p
+        places[slot] = k
 
 
 def _single(column: pa.ChunkedArray) -> pa.Array:

@@ -1,0 +1,140 @@
+"""Flat Arrow columns (numbers, and single ids that may be null) decoded straight from their
+buffers by Numba kernels, in one pass per column: what :func:`neorec.ingest.decoder.decode_columns`
+does with every column but the lists.
+
+A column arrives as *parts*: arrays whose rows land at given places of the decoded rows.
+A slice of one row group is a single part that fills the rows in order; a permuted chunk
+(row-level shuffling) has one part per row group of its window, each naming the rows it
+gives in ascending order and where each one goes. Reading a row group's rows in ascending
+order streams through its column, while the rows' places, random, lie in the chunk's own
+output, which the caches hold; reading in the chunk's order instead (Arrow's take) waits
+for a random read of a column larger than the caches at every value, and then decodes the
+taken copy once more.
+
+The kernels check nothing: a caller checks the decoded values (finite, in range) and,
+on a failure, finds the first bad row again the slow way, so that the fast path stays one
+pass and the errors stay exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numba
+import numpy as np
+import pyarrow as pa
+
+_NONE = np.zeros(0, dtype=np.int64)
+_NO_BITMAP = np.zeros(0, dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows of one flat array: all of them, in order, to places ``[0, len)`` (``rows`` is
+    None), or rows ``rows`` (int64, ascending) to places ``places`` (int64, same size)."""
+
+    array: pa.Array
+    rows: np.ndarray | None = None
+    places: np.ndarray | None = None
+
+
+class _Buffers:
+    """The values (numpy view of the whole buffer), validity bitmap (uint8, empty when
+    there are no nulls) and first element of a flat Arrow array."""
+
+    def __init__(self, array: pa.Array) -> None:
+        validity, data = array.buffers()[:2]
+        dtype = array.type.to_pandas_dtype()
+        self.values = np.frombuffer(data, dtype=dtype) if data is not None else np.zeros(0, dtype=dtype)
+        self.bitmap = (np.frombuffer(validity, dtype=np.uint8) if array.null_count and validity is not None
+                       else _NO_BITMAP)
+        self.offset = array.offset
+
+
+def decodable(kind: pa.DataType) -> bool:
+    """Whether the kernels read a flat column of this type (integers, float32, float64)."""
+    return pa.types.is_integer(kind) or pa.types.is_float32(kind) or pa.types.is_float64(kind)
+
+
+def numbers_into(parts: Sequence[Part], missing: float, out: np.ndarray) -> None:
+    """``out`` (float32 ``[n]``, may be strided) ← the parts' numbers as float32 (numpy's
+    rounding), ``missing`` for a null."""
+    for part in parts:
+        b = _Buffers(part.array)
+        rows, places = (_NONE, _NONE) if part.rows is None else (part.rows, part.places)
+        _numbers(b.values, b.bitmap, b.offset, rows, places, part.rows is not None, np.float32(missing), out)
+
+
+def ids_into(parts: Sequence[Part], lengths: np.ndarray, out: np.ndarray) -> int:
+    """Single ids: ``lengths`` (int32 ``[n]``) ← 1 for a row with an id, 0 for a null;
+    ``out`` (int64, at least ``n``) ← the ids as int64, in row order, nulls left out.
+    Returns how many ids were written."""
+    if len(parts) == 1 and parts[0].rows is None:
+        b = _Buffers(parts[0].array)
+        return _ids_in_order(b.values, b.bitmap, b.offset, lengths, out)
+    buffers = [_Buffers(p.array) for p in parts]
+    nulls = any(b.bitmap.size for b in buffers)
+    placed = np.empty(lengths.size, dtype=np.int64) if nulls else out  # nulls: every row's value, then compacted
+    for b, p in zip(buffers, parts):
+        _placed(b.values, b.offset, p.rows, p.places, placed)
+    if not nulls:
+        lengths[:] = 1
+        return lengths.size
+    for b, p in zip(buffers, parts):
+        _valid_to(b.bitmap, b.offset, p.rows, p.places, lengths)
+    return _compacted(placed, lengths, out)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _valid(bitmap, bit):  # pragma: no cover - compiled
+    return (bitmap[bit >> 3] >> (bit & 7)) & 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _numbers(values, bitmap, offset, rows, places, picked, missing, out):  # pragma: no cover - compiled
+    n = rows.size if picked else out.shape[0]
+    for k in range(n):
+        r = rows[k] if picked else k
+        x = np.float32(values[offset + r])
+        if bitmap.size != 0 and not _valid(bitmap, offset + r):
+            x = missing
+        out[places[k] if picked else k] = x
+
+
+@numba.njit(cache=True, nogil=True)
+def _ids_in_order(values, bitmap, offset, lengths, out):  # pragma: no cover - compiled
+    n = lengths.size
+    if bitmap.size == 0:
+        for k in range(n):
+            lengths[k] = 1
+            out[k] = values[offset + k]
+        return n
+    written = 0
+    for k in range(n):
+        ok = _valid(bitmap, offset + k)
+        lengths[k] = ok
+        out[written] = values[offset + k]  # overwritten by the next id when this one is null
+        written += ok
+    return written
+
+
+@numba.njit(cache=True, nogil=True)
+def _valid_to(bitmap, offset, rows, places, lengths):  # pragma: no cover - compiled
+    for k in range(rows.size):
+        lengths[places[k]] = 1 if bitmap.size == 0 else _valid(bitmap, offset + rows[k])
+
+
+@numba.njit(cache=True, nogil=True)
+def _placed(values, offset, rows, places, out):  # pragma: no cover - compiled
+    for k in range(rows.size):
+        out[places[k]] = values[offset + rows[k]]
+
+
+@numba.njit(cache=True, nogil=True)
+def _compacted(placed, lengths, out):  # pragma: no cover - compiled
+    written = 0
+    for k in range(lengths.size):
+        out[written] = placed[k]  # overwritten by the next id when this one is null
+        written += lengths[k]
+    return written

@@ -1,0 +1,129 @@
+"""The flat-column kernels (:mod:`neorec.ingest.flat_columns`) against values read one by
+one from Arrow (``to_pylist``): every integer and float width, nulls, sliced arrays, rows
+picked from several arrays in any order (repeats included); and decoding through them
+against the same rows decoded from a plain Python reading of the table."""
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from neorec.ingest.decoder import DecodeOptions, decode_table
+from neorec.ingest.errors import DataError
+from neorec.ingest.flat_columns import Part, decodable, ids_into, numbers_into
+from neorec.ingest.schema import DatasetSchema, SparseFeature
+
+NUMERIC = [pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(), pa.uint32(), pa.uint64(),
+           pa.float32(), pa.float64()]
+
+
+def _array(rng: np.random.Generator, kind: pa.DataType, n: int, null_fraction: float) -> pa.Array:
+    if pa.types.is_floating(kind):
+        raw = rng.normal(0, 1e3, n)
+    else:
+        info = np.iinfo(kind.to_pandas_dtype())
+        raw = rng.integers(max(info.min, -(1 << 40)), min(info.max, 1 << 40), n, endpoint=True)
+    return pa.array(raw, type=kind, mask=rng.random(n) < null_fraction if null_fraction else None)
+
+
+def _float32(value) -> float:
+    return float(np.float32(value))
+
+
+def _parts(rng: np.random.Generator, kind: pa.DataType, null_fraction: float, n: int):
+    """Three arrays (one sliced) and a pick of ``n`` rows of them (repeats allowed) as
+    parts; with the Python values the pick reads, in order."""
+    arrays = [_array(rng, kind, 40, null_fraction), _array(rng, kind, 90, null_fraction).slice(13, 50),
+              _array(rng, kind, 7, null_fraction)]
+    starts = np.cumsum([0] + [len(a) for a in arrays])
+    positions = rng.integers(0, starts[-1], n)
+    flat = [v for a in arrays for v in a.to_pylist()]
+    parts = []
+    for g, array in enumerate(arrays):
+        places = np.flatnonzero((positions >= starts[g]) & (positions < starts[g + 1]))
+        order = np.argsort(positions[places], kind="stable")
+        parts.append(Part(array, (positions[places][order] - starts[g]).astype(np.int64), places[order].astype(np.int64)))
+    return parts, [flat[p] for p in positions]
+
+
+@pytest.mark.parametrize("kind", NUMERIC, ids=str)
+@pytest.mark.parametrize("null_fraction", [0.0, 0.3])
+def test_numbers_read_in_order_and_picked_equal_arrows_values(kind, null_fraction):
+    rng = np.random.default_rng(len(str(kind)))
+    array = _array(rng, kind, 300, null_fraction).slice(17, 233)  # an offset into its buffers
+    out = np.full((250, 3), 7.0, dtype=np.float32)[:233, 1]  # strided
+    numbers_into([Part(array)], -2.5, out)
+    assert out.tolist() == [-2.5 if v is None else _float32(v) for v in array.to_pylist()]
+    parts, expected = _parts(rng, kind, null_fraction, 120)
+    picked = np.zeros(120, dtype=np.float32)
+    numbers_into(parts, -2.5, picked)
+    assert picked.tolist() == [-2.5 if v is None else _float32(v) for v in expected]
+
+
+@pytest.mark.parametrize("kind", [k for k in NUMERIC if pa.types.is_integer(k)], ids=str)
+@pytest.mark.parametrize("null_fraction", [0.0, 0.4, 1.0])
+def test_ids_read_in_order_and_picked_equal_arrows_values_nulls_left_out(kind, null_fraction):
+    rng = np.random.default_rng(3)
+    array = _array(rng, kind, 200, null_fraction).slice(37, 150)
+    lengths = np.full(150, 9, dtype=np.int32)
+    out = np.full(150, -1, dtype=np.int64)
+    count = ids_into([Part(array)], lengths, out)
+    values = array.to_pylist()
+    assert lengths.tolist() == [int(v is not None) for v in values]
+    assert out[:count].tolist() == [v for v in values if v is not None]
+    parts, expected = _parts(rng, kind, null_fraction, 80)
+    lengths = np.full(80, 9, dtype=np.int32)
+    out = np.full(80, -1, dtype=np.int64)
+    count = ids_into(parts, lengths, out)
+    assert lengths.tolist() == [int(v is not None) for v in expected]
+    assert out[:count].tolist() == [v for v in expected if v is not None]
+
+
+def test_only_integer_and_32_and_64_bit_float_columns_are_read_by_the_kernels():
+    assert all(decodable(k) for k in NUMERIC)
+    assert not any(decodable(k) for k in (pa.float16(), pa.bool_(), pa.string(), pa.list_(pa.int64())))
+
+
+SCHEMA = DatasetSchema(label="y", dense=("a", "b", "c"), sparse=(SparseFeature("s", 1000), SparseFeature("t", 10)))
+
+
+def _table(rng: np.random.Generator, n: int) -> pa.Table:
+    return pa.table({
+        "y": pa.array(rng.integers(0, 2, n), type=pa.int8()),
+        "a": pa.array(rng.integers(-5, 10**6, n), type=pa.int64(), mask=rng.random(n) < 0.3),
+        "b": pa.array(rng.random(n) * 100, type=pa.float64()),
+        "c": pa.array(rng.random(n).astype(np.float16), type=pa.float16(), mask=rng.random(n) < 0.2),
+        "s": pa.array(rng.integers(0, 5000, n), type=pa.int32(), mask=rng.random(n) < 0.25),
+        "t": pa.array(rng.integers(0, 10, n), type=pa.uint16()),
+    })
+
+
+def test_a_table_decodes_as_its_python_values_say():
+    """Every column type the decoder reads, a float16 column (decoded by Arrow) among them,
+    through a table in two chunks and sliced."""
+    rng = np.random.default_rng(11)
+    table = pa.concat_tables([_table(rng, 70), _table(rng, 50)]).slice(9, 100)
+    batch = decode_table(table, SCHEMA, DecodeOptions(table_rows=(1000, 10)))
+    rows = table.to_pylist()
+    assert batch.labels.tolist() == [float(r["y"]) for r in rows]
+    for j, name in enumerate(SCHEMA.dense):
+        expected = [np.float32(math.log(1 + max(_float32(0.0 if r[name] is None else r[name]), 0.0))) for r in rows]
+        np.testing.assert_allclose(batch.dense[:, j], expected, rtol=2e-7, atol=0)
+    assert batch.lengths.tolist() == [int(r["s"] is not None) for r in rows] + [1] * len(rows)
+    assert batch.values.tolist() == [r["s"] % 1000 for r in rows if r["s"] is not None] + [r["t"] for r in rows]
+
+
+@pytest.mark.parametrize("column,value,message", [
+    ("y", None, r"column 'y', row 4: missing value"),
+    ("b", math.inf, r"column 'b', row 4: non-finite value inf"),
+    ("b", math.nan, r"column 'b', row 4: non-finite value nan"),
+])
+def test_a_bad_value_found_by_the_kernels_is_named_by_its_row(column, value, message):
+    rng = np.random.default_rng(5)
+    table = _table(rng, 12)
+    values = table.column(column).to_pylist()
+    values[4] = value
+    table = table.set_column(table.schema.get_field_index(column), column, pa.array(values, type=table.schema.field(column).type))
+    with pytest.raises(DataError, match=message):
+        decode_table(table, SCHEMA, DecodeOptions(table_rows=(1000, 10)))
