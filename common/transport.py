@@ -13,6 +13,7 @@ Both the reader service and the embedding store service use these; so do their c
 
 from __future__ import annotations
 
+import gc
 import hmac
 import ipaddress
 import logging
@@ -315,6 +316,10 @@ def serve_until_signal(server: Stoppable, grace_s: float, on_ready: Callable[[st
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.start()
+        # What exists once serving starts (modules, the server) lives as long as the
+        # process: out of the collector's way, a full collection walks only what requests
+        # allocate (before, each took ~0.1 s of the reader service's CPU, holding the GIL).
+        gc.freeze()
         on_ready(server.address)
         # Python runs signal handlers on the main thread only; a signal the kernel hands to
         # another thread would not wake an untimed wait, so the wait wakes up to look.
