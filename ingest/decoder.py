@@ -104,6 +104,20 @@ class ColumnSource(Protocol):
     def array(self, name: str) -> pa.Array:
         """The column's values of the rows, in order, as one array."""
 
+    def bags(self, name: str) -> "Bags | None":
+        """A list column's bags without building its array, or None (read ``array``)."""
+
+
+@dataclass(frozen=True)
+class Bags:
+    """A list column's bags of the rows being decoded: ``lengths`` (int32 ``[n]``, 0 for a
+    null list), ``count`` ids in all, and ``write(out)``, which writes them (as int64, bag
+    after bag) to ``out[:count]``."""
+
+    lengths: np.ndarray
+    count: int
+    write: Callable[[np.ndarray], None]
+
 
 class TableColumns:
     """The columns of an Arrow table."""
@@ -122,6 +136,9 @@ class TableColumns:
     def array(self, name: str) -> pa.Array:
         column = self.table.column(name)
         return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+
+    def bags(self, name: str) -> Bags | None:
+        return None  # the array's bags are read in place
 
 
 def decode_table(
@@ -174,15 +191,15 @@ def decode_columns(
         np.log(np.add(dense, np.float32(1.0), out=dense), out=dense)
     lists = {f.name: _bags(source, f.name, where) for f in schema.sparse if f.multi_hot}
     lengths = np.empty(len(schema.sparse) * n, dtype=np.int32)
-    values = np.empty(sum(n if not f.multi_hot else lists[f.name][1].size for f in schema.sparse), dtype=np.int64)
+    values = np.empty(sum(n if not f.multi_hot else lists[f.name].count for f in schema.sparse), dtype=np.int64)
     written = 0
     for f, (feature, rows) in enumerate(zip(schema.sparse, options.table_rows)):
         bag_lengths = lengths[f * n : (f + 1) * n]
         if feature.multi_hot:
-            list_lengths, ids = lists.pop(feature.name)
-            bag_lengths[:] = list_lengths
-            values[written : written + ids.size] = ids
-            count = ids.size
+            bags = lists.pop(feature.name)
+            bag_lengths[:] = bags.lengths
+            bags.write(values[written : written + bags.count])
+            count = bags.count
         else:
             count = _single_ids(source, feature.name, where, bag_lengths, values[written:])
         if feature.name not in options.raw_features:
@@ -251,9 +268,12 @@ def _single_ids(source: ColumnSource, name: str, where: _Where, lengths: np.ndar
     return ids_into(source.parts(name), lengths, out)
 
 
-def _bags(source: ColumnSource, name: str, where: _Where) -> tuple[np.ndarray, np.ndarray]:
-    """(int32 ``[n]`` bag lengths, int64 ids) of a list column (a null list: an empty bag)."""
+def _bags(source: ColumnSource, name: str, where: _Where) -> Bags:
+    """A list column's bags (a null list: an empty bag)."""
     _field_type(source, name, where)
+    bags = source.bags(name)
+    if bags is not None:
+        return bags
     array = source.array(name)
     if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
         raise where.error(f"expected list<int64>, found {array.type}", name)
@@ -264,7 +284,8 @@ def _bags(source: ColumnSource, name: str, where: _Where) -> tuple[np.ndarray, n
         raise where.error("null id inside a list", name, int(bag))
     if not pa.types.is_integer(flat.type):
         raise where.error(f"expected integer ids, found {flat.type}", name)
-    return lengths, flat.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    ids = flat.to_numpy(zero_copy_only=False)
+    return Bags(lengths, ids.size, lambda out: np.copyto(out, ids, casting="unsafe"))
 
 
 def _map_ids(ids: np.ndarray, rows: int, mapping: str, where: _Where, column: str, lengths: np.ndarray) -> None:

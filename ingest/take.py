@@ -6,11 +6,12 @@ Flat columns are not taken at all: each row group gives the kernels of
 their places, and they decode the values straight into the chunk's batch. List columns
 (multi-hot features) go through a Numba gather of whole bags: Arrow's take of a
 ``list<int64>`` column costs several times the decoding of the same rows, while a bag is
-one contiguous run of ids that can be copied at once. The gather writes the result's bags
-in order, one row group at a time, and reads each bag from wherever it lies in its group,
-prefetching the bags a few rows ahead (the reads are random, and without prefetching each
-waits for memory in turn). It yields a ``large_list`` column with the same bags: a null
-list becomes an empty bag, as decoding reads it anyway. A list column whose ids hold a
+one contiguous run of ids that can be copied at once. The gather writes the bags straight
+into the decoded batch's ids, in order, one row group at a time, and reads each bag from
+wherever it lies in its group, prefetching the bags a few rows ahead (the reads are random,
+and without prefetching each waits for memory in turn; reading in ascending order and
+writing at random places instead costs more, as the batch's ids outgrow the caches). A
+null list is an empty bag, as decoding reads it anyway. A list column whose ids hold a
 null anywhere goes through Arrow's take, so that decoding names the bad row exactly as
 before (as does a flat column of a type the kernels do not read, or one decoded again to
 name a bad value).
@@ -26,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from neorec.common.cache_prefetch import prefetch
+from neorec.ingest.decoder import Bags
 from neorec.ingest.flat_columns import Part
 
 PREFETCH_BAGS = 16
@@ -62,8 +64,9 @@ class WindowTables:
 class PickedRows:
     """Rows of a window's groups in a given order, as a
     :class:`~neorec.ingest.decoder.ColumnSource`: a flat column as one part per group, the
-    rows it gives in ascending order and their places; a list column of integer ids
-    gathered by whole bags."""
+    rows it gives in ascending order and their places; a list column of integer ids as
+    bags gathered whole; any column as Arrow's take of it (for other types, and to name a
+    bad value)."""
 
     def __init__(self, window: WindowTables, positions: np.ndarray) -> None:
         self.window = window
@@ -86,12 +89,14 @@ class PickedRows:
                 for chunk, (rows, places) in zip(self.window.columns[name], self._picks) if rows.size]
 
     def array(self, name: str) -> pa.Array:
-        chunks = self.window.columns[name]
-        if name in self.window.bags:
-            if self._sources is None:
-                self._sources = _Sources(self.window.starts, self.positions)
-            return _take_bags(chunks, self._sources)
-        return pc.take(pa.chunked_array(chunks), pa.array(self.positions)).combine_chunks()
+        return pc.take(pa.chunked_array(self.window.columns[name]), pa.array(self.positions)).combine_chunks()
+
+    def bags(self, name: str) -> Bags | None:
+        if name not in self.window.bags:
+            return None
+        if self._sources is None:
+            self._sources = _Sources(self.window.starts, self.positions)
+        return _picked_bags(self.window.columns[name], self._sources)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -126,9 +131,9 @@ class _Sources:
         self.rows = [positions[slots] - start for slots, start in zip(self.slots, starts[:-1].tolist())]
 
 
-def _take_bags(chunks: Sequence[pa.Array], sources: _Sources) -> pa.Array:
-    """The bags of the rows ``sources`` names, as a ``large_list`` array (no nulls)."""
-    lengths = np.zeros(sources.size, dtype=np.int64)
+def _picked_bags(chunks: Sequence[pa.Array], sources: _Sources) -> Bags:
+    """The bags of the rows ``sources`` names (lists of integer ids, none null)."""
+    lengths = np.zeros(sources.size, dtype=np.int32)
     parts = []
     for chunk, rows, slots in zip(chunks, sources.rows, sources.slots):
         offsets = chunk.offsets.to_numpy(zero_copy_only=False)
@@ -137,13 +142,14 @@ def _take_bags(chunks: Sequence[pa.Array], sources: _Sources) -> pa.Array:
                  else chunk.is_valid().to_numpy(zero_copy_only=False))
         _bag_lengths(offsets, valid, rows, slots, lengths)
         parts.append((offsets, ids, valid, rows, slots))
-    out_offsets = np.zeros(sources.size + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out_offsets[1:])
-    value_type = chunks[0].type.value_type
-    out_ids = np.empty(int(out_offsets[-1]), dtype=value_type.to_pandas_dtype())
-    for offsets, ids, valid, rows, slots in parts:
-        _copy_bags(offsets, ids, valid, rows, out_offsets[slots], out_ids)
-    return pa.LargeListArray.from_arrays(pa.array(out_offsets), pa.array(out_ids, type=value_type))
+    starts = np.zeros(sources.size, dtype=np.int64)  # where each bag's ids go
+    np.cumsum(lengths[:-1], out=starts[1:])
+
+    def write(out: np.ndarray) -> None:
+        for offsets, ids, valid, rows, slots in parts:
+            _copy_bags(offsets, ids, valid, rows, starts[slots], out)
+
+    return Bags(lengths, int(starts[-1] + lengths[-1]) if sources.size else 0, write)
 
 
 @numba.njit(cache=True, nogil=True)
