@@ -189,14 +189,25 @@ def decode_columns(
         # most one float32 ulp of 1 for tiny x, far below what a model input resolves.
         np.maximum(dense, 0.0, out=dense)
         np.log(np.add(dense, np.float32(1.0), out=dense), out=dense)
-    lists = {f.name: _bags(source, f.name, where) for f in schema.sparse if f.multi_hot}
+    # The list columns' sizes come first (they size the ids); an error in one is raised in
+    # its feature's turn, so that the first bad feature in schema order is the one named.
+    lists: dict[str, Bags | DataError] = {}
+    for feature in schema.sparse:
+        if feature.multi_hot:
+            try:
+                lists[feature.name] = _bags(source, feature.name, where)
+            except DataError as err:
+                lists[feature.name] = err
     lengths = np.empty(len(schema.sparse) * n, dtype=np.int32)
-    values = np.empty(sum(n if not f.multi_hot else lists[f.name].count for f in schema.sparse), dtype=np.int64)
+    values = np.empty(n * sum(not f.multi_hot for f in schema.sparse)
+                      + sum(b.count for b in lists.values() if isinstance(b, Bags)), dtype=np.int64)
     written = 0
     for f, (feature, rows) in enumerate(zip(schema.sparse, options.table_rows)):
         bag_lengths = lengths[f * n : (f + 1) * n]
         if feature.multi_hot:
             bags = lists.pop(feature.name)
+            if isinstance(bags, DataError):
+                raise bags
             bag_lengths[:] = bags.lengths
             bags.write(values[written : written + bags.count])
             count = bags.count
@@ -238,8 +249,9 @@ def _numbers_into(source: ColumnSource, name: str, where: _Where, missing: float
     kind = _field_type(source, name, where)
     if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
         raise where.error(f"expected a numeric column, found {kind}", name)
-    if decodable(kind):
-        numbers_into(source.parts(name), np.nan if missing is None else missing, out)
+    parts = source.parts(name)
+    if all(decodable(p.array.type) for p in parts):
+        numbers_into(parts, np.nan if missing is None else missing, out)
         if np.isfinite(out).all():
             return
     out[:] = _numeric(source.array(name), name, where, missing)

@@ -45,8 +45,9 @@ class _Buffers:
 
     def __init__(self, array: pa.Array) -> None:
         validity, data = array.buffers()[:2]
-        dtype = array.type.to_pandas_dtype()
-        self.values = np.frombuffer(data, dtype=dtype) if data is not None else np.zeros(0, dtype=dtype)
+        dtype = np.dtype(array.type.to_pandas_dtype())
+        used = array.offset + len(array)  # a buffer may hold more bytes than its elements
+        self.values = np.frombuffer(data, dtype=dtype, count=used) if used else np.zeros(0, dtype=dtype)
         self.bitmap = (np.frombuffer(validity, dtype=np.uint8) if array.null_count and validity is not None
                        else _NO_BITMAP)
         self.offset = array.offset

@@ -89,7 +89,11 @@ class PickedRows:
                 for chunk, (rows, places) in zip(self.window.columns[name], self._picks) if rows.size]
 
     def array(self, name: str) -> pa.Array:
-        return pc.take(pa.chunked_array(self.window.columns[name]), pa.array(self.positions)).combine_chunks()
+        chunks = self.window.columns[name]
+        kind = pa.unify_schemas([pa.schema([pa.field(name, c.type)]) for c in chunks],
+                                promote_options="permissive").field(name).type  # files may differ in width
+        column = pa.chunked_array([c if c.type == kind else c.cast(kind) for c in chunks])
+        return pc.take(column, pa.array(self.positions)).combine_chunks()
 
     def bags(self, name: str) -> Bags | None:
         if name not in self.window.bags:

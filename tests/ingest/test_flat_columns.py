@@ -127,3 +127,28 @@ def test_a_bad_value_found_by_the_kernels_is_named_by_its_row(column, value, mes
     table = table.set_column(table.schema.get_field_index(column), column, pa.array(values, type=table.schema.field(column).type))
     with pytest.raises(DataError, match=message):
         decode_table(table, SCHEMA, DecodeOptions(table_rows=(1000, 10)))
+
+
+LISTS = DatasetSchema(label="y", dense=(), sparse=(SparseFeature("s", 10), SparseFeature("m", 10, multi_hot=True),
+                                                   SparseFeature("n", 10, multi_hot=True)))
+
+
+@pytest.mark.parametrize("s,m,n,message", [
+    ([-1, 2], [[1], [None]], [[1], [2]], r"column 's', row 0: negative id -1"),
+    ([1, 2], [[1], [11]], [[1], [None]], r"column 'm', row 1: id 11 is out of range"),
+    ([1, 2], [[1], [None]], [[-4], [2]], r"column 'm', row 1: null id inside a list"),
+])
+def test_the_first_bad_feature_in_schema_order_is_named_when_several_are_bad(s, m, n, message):
+    """List columns are sized before any feature is decoded; their errors still wait for
+    their feature's turn."""
+    table = pa.table({"y": pa.array([0, 1]), "s": pa.array(s), "m": pa.array(m, pa.list_(pa.int64())),
+                      "n": pa.array(n, pa.list_(pa.int64()))})
+    with pytest.raises(DataError, match=message):
+        decode_table(table, LISTS, DecodeOptions(table_rows=(10, 10, 10), id_mapping="strict"))
+
+
+def test_an_array_whose_buffer_holds_more_bytes_than_its_values_decodes():
+    array = pa.Array.from_buffers(pa.int32(), 2, [None, pa.py_buffer(np.array([5, 6], np.int32).tobytes() + b"\0")])
+    out = np.zeros(2, dtype=np.float32)
+    numbers_into([Part(array)], 0.0, out)
+    assert out.tolist() == [5.0, 6.0]

@@ -122,3 +122,19 @@ def test_window_tables_refuse_starts_that_do_not_match_their_rows():
     tables = [_table(rng, 10), _table(rng, 5)]
     with pytest.raises(ValueError, match=r"row group starts \[0, 10, 16\] do not match the tables' rows \[10, 5\]"):
         WindowTables(tables, np.array([0, 10, 16]))
+
+
+def test_a_window_of_files_that_store_a_column_in_other_widths_decodes_as_their_values_say():
+    """Files may store a column as int32 in one and int64 in another (or float16 and
+    float32): picked rows decode as the same rows of the groups cast to one type."""
+    rng = np.random.default_rng(9)
+    first, second = _table(rng, 120), _table(rng, 80)
+    second = second.cast(pa.schema([
+        pa.field("label", pa.float64()), pa.field("d0", pa.float16()), pa.field("d1", pa.float32()),
+        pa.field("s0", pa.int32()), second.schema.field("m0"), second.schema.field("m1")]))
+    tables = [first, second]
+    starts = np.array([0, 120, 200], dtype=np.int64)
+    unified = pa.concat_tables([first, second.cast(first.schema)])
+    positions = rng.permutation(200)[:150].astype(np.int64)
+    got = decode_columns(WindowTables(tables, starts).picked(positions), SCHEMA, OPTIONS)
+    _same(got, decode_table(unified.take(pa.array(positions)), SCHEMA, OPTIONS))
