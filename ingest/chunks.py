@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from neorec.ingest.batch import HostBatch
-from neorec.ingest.decoder import DecodeOptions, decode_columns, decode_table
+from neorec.ingest.decoder import DecodeOptions, decode_table
 from neorec.ingest.errors import DataError
 from neorec.ingest.rows import RowGroupInfo, RowSpan
 from neorec.ingest.schema import DatasetSchema
@@ -106,5 +106,5 @@ class ChunkDecoder:
             return self.paths[group.file_index], group.row_group, p - int(starts[g])
 
         first = window.groups[0]
-        return decode_columns(tables.picked(positions), self.schema, self.options,
-                              file=self.paths[first.file_index], row_group=first.row_group, locate=locate)
+        return decode_table(tables.picked(positions), self.schema, self.options,
+                            file=self.paths[first.file_index], row_group=first.row_group, locate=locate)

@@ -142,7 +142,7 @@ class TableColumns:
 
 
 def decode_table(
-    table: pa.Table,
+    table: pa.Table | ColumnSource,
     schema: DatasetSchema,
     options: DecodeOptions,
     *,
@@ -151,29 +151,16 @@ def decode_table(
     first_row: int = 0,
     locate: Callable[[int], tuple[str, int, int]] | None = None,
 ) -> HostBatch:
-    """Decode an Arrow table with ``schema``'s columns into a batch of all its rows.
+    """Decode an Arrow table with ``schema``'s columns (or the rows of another
+    :class:`ColumnSource`) into a batch of all its rows.
 
     Errors name row ``first_row + i`` of ``row_group`` of ``file`` for the table's row
     ``i``, or the ``(file, row group, row)`` that ``locate(i)`` gives when the table's rows
-    were gathered from several row groups."""
-    return decode_columns(TableColumns(table), schema, options, file=file, row_group=row_group,
-                          first_row=first_row, locate=locate)
-
-
-def decode_columns(
-    source: ColumnSource,
-    schema: DatasetSchema,
-    options: DecodeOptions,
-    *,
-    file: str = "<table>",
-    row_group: int | None = None,
-    first_row: int = 0,
-    locate: Callable[[int], tuple[str, int, int]] | None = None,
-) -> HostBatch:
-    """Decode ``source``'s rows into a batch, errors naming rows as :func:`decode_table`
-    says. Flat columns of integers, float32 and float64 are decoded by the kernels of
-    :mod:`neorec.ingest.flat_columns`; a numeric column in which they find a value that is
-    not finite is decoded again from its Arrow array, which names the first bad row."""
+    were gathered from several row groups. Flat columns of integers, float32 and float64
+    are decoded by the kernels of :mod:`neorec.ingest.flat_columns`; a numeric column in
+    which they find a value that is not finite is decoded again from its Arrow array,
+    which names the first bad row."""
+    source = TableColumns(table) if isinstance(table, pa.Table) else table
     where = _Where(file, row_group, first_row, locate)
     n = source.num_rows
     labels = np.empty(n, dtype=np.float32)

@@ -1,5 +1,5 @@
 """Flat Arrow columns (numbers, and single ids that may be null) decoded straight from their
-buffers by Numba kernels, in one pass per column: what :func:`neorec.ingest.decoder.decode_columns`
+buffers by Numba kernels, in one pass per column: what :func:`neorec.ingest.decoder.decode_table`
 does with every column but the lists.
 
 A column arrives as *parts*: arrays whose rows land at given places of the decoded rows.

@@ -8,7 +8,7 @@ import pytest
 
 from neorec.ingest.batch import HostBatch
 from neorec.ingest.chunks import ChunkDecoder
-from neorec.ingest.decoder import DecodeOptions, decode_columns, decode_table
+from neorec.ingest.decoder import DecodeOptions, decode_table
 from neorec.ingest.errors import DataError
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.rows import RowGroupInfo, RowSpan, Window
@@ -62,7 +62,7 @@ def test_rows_of_several_groups_decode_as_arrows_take_of_them(seed):
     for positions in (rng.permutation(window.num_rows)[:400], rng.integers(0, window.num_rows, 50),
                       np.arange(window.num_rows), np.array([starts[1]])):
         positions = positions.astype(np.int64)
-        got = decode_columns(source.picked(positions), SCHEMA, OPTIONS)
+        got = decode_table(source.picked(positions), SCHEMA, OPTIONS)
         _same(got, decode_table(window.take(pa.array(positions)), SCHEMA, OPTIONS))
         assert got.values.size > 0 or positions.size < 5
 
@@ -136,5 +136,5 @@ def test_a_window_of_files_that_store_a_column_in_other_widths_decodes_as_their_
     starts = np.array([0, 120, 200], dtype=np.int64)
     unified = pa.concat_tables([first, second.cast(first.schema)])
     positions = rng.permutation(200)[:150].astype(np.int64)
-    got = decode_columns(WindowTables(tables, starts).picked(positions), SCHEMA, OPTIONS)
+    got = decode_table(WindowTables(tables, starts).picked(positions), SCHEMA, OPTIONS)
     _same(got, decode_table(unified.take(pa.array(positions)), SCHEMA, OPTIONS))
