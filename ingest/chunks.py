@@ -25,7 +25,7 @@ from neorec.ingest.batch import HostBatch
 from neorec.ingest.decoder import DecodeOptions, decode_table
 from neorec.ingest.errors import DataError
 from neorec.ingest.rows import RowGroupInfo, RowSpan
-from neorec.ingest.schema import DatasetSchema
+from neorec.ingest.schema import DatasetSchema, SparseFeature
 from neorec.ingest.take import WindowTables
 
 CHUNK_ROWS = 65_536
@@ -108,3 +108,34 @@ class ChunkDecoder:
         first = window.groups[0]
         return decode_table(tables.picked(positions), self.schema, self.options,
                             file=self.paths[first.file_index], row_group=first.row_group, locate=locate)
+
+
+def compile_decoding() -> None:
+    """Decode small tables of the usual column types (float32 and float64 numbers, int64
+    and int32 ids, lists of int64 and int32 ids with 32- and 64-bit offsets), with nulls,
+    in order and picked from a window, so that this process compiles (or loads from
+    Numba's cache) the decoding kernels a run calls. Launchers call it before starting
+    processes that decode at once (see :mod:`neorec.trainer.run.warmup`); columns of other
+    types compile on first use."""
+    schema = DatasetSchema(label="y", dense=("f32", "f64", "i64", "i32"),
+                           sparse=(SparseFeature("s64", 4), SparseFeature("s32", 4),
+                                   *(SparseFeature(name, 4, multi_hot=True) for name in _LIST_TYPES)))
+    options = DecodeOptions.for_schema(schema)
+    valid = np.array([True, False, True])
+    columns = {"y": pa.array([0.0, 1.0, 0.0], type=pa.float32()),
+               **{name: pa.array([1, 2, 3], type=kind, mask=~valid) for name, kind in
+                  (("f32", pa.float32()), ("f64", pa.float64()), ("i64", pa.int64()), ("i32", pa.int32()),
+                   ("s64", pa.int64()), ("s32", pa.int32()))},
+               **{name: pa.array([[1, 2], None, [3]], type=kind) for name, kind in _LIST_TYPES.items()}}
+    table = pa.table(columns)
+    decode_table(table, schema, options)
+    no_nulls = pa.table({name: column.fill_null(0) if name in ("s64", "s32") else column
+                         for name, column in columns.items()})
+    for tables in ([table, table], [no_nulls]):
+        starts = np.arange(len(tables) + 1, dtype=np.int64) * 3
+        positions = np.arange(starts[-1], dtype=np.int64)[::-1].copy()
+        positions.flags.writeable = False  # as a window's read order is (Window.order)
+        decode_table(WindowTables(tables, starts).picked(positions), schema, options)
+
+
+_LIST_TYPES = {"l64": pa.list_(pa.int64()), "l32": pa.list_(pa.int32()), "ll64": pa.large_list(pa.int64())}

@@ -69,6 +69,7 @@ def _status_parser(group: "argparse._SubParsersAction", help_text: str, run) -> 
 
 
 def _ingest_serve(args: argparse.Namespace) -> int:
+    from neorec.ingest.chunks import compile_decoding
     from neorec.ingest.service import ReaderServer
     from neorec.common.transport import serve_until_signal
 
@@ -77,6 +78,7 @@ def _ingest_serve(args: argparse.Namespace) -> int:
     missing = [r for r in roots if not Path(r).is_dir()]
     if missing:
         raise UserError(f"--data-root {missing[0]} is not a directory")
+    compile_decoding()  # before serving: no request waits for Numba
     server = ReaderServer(host=args.host, port=args.port, threads=args.threads,
                           cache_bytes=args.row_group_cache_mib << 20, max_streams=args.max_streams,
                           data_roots=roots, security=server_security(args))

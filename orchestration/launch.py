@@ -137,6 +137,10 @@ class Job:
         started_cpu, started = time.process_time(), time.monotonic()
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self.launch.ingest_workers:
+                from neorec.ingest.chunks import compile_decoding
+
+                compile_decoding()  # the reader services, started together, then load Numba's cache
             for service in self.services:
                 service.process.start()
             self._await_services()

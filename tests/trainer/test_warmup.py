@@ -1,7 +1,8 @@
 """After :func:`compile_kernels` of a run's config, the run compiles no Numba kernel: every
 dispatcher it calls (embedding lookup and update of its weight storage and optimizer, the
-store's cache, checkpoint quantization, hashing) was compiled before it started, so the
-ranks of a multi-process run only load Numba's cache and never race to write it."""
+store's cache, checkpoint quantization, hashing, Parquet decoding) was compiled before it
+started, so the ranks of a multi-process run only load Numba's cache and never race to
+write it."""
 
 import json
 import os

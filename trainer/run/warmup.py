@@ -15,6 +15,7 @@ import torch
 
 from neorec.common.hashing import permutation
 from neorec.embedding_store.cache import SetAssociativeCache
+from neorec.ingest.chunks import compile_decoding
 from neorec.ingest.vocab import hash_encode
 from neorec.trainer.batch import KeyedJaggedTensor
 from neorec.trainer.checkpoint.quantize import quantize
@@ -36,12 +37,14 @@ def compile_kernels(config: TrainConfig | None = None) -> None:
     compiles (or loads) what the run will call: the embedding lookups and fused update (of
     ``config``'s weight storage and sparse optimizer; fp32 and SGD without a config), the
     id routing, a dynamic table's id map, the store's cache, checkpoint quantization, string
-    hashing and the shuffle's permutation."""
+    hashing, the shuffle's permutation and Parquet decoding (of the usual column types:
+    :func:`~neorec.ingest.chunks.compile_decoding`)."""
     _embedding_kernels(config)
     _store_cache_kernels()
     quantize(np.zeros((2, 4), dtype=np.float32), 8)
     hash_encode(pa.array(["a", None, "b"]), rows=4, seed=0)
     permutation(0, 4)
+    compile_decoding()
 
 
 def _embedding_kernels(config: TrainConfig | None) -> None:
