@@ -61,10 +61,11 @@ class DecodeOptions:
 def check_file_schema(parquet_file: pq.ParquetFile, path: str, schema: DatasetSchema) -> None:
     """Raise :class:`DataError` if ``parquet_file`` lacks a column or has a wrong type."""
     arrow_schema = parquet_file.schema_arrow
-    names = set(arrow_schema.names)
     for column in schema.columns:
-        if column not in names:
-            raise DataError("column is missing from the file", file=path, column=column)
+        found = len(arrow_schema.get_all_field_indices(column))
+        if found != 1:
+            raise DataError("column is missing from the file" if not found else f"the file has {found} columns of "
+                            "this name", file=path, column=column)
     for column in (schema.label, *schema.dense):
         kind = arrow_schema.field(column).type
         if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
@@ -94,9 +95,8 @@ class ColumnSource(Protocol):
     picked from several row groups (:class:`neorec.ingest.take.PickedRows`)."""
 
     num_rows: int
-
-    def field_type(self, name: str) -> pa.DataType | None:
-        """The column's type, None when the rows have no such column."""
+    schema: pa.Schema
+    """The columns' names and types (of the first row group, for picked rows)."""
 
     def parts(self, name: str) -> list[Part]:
         """A flat column's values, as parts of arrays (:mod:`neorec.ingest.flat_columns`)."""
@@ -125,10 +125,7 @@ class TableColumns:
     def __init__(self, table: pa.Table) -> None:
         self.table = table
         self.num_rows = table.num_rows
-
-    def field_type(self, name: str) -> pa.DataType | None:
-        index = self.table.schema.get_field_index(name)
-        return None if index < 0 else self.table.schema.field(index).type
+        self.schema = table.schema
 
     def parts(self, name: str) -> list[Part]:
         return [Part(self.array(name))]
@@ -224,10 +221,10 @@ class _Where:
 
 
 def _field_type(source: ColumnSource, name: str, where: _Where) -> pa.DataType:
-    kind = source.field_type(name)
-    if kind is None:
-        raise where.error("column is missing", name)
-    return kind
+    indices = source.schema.get_all_field_indices(name)
+    if len(indices) != 1:
+        raise where.error("column is missing" if not indices else f"{len(indices)} columns have this name", name)
+    return source.schema.field(indices[0]).type
 
 
 def _numbers_into(source: ColumnSource, name: str, where: _Where, missing: float | None, out: np.ndarray) -> None:

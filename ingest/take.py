@@ -72,6 +72,7 @@ class PickedRows:
         self.window = window
         self.positions = positions
         self.num_rows = positions.size
+        self.schema = window.schema
         rows = np.empty(positions.size, dtype=np.int64)
         places = np.empty(positions.size, dtype=np.int64)
         _ascending(positions, int(window.starts[-1]), rows, places)
@@ -79,10 +80,6 @@ class PickedRows:
         self._picks = [(rows[lo:hi] - start, places[lo:hi])
                        for lo, hi, start in zip(bounds[:-1], bounds[1:], window.starts[:-1].tolist())]
         self._sources: _Sources | None = None
-
-    def field_type(self, name: str) -> pa.DataType | None:
-        index = self.window.schema.get_field_index(name)
-        return None if index < 0 else self.window.schema.field(index).type
 
     def parts(self, name: str) -> list[Part]:
         return [Part(chunk, rows, places)

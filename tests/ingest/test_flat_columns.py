@@ -152,3 +152,11 @@ def test_an_array_whose_buffer_holds_more_bytes_than_its_values_decodes():
     out = np.zeros(2, dtype=np.float32)
     numbers_into([Part(array)], 0.0, out)
     assert out.tolist() == [5.0, 6.0]
+
+
+def test_a_table_with_two_columns_of_one_name_is_refused_by_name():
+    rng = np.random.default_rng(4)
+    table = _table(rng, 5)
+    table = pa.Table.from_arrays([*table.columns, table.column("b")], names=[*table.column_names, "b"])
+    with pytest.raises(DataError, match=r"column 'b': 2 columns have this name"):
+        decode_table(table, SCHEMA, DecodeOptions(table_rows=(1000, 10)))

@@ -133,6 +133,16 @@ def test_missing_column_is_named(tmp_path, criteo_dataset):
         _read_all(_dataset_with(tmp_path, criteo_dataset, columns))
 
 
+def test_a_column_the_file_holds_twice_is_named(tmp_path, criteo_dataset):
+    columns = _good_columns(criteo_dataset)
+    table = pa.table(columns)
+    table = pa.Table.from_arrays([*table.columns, table.column("C4")], names=[*table.column_names, "C4"])
+    pq.write_table(table, tmp_path / "bad.parquet")
+    dataset = Dataset(root=tmp_path, schema=criteo_dataset.schema, splits={"train": ["bad.parquet"]})
+    with pytest.raises(DataError, match=r"bad.parquet.*column 'C4'.*the file has 2 columns of this name"):
+        _read_all(dataset)
+
+
 def test_wrong_type_is_named(tmp_path, criteo_dataset):
     columns = _good_columns(criteo_dataset)
     columns["C2"] = pa.array(["a", "b", "c", "d"])
