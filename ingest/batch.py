@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numba
 import numpy as np
 
 from neorec.ingest.rows import RowSpan
@@ -66,7 +67,8 @@ class HostBatch:
     def check(self, table_rows: Sequence[int]) -> None:
         """Raise ``ValueError`` naming the first problem unless the batch is well formed for
         features whose ids lie in ``[0, table_rows[f])``: ``B * F`` bag lengths, none
-        negative, adding up to the number of ids, and every id inside its feature's table."""
+        negative, adding up to the number of ids, and every id inside its feature's table.
+        One pass over the lengths and one over the ids (:func:`_first_problem`)."""
         num_f, size = self.num_features, self.batch_size
         if len(table_rows) != num_f:
             raise ValueError(f"{len(table_rows)} table sizes for a batch of {num_f} features")
@@ -76,19 +78,14 @@ class HostBatch:
         if self.weights is not None and self.weights.size != self.values.size:
             raise ValueError(f"{self.weights.size} id weights for {self.values.size} ids")
         lengths = self.lengths.reshape(num_f, size)
-        if size and num_f and int(lengths.min()) < 0:
-            f, b = np.argwhere(lengths < 0)[0]
-            raise ValueError(f"feature {self.keys[f]!r}, sample {b}: negative bag length {lengths[f, b]}")
-        totals = lengths.sum(axis=1, dtype=np.int64)
-        if int(totals.sum()) != self.values.size:
-            raise ValueError(f"bag lengths add up to {int(totals.sum())} ids, the batch holds {self.values.size}")
-        bounds = np.repeat(np.asarray(table_rows, dtype=np.int64), totals)
-        bad = (self.values < 0) | (self.values >= bounds)
-        if bad.any():
-            position = int(np.argmax(bad))
-            f = int(np.searchsorted(np.cumsum(totals), position, side="right"))
-            raise ValueError(f"feature {self.keys[f]!r}: id {int(self.values[position])} is outside its table's "
-                             f"rows [0, {int(table_rows[f])})")
+        problem, at, of = _first_problem(lengths, self.values, np.asarray(table_rows, dtype=np.int64))
+        if problem == _NEGATIVE_LENGTH:
+            raise ValueError(f"feature {self.keys[at]!r}, sample {of}: negative bag length {lengths[at, of]}")
+        if problem == _LENGTHS_MISMATCH:
+            raise ValueError(f"bag lengths add up to {at} ids, the batch holds {self.values.size}")
+        if problem == _ID_OUTSIDE:
+            raise ValueError(f"feature {self.keys[of]!r}: id {int(self.values[at])} is outside its table's "
+                             f"rows [0, {int(table_rows[of])})")
 
     def feature_value_offsets(self) -> np.ndarray:
         """int64 ``[F + 1]``: ``values[o[f]:o[f+1]]`` are feature ``f``'s ids."""
@@ -182,3 +179,51 @@ class HostBatch:
             weights=self.weights,
             num_valid=self.batch_size,
         )
+
+
+_WELL_FORMED, _NEGATIVE_LENGTH, _LENGTHS_MISMATCH, _ID_OUTSIDE = range(4)
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_problem(lengths, values, table_rows):  # pragma: no cover - compiled
+    """The first problem of a batch as ``(kind, at, of)``: a negative bag length
+    (``_NEGATIVE_LENGTH``, feature ``at``, sample ``of``; the first in feature-major order),
+    lengths adding up to ``at`` ids where ``values`` holds another number
+    (``_LENGTHS_MISMATCH``), or the first id outside its feature's ``[0, table_rows[f])``
+    (``_ID_OUTSIDE``, position ``at`` in ``values``, feature ``of``); ``_WELL_FORMED`` if
+    none. ``lengths`` is ``[F, B]``, ``values`` ``[sum(lengths)]``, ``table_rows`` int64 ``[F]``.
+
+    Each feature's lengths and ids are checked by their least and largest (loops the
+    compiler vectorizes, unlike one that stops at the first bad element); only a feature
+    that fails is walked again for its first bad element."""
+    num_f, size = lengths.shape
+    totals = np.zeros(num_f, dtype=np.int64)
+    for f in range(num_f):
+        bags = lengths[f]
+        total = 0
+        least = 0
+        for b in range(size):
+            total += bags[b]
+            least = min(least, bags[b])
+        if least < 0:
+            for b in range(size):
+                if bags[b] < 0:
+                    return _NEGATIVE_LENGTH, f, b
+        totals[f] = total
+    if totals.sum() != values.size:
+        return _LENGTHS_MISMATCH, totals.sum(), 0
+    start = 0
+    for f in range(num_f):
+        ids = values[start : start + totals[f]]  # a slice: indexing from 0 lets the loops vectorize
+        if ids.size:
+            least = ids[0]
+            largest = ids[0]
+            for k in range(ids.size):
+                least = min(least, ids[k])
+                largest = max(largest, ids[k])
+            if least < 0 or largest >= table_rows[f]:
+                for k in range(ids.size):
+                    if ids[k] < 0 or ids[k] >= table_rows[f]:
+                        return _ID_OUTSIDE, start + k, f
+        start += totals[f]
+    return _WELL_FORMED, 0, 0

@@ -113,8 +113,9 @@ class ChunkDecoder:
 def compile_decoding() -> None:
     """Decode small tables of the usual column types (float32 and float64 numbers, int64
     and int32 ids, lists of int64 and int32 ids with 32- and 64-bit offsets), with nulls,
-    in order and picked from a window, so that this process compiles (or loads from
-    Numba's cache) the decoding kernels a run calls. Launchers call it before starting
+    in order and picked from a window, and check a batch as a reader service's client
+    checks the batches it receives, so that this process compiles (or loads from Numba's
+    cache) the decoding kernels a run calls. Launchers call it before starting
     processes that decode at once (see :mod:`neorec.trainer.run.warmup`); columns of other
     types compile on first use."""
     schema = DatasetSchema(label="y", dense=("f32", "f64", "i64", "i32"),
@@ -128,7 +129,7 @@ def compile_decoding() -> None:
                    ("s64", pa.int64()), ("s32", pa.int32()))},
                **{name: pa.array([[1, 2], None, [3]], type=kind) for name, kind in _LIST_TYPES.items()}}
     table = pa.table(columns)
-    decode_table(table, schema, options)
+    decode_table(table, schema, options).check(options.table_rows)  # as a client checks a batch received
     no_nulls = pa.table({name: column.fill_null(0) if name in ("s64", "s32") else column
                          for name, column in columns.items()})
     for tables in ([table, table], [no_nulls]):
