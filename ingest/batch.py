@@ -9,7 +9,7 @@ feature 1's, and so on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numba
 import numpy as np
@@ -92,32 +92,33 @@ class HostBatch:
         totals = self.lengths.reshape(self.num_features, self.batch_size).sum(axis=1, dtype=np.int64)
         return np.concatenate([[0], np.cumsum(totals)]).astype(np.int64)
 
-    def split(self, bounds: Sequence[int]) -> list["HostBatch"]:
-        """Samples ``[bounds[j], bounds[j+1])`` as new batches (all samples valid).
+    def split(self, bounds: Sequence[int]) -> Iterator["HostBatch"]:
+        """Samples ``[bounds[j], bounds[j+1])`` as new batches (all samples valid), made one
+        at a time as they are taken: a chunk cut into batches never holds a second copy of
+        all its ids at once (memory the allocator would map afresh for every chunk).
 
         ``bounds`` must rise strictly from 0 to ``B``. Costs one pass over the lengths:
         the ids of every piece are counted per feature at once (no prefix sum over bags).
         """
         if list(bounds) == [0, self.batch_size]:
-            return [self]
+            yield self
+            return
         starts = np.asarray(bounds[:-1], dtype=np.int64)
         num_f = self.num_features
         counts = np.add.reduceat(self.lengths.reshape(num_f, self.batch_size), starts, axis=1, dtype=np.int64)
         # first[f, j]: where piece j of feature f starts in values.
         first = np.cumsum(counts.reshape(-1)).reshape(counts.shape) - counts
         lengths = self.lengths.reshape(num_f, self.batch_size)
-        pieces = []
         for j, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             spans = [slice(a, a + n) for a, n in zip(first[:, j].tolist(), counts[:, j].tolist())]
-            pieces.append(HostBatch(
+            yield HostBatch(
                 dense=self.dense[lo:hi],
                 labels=self.labels[lo:hi],
                 keys=self.keys,
                 lengths=np.ascontiguousarray(lengths[:, lo:hi]).reshape(-1),
                 values=np.concatenate([self.values[p] for p in spans]) if num_f else self.values[:0],
                 weights=None if self.weights is None else np.concatenate([self.weights[p] for p in spans]),
-            ))
-        return pieces
+            )
 
     @classmethod
     def empty(cls, keys: tuple[str, ...], num_dense: int) -> "HostBatch":

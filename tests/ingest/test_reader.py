@@ -190,7 +190,7 @@ def test_split_then_concat_gives_back_the_batch(multihot_dataset):
     batch = next(reader.epoch(0))
     rng = np.random.default_rng(0)
     bounds = [0, *sorted(rng.choice(np.arange(1, 400), size=7, replace=False).tolist()), 400]
-    pieces = batch.split(bounds)
+    pieces = list(batch.split(bounds))
     assert [p.batch_size for p in pieces] == np.diff(bounds).tolist()
     assert _samples(HostBatch.concat(pieces)) == _samples(batch)
     assert [s for p in pieces for s in _samples(p)] == _samples(batch)
