@@ -9,7 +9,12 @@ lets a second reader of a row group being read wait for the first one's result.
 Entries are per epoch: an epoch reads every row once, so within it a row group is read
 again only for its other pieces, which is the waste the cache removes. Across epochs it
 never serves a table, so that a small data set is not read from memory epoch after epoch
-(which would make a worker look faster than decoding is).
+(which would make a worker look faster than decoding is). For the same reason a window's
+tables are dropped as soon as this worker has decoded all of the window's rows for the
+epoch (:meth:`RowGroupCache.rows_decoded`): no read of the epoch needs them again, and
+their memory goes to the next row groups at once instead of sitting in the budget until
+the least recently used entries make room (a service that kept them grew by the whole
+budget first, every page of it mapped and faulted in afresh).
 
 Only Parquet reading is shared: each task still decodes and checks just its own rows,
 so what a request returns, and which errors it raises, do not depend on the cache.
@@ -21,7 +26,7 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Sequence
 
 import pyarrow as pa
 
@@ -43,6 +48,7 @@ class RowGroupCache:
         self._lock = threading.Lock()
         self._tables: OrderedDict[Hashable, Future] = OrderedDict()
         self._sizes: dict[Hashable, int] = {}  # bytes of each table read (not of those in flight)
+        self._decoded: dict[tuple, int] = {}  # rows of a window decoded so far, by window, columns and epoch
 
     def read(
         self, path: str, row_group: int, columns: tuple[str, ...], epoch: int, load: Callable[[], pa.Table]
@@ -75,6 +81,23 @@ class RowGroupCache:
             future.set_result(table)
         return future.result()
 
+    def rows_decoded(self, groups: Sequence[tuple[str, int]], columns: tuple[str, ...], epoch: int, rows: int,
+                     window_rows: int) -> None:
+        """Count ``rows`` more rows decoded for ``epoch`` from the window whose row groups
+        are ``groups`` (``(path, row_group)`` pairs) and which holds ``window_rows`` rows;
+        once all of them have been, drop the window's tables. A client asks for each row of
+        an epoch once, so they are not needed again; a read that comes anyway (a task
+        retried after its stream broke) reads its row groups again."""
+        window = (tuple(groups), columns, epoch)
+        with self._lock:
+            decoded = self._decoded.pop(window, 0) + rows
+            if decoded < window_rows:
+                self._decoded[window] = decoded
+                return
+            for key in [k for k in self._tables if (k[0], k[3]) in window[0] and k[4:] == (columns, epoch)]:
+                if key in self._sizes:  # a table still being read stays for its waiters
+                    del self._tables[key], self._sizes[key]
+
     def _evict(self, keep: Hashable) -> None:
         """Drop the least recently used tables read, except ``keep``, until the rest fit
         (lock held)."""
@@ -85,3 +108,6 @@ class RowGroupCache:
             if key in self._sizes and key != keep:
                 total -= self._sizes.pop(key)
                 del self._tables[key]
+        cached = {(k[0], k[3], k[4], k[5]) for k in self._tables}
+        for window in [w for w in self._decoded if not any((*g, *w[1:]) in cached for g in w[0])]:
+            del self._decoded[window]  # its tables are gone: a count that would never complete

@@ -359,6 +359,14 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
                 raise DataError(f"cannot read row group: {err}", file=path, row_group=group.row_group) from err
 
         decoder = ChunkDecoder(load, job.paths, schema, job.options)
+
+        def decode(span: RowSpan) -> list[tuple[RowSpan, HostBatch]]:
+            chunks = list(decoder.chunks(span))
+            groups = [(job.paths[g.file_index], g.row_group) for g in span.window.groups]
+            self.row_groups.rows_decoded(groups, tuple(schema.columns), task.epoch, span.num_rows,
+                                         span.window.num_rows)
+            return chunks
+
         ahead: deque[Future] = deque()
         spans = iter(pieces)
         try:
@@ -367,7 +375,7 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
                     span = next(spans, None)
                     if span is None:
                         break
-                    ahead.append(self._pool.submit(lambda s: list(decoder.chunks(s)), span))
+                    ahead.append(self._pool.submit(decode, span))
                 if not ahead:
                     return
                 yield from ahead.popleft().result()

@@ -107,3 +107,32 @@ def test_a_table_above_the_budget_is_kept_until_the_next_read(data_file):
     cache.read(data_file, 1, COLUMNS, 0, loader(1))
     cache.read(data_file, 0, COLUMNS, 0, loader(0))
     assert loader.calls == {0: 2, 1: 1}
+
+
+def test_a_window_decoded_to_its_last_row_is_dropped(data_file):
+    cache, loader = RowGroupCache(), CountingLoader(rows=1000)
+    window = [(data_file, 0), (data_file, 1)]
+    for row_group in (0, 1, 2):
+        cache.read(data_file, row_group, COLUMNS, 0, loader(row_group))
+    cache.rows_decoded(window, COLUMNS, 0, 1500, 2000)
+    cache.rows_decoded(window, COLUMNS, 1, 2000, 2000)  # another epoch's window: nothing of epoch 0 goes
+    cache.rows_decoded(window, ("a", "b"), 0, 2000, 2000)  # other columns: the same
+    for row_group in (0, 1, 2):  # still cached: 500 of the window's rows are to come
+        cache.read(data_file, row_group, COLUMNS, 0, loader(row_group))
+    assert loader.calls == {0: 1, 1: 1, 2: 1}
+    cache.rows_decoded(window, COLUMNS, 0, 500, 2000)
+    for row_group in (2, 0, 1):  # the window's tables went, the other row group stayed
+        cache.read(data_file, row_group, COLUMNS, 0, loader(row_group))
+    assert loader.calls == {0: 2, 1: 2, 2: 1}
+
+
+def test_counts_of_windows_whose_tables_went_are_forgotten(data_file):
+    size = _table(1000).nbytes
+    cache, loader = RowGroupCache(capacity_bytes=size), CountingLoader(rows=1000)
+    cache.read(data_file, 0, COLUMNS, 0, loader(0))
+    cache.rows_decoded([(data_file, 0)], COLUMNS, 0, 400, 1000)  # the other rows went to another worker
+    cache.read(data_file, 1, COLUMNS, 0, loader(1))  # evicts row group 0 and its count
+    cache.read(data_file, 0, COLUMNS, 0, loader(0))
+    cache.rows_decoded([(data_file, 0)], COLUMNS, 0, 600, 1000)  # counts from 0 again: the table stays
+    cache.read(data_file, 0, COLUMNS, 0, loader(0))
+    assert loader.calls == {0: 2, 1: 1}
