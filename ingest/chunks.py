@@ -1,7 +1,8 @@
 """A task's rows decoded as chunks, in read order: what the in-process reader and the reader
 service both cut into batches.
 
-A run of rows is decoded in chunks of at most :data:`CHUNK_ROWS`. An unpermuted window's
+A run of rows is decoded in chunks of at most :data:`CHUNK_ROWS`, fewer when the rows hold
+many ids (:func:`chunk_rows`). An unpermuted window's
 chunk is a slice of its row group. A permuted window's chunk (row-level shuffling) is
 decoded from the Arrow tables of the window's row groups
 (:class:`~neorec.ingest.take.WindowTables` of the raw columns), picking its rows, so each
@@ -29,9 +30,14 @@ from neorec.ingest.schema import DatasetSchema, SparseFeature
 from neorec.ingest.take import WindowTables
 
 CHUNK_ROWS = 65_536
-"""Rows decoded at once. Larger chunks allocate arrays beyond what the allocator keeps for
-reuse (glibc hands blocks of more than 32 MiB back to the kernel at once), and the page
-faults of fresh memory then cost more than the decoding."""
+"""Most rows decoded at once. Larger chunks allocate arrays beyond what the allocator keeps
+for reuse (glibc hands blocks of more than 32 MiB back to the kernel at once), and the
+page faults of fresh memory then cost more than the decoding."""
+CHUNK_ID_BYTES = 24 << 20
+"""Most bytes of a chunk's ids (int64) at the rows' mean ids per row, below 32 MiB so that
+a chunk whose rows hold more ids than the mean still fits: multi-hot rows of ~175 ids
+fill 32 MiB in 24k rows, so their chunks are cut shorter than :data:`CHUNK_ROWS` (see
+:func:`chunk_rows`)."""
 
 
 class ChunkDecoder:
@@ -67,13 +73,14 @@ class ChunkDecoder:
         if not window.permuted and len(window.groups) == 1:
             group = window.groups[0]
             table = self._load(group)
-            for piece in span.pieces(CHUNK_ROWS):
+            for piece in span.pieces(chunk_rows([table], self.schema)):
                 yield piece, decode_table(table.slice(piece.start, piece.num_rows), self.schema, self.options,
                                           file=self.paths[group.file_index], row_group=group.row_group,
                                           first_row=piece.start)
             return
-        tables = WindowTables([self._load(g) for g in window.groups], window.group_starts())
-        pieces = span.pieces(CHUNK_ROWS)
+        loaded = [self._load(g) for g in window.groups]
+        tables = WindowTables(loaded, window.group_starts())
+        pieces = span.pieces(chunk_rows(loaded, self.schema))
         if self.executor is None:
             for piece in pieces:
                 yield piece, self._gathered(tables, piece)
@@ -108,6 +115,24 @@ class ChunkDecoder:
         first = window.groups[0]
         return decode_table(tables.picked(positions), self.schema, self.options,
                             file=self.paths[first.file_index], row_group=first.row_group, locate=locate)
+
+
+def chunk_rows(tables: Sequence[pa.Table], schema: DatasetSchema) -> int:
+    """Rows per chunk for rows of ``tables`` (raw row groups of ``schema``'s columns):
+    :data:`CHUNK_ROWS`, or the largest power of two whose ids, at the tables' mean ids per
+    row, fit in :data:`CHUNK_ID_BYTES` (a power of two, so that batches of the usual sizes
+    still fall whole in one chunk)."""
+    rows = sum(t.num_rows for t in tables)
+    ids = sum(_values_in(t.column(f.name)) if f.multi_hot else t.num_rows for t in tables for f in schema.sparse)
+    if ids * 8 * CHUNK_ROWS <= CHUNK_ID_BYTES * rows:
+        return CHUNK_ROWS
+    fitting = max(1, CHUNK_ID_BYTES * rows // (ids * 8))
+    return 1 << (fitting.bit_length() - 1)
+
+
+def _values_in(column: pa.ChunkedArray) -> int:
+    """Values of a list column, from its offsets (nothing else is read)."""
+    return sum(chunk.offsets[-1].as_py() - chunk.offsets[0].as_py() for chunk in column.chunks if len(chunk))
 
 
 def compile_decoding() -> None:

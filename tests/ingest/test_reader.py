@@ -247,3 +247,32 @@ def test_a_bad_row_of_a_permuted_window_is_named_from_whichever_chunk_holds_it(t
     with pytest.raises(DataError, match=r"row group 1, column 'C5', row 5: negative id -3"):
         list(reader.epoch(0))
     reader.close()
+
+
+def test_chunks_of_rows_that_hold_many_ids_are_cut_to_the_id_budget(multihot_dataset, criteo_dataset):
+    from neorec.ingest.chunks import CHUNK_ID_BYTES, CHUNK_ROWS, chunk_rows
+
+    def first_row_group(dataset):
+        return pq.ParquetFile(dataset.root / dataset.splits["train"][0]).read_row_group(0)
+
+    assert chunk_rows([first_row_group(criteo_dataset)], criteo_dataset.schema) == CHUNK_ROWS  # 26 ids a row
+    table = first_row_group(multihot_dataset)
+    ids_per_row = sum(len(table.column(f.name).combine_chunks().flatten()) for f in multihot_dataset.schema.sparse
+                      if f.multi_hot) / table.num_rows
+    ids_per_row += sum(1 for f in multihot_dataset.schema.sparse if not f.multi_hot)
+    heavy = pa.concat_tables([table] * (CHUNK_ROWS // table.num_rows + 1))  # as many rows as a chunk
+    rows = chunk_rows([heavy, table], multihot_dataset.schema)
+    assert rows & (rows - 1) == 0 and rows * ids_per_row * 8 <= CHUNK_ID_BYTES < 2 * rows * ids_per_row * 8
+    assert rows < CHUNK_ROWS
+
+
+@pytest.mark.parametrize("shuffle", ["rows", "row_groups"])
+def test_chunks_cut_to_an_id_budget_change_no_batch(multihot_dataset, shuffle, monkeypatch):
+    from neorec.ingest import chunks
+    from tests.ingest.workers import assert_same_batches
+
+    options = DecodeOptions.for_schema(multihot_dataset.schema)
+    config = ReaderConfig(batch_size=96, seed=2, shuffle=shuffle, window=2)
+    expected = list(InProcessReader(multihot_dataset, "train", options, config).epoch(1))
+    monkeypatch.setattr(chunks, "CHUNK_ID_BYTES", 2048)  # a few rows a chunk
+    assert_same_batches(list(InProcessReader(multihot_dataset, "train", options, config).epoch(1)), expected)
