@@ -48,7 +48,8 @@ class RowGroupCache:
         self._lock = threading.Lock()
         self._tables: OrderedDict[Hashable, Future] = OrderedDict()
         self._sizes: dict[Hashable, int] = {}  # bytes of each table read (not of those in flight)
-        self._decoded: dict[tuple, int] = {}  # rows of a window decoded so far, by window, columns and epoch
+        self._decoded: dict[tuple, list[tuple[int, int]]] = {}
+        """Runs of rows of a window decoded so far (disjoint, ascending), by window, columns and epoch."""
 
     def read(
         self, path: str, row_group: int, columns: tuple[str, ...], epoch: int, load: Callable[[], pa.Table]
@@ -81,17 +82,18 @@ class RowGroupCache:
             future.set_result(table)
         return future.result()
 
-    def rows_decoded(self, groups: Sequence[tuple[str, int]], columns: tuple[str, ...], epoch: int, rows: int,
-                     window_rows: int) -> None:
-        """Count ``rows`` more rows decoded for ``epoch`` from the window whose row groups
-        are ``groups`` (``(path, row_group)`` pairs) and which holds ``window_rows`` rows;
-        once all of them have been, drop the window's tables. A client asks for each row of
-        an epoch once, so they are not needed again; a read that comes anyway (a task
-        retried after its stream broke) reads its row groups again."""
+    def rows_decoded(self, groups: Sequence[tuple[str, int]], columns: tuple[str, ...], epoch: int, start: int,
+                     stop: int, window_rows: int) -> None:
+        """Note that rows ``[start, stop)`` (in the window's read order) were decoded for
+        ``epoch`` from the window whose row groups are ``groups`` (``(path, row_group)``
+        pairs) and which holds ``window_rows`` rows; once every row of it has been, drop its
+        tables. A client asks for each row of an epoch once, so they are not needed again.
+        Rows decoded twice (a task retried after its stream broke) count once; a read that
+        comes after the drop reads its row groups again."""
         window = (tuple(groups), columns, epoch)
         with self._lock:
-            decoded = self._decoded.pop(window, 0) + rows
-            if decoded < window_rows:
+            decoded = _merged(self._decoded.pop(window, []), start, stop)
+            if sum(b - a for a, b in decoded) < window_rows:
                 self._decoded[window] = decoded
                 return
             for key in [k for k in self._tables if (k[0], k[3]) in window[0] and k[4:] == (columns, epoch)]:
@@ -111,3 +113,15 @@ class RowGroupCache:
         cached = {(k[0], k[3], k[4], k[5]) for k in self._tables}
         for window in [w for w in self._decoded if not any((*g, *w[1:]) in cached for g in w[0])]:
             del self._decoded[window]  # its tables are gone: a count that would never complete
+
+
+def _merged(runs: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
+    """``runs`` (disjoint ``[a, b)`` pairs, ascending) with ``[start, stop)`` added, runs
+    that overlap or touch merged into one."""
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted([*runs, (start, stop)]):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged

@@ -363,7 +363,7 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
         def decode(span: RowSpan) -> list[tuple[RowSpan, HostBatch]]:
             chunks = list(decoder.chunks(span))
             groups = [(job.paths[g.file_index], g.row_group) for g in span.window.groups]
-            self.row_groups.rows_decoded(groups, tuple(schema.columns), task.epoch, span.num_rows,
+            self.row_groups.rows_decoded(groups, tuple(schema.columns), task.epoch, span.start, span.stop,
                                          span.window.num_rows)
             return chunks
 

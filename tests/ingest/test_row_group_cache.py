@@ -114,25 +114,45 @@ def test_a_window_decoded_to_its_last_row_is_dropped(data_file):
     window = [(data_file, 0), (data_file, 1)]
     for row_group in (0, 1, 2):
         cache.read(data_file, row_group, COLUMNS, 0, loader(row_group))
-    cache.rows_decoded(window, COLUMNS, 0, 1500, 2000)
-    cache.rows_decoded(window, COLUMNS, 1, 2000, 2000)  # another epoch's window: nothing of epoch 0 goes
-    cache.rows_decoded(window, ("a", "b"), 0, 2000, 2000)  # other columns: the same
-    for row_group in (0, 1, 2):  # still cached: 500 of the window's rows are to come
+    cache.rows_decoded(window, COLUMNS, 0, 500, 2000, 2000)
+    cache.rows_decoded(window, COLUMNS, 1, 0, 2000, 2000)  # another epoch's window: nothing of epoch 0 goes
+    cache.rows_decoded(window, ("a", "b"), 0, 0, 2000, 2000)  # other columns: the same
+    cache.rows_decoded(window, COLUMNS, 0, 700, 1200, 2000)  # rows decoded again (a retried task) count once
+    for row_group in (0, 1, 2):  # still cached: rows [0, 500) are to come
         cache.read(data_file, row_group, COLUMNS, 0, loader(row_group))
     assert loader.calls == {0: 1, 1: 1, 2: 1}
-    cache.rows_decoded(window, COLUMNS, 0, 500, 2000)
+    cache.rows_decoded(window, COLUMNS, 0, 0, 500, 2000)
     for row_group in (2, 0, 1):  # the window's tables went, the other row group stayed
         cache.read(data_file, row_group, COLUMNS, 0, loader(row_group))
     assert loader.calls == {0: 2, 1: 2, 2: 1}
 
 
-def test_counts_of_windows_whose_tables_went_are_forgotten(data_file):
+def test_a_count_lasts_while_its_window_has_tables_and_goes_with_them(data_file):
     size = _table(1000).nbytes
-    cache, loader = RowGroupCache(capacity_bytes=size), CountingLoader(rows=1000)
+    cache, loader = RowGroupCache(capacity_bytes=2 * size), CountingLoader(rows=1000)
+    window = [(data_file, 0)]
     cache.read(data_file, 0, COLUMNS, 0, loader(0))
-    cache.rows_decoded([(data_file, 0)], COLUMNS, 0, 400, 1000)  # the other rows went to another worker
-    cache.read(data_file, 1, COLUMNS, 0, loader(1))  # evicts row group 0 and its count
-    cache.read(data_file, 0, COLUMNS, 0, loader(0))
-    cache.rows_decoded([(data_file, 0)], COLUMNS, 0, 600, 1000)  # counts from 0 again: the table stays
-    cache.read(data_file, 0, COLUMNS, 0, loader(0))
+    cache.rows_decoded(window, COLUMNS, 0, 0, 400, 1000)
+    cache.read(data_file, 1, COLUMNS, 0, loader(1))  # a read that evicts nothing keeps the count
+    cache.rows_decoded(window, COLUMNS, 0, 400, 1000, 1000)
+    cache.read(data_file, 0, COLUMNS, 0, loader(0))  # the count completed: read again
     assert loader.calls == {0: 2, 1: 1}
+    cache.rows_decoded(window, COLUMNS, 0, 0, 400, 1000)  # the other rows went to another worker
+    cache.read(data_file, 2, COLUMNS, 0, loader(2))
+    cache.read(data_file, 3, COLUMNS, 0, loader(3))  # evicts row group 0, and its count with it
+    cache.read(data_file, 0, COLUMNS, 0, loader(0))
+    cache.rows_decoded(window, COLUMNS, 0, 400, 1000, 1000)  # counts from nothing again: the table stays
+    cache.read(data_file, 0, COLUMNS, 0, loader(0))
+    assert loader.calls == {0: 3, 1: 1, 2: 1, 3: 1}
+
+
+def test_a_table_still_being_read_when_its_window_completes_reaches_its_readers(data_file):
+    cache, loader = RowGroupCache(), CountingLoader(delay_s=0.3)
+    results = []
+    reader = threading.Thread(target=lambda: results.append(cache.read(data_file, 0, COLUMNS, 0, loader(0))))
+    reader.start()
+    time.sleep(0.1)
+    cache.rows_decoded([(data_file, 0)], COLUMNS, 0, 0, 1000, 1000)
+    waiter = cache.read(data_file, 0, COLUMNS, 0, loader(0))
+    reader.join()
+    assert results[0] is waiter and loader.calls == {0: 1}

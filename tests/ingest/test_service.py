@@ -86,6 +86,22 @@ def test_a_row_group_is_read_from_parquet_once_per_epoch(channel, criteo_dataset
     assert _status(channel).row_groups_read - again.row_groups_read == groups
 
 
+def test_a_window_read_to_its_last_row_is_not_kept(channel, criteo_dataset):
+    options = DecodeOptions.for_schema(criteo_dataset.schema)
+    reader = RemoteReader(criteo_dataset, "train", options, ReaderConfig(batch_size=100), ["127.0.0.1:1"])
+    plan = reader.plan(0)
+    request = reader.request_for(plan.tasks(plan.num_batches)[0])[0]  # every row of the epoch
+    reader.close()
+    request.epoch = 2000  # an epoch the module's other tests do not read
+    groups = sum(len(w.groups) for w in request.windows)
+    before = _status(channel)
+    first = _read_all(channel, request)
+    after_first = _status(channel)
+    assert after_first.row_groups_read - before.row_groups_read == groups
+    assert _read_all(channel, request) == first  # a second read of the epoch (never asked for) reads again
+    assert _status(channel).row_groups_read - after_first.row_groups_read == groups
+
+
 def _mutations(dataset: Dataset):
     """(name, change to a valid request, expected status code)."""
     def set_field(name, value):
