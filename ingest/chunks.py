@@ -15,8 +15,10 @@ of the one being delivered (the gathers and numpy's work run without the GIL).
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from concurrent.futures import Executor, Future
+from dataclasses import replace
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -119,9 +121,8 @@ class ChunkDecoder:
 
 def chunk_rows(tables: Sequence[pa.Table], schema: DatasetSchema) -> int:
     """Rows per chunk for rows of ``tables`` (raw row groups of ``schema``'s columns):
-    :data:`CHUNK_ROWS`, or the largest power of two whose ids, at the tables' mean ids per
-    row, fit in :data:`CHUNK_ID_BYTES` (a power of two, so that batches of the usual sizes
-    still fall whole in one chunk)."""
+    :data:`CHUNK_ROWS`, or the largest power of two of rows whose ids, at the tables' mean
+    ids per row, fit in :data:`CHUNK_ID_BYTES`."""
     rows = sum(t.num_rows for t in tables)
     ids = sum(_values_in(t.column(f.name)) if f.multi_hot else t.num_rows for t in tables for f in schema.sparse)
     if ids * 8 * CHUNK_ROWS <= CHUNK_ID_BYTES * rows:
@@ -154,7 +155,7 @@ def compile_decoding() -> None:
                    ("s64", pa.int64()), ("s32", pa.int32()))},
                **{name: pa.array([[1, 2], None, [3]], type=kind) for name, kind in _LIST_TYPES.items()}}
     table = pa.table(columns)
-    decode_table(table, schema, options).check(options.table_rows)  # as a client checks a batch received
+    _check_as_received(decode_table(table, schema, options), options.table_rows)
     no_nulls = pa.table({name: column.fill_null(0) if name in ("s64", "s32") else column
                          for name, column in columns.items()})
     for tables in ([table, table], [no_nulls]):
@@ -162,6 +163,16 @@ def compile_decoding() -> None:
         positions = np.arange(starts[-1], dtype=np.int64)[::-1].copy()
         positions.flags.writeable = False  # as a window's read order is (Window.order)
         decode_table(WindowTables(tables, starts).picked(positions), schema, options)
+
+
+def _check_as_received(batch: HostBatch, table_rows: Sequence[int]) -> None:
+    """Check ``batch`` as a reader service's client checks the batches it receives, whose
+    lengths and ids are widened copies or, at their full width on the wire, read-only
+    views of the message (a type of its own to Numba)."""
+    for lengths_writable, values_writable in itertools.product((True, False), repeat=2):
+        lengths, values = batch.lengths.copy(), batch.values.copy()
+        lengths.flags.writeable, values.flags.writeable = lengths_writable, values_writable
+        replace(batch, lengths=lengths, values=values).check(table_rows)
 
 
 _LIST_TYPES = {"l64": pa.list_(pa.int64()), "l32": pa.list_(pa.int32()), "ll64": pa.large_list(pa.int64())}

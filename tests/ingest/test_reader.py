@@ -274,5 +274,9 @@ def test_chunks_cut_to_an_id_budget_change_no_batch(multihot_dataset, shuffle, m
     options = DecodeOptions.for_schema(multihot_dataset.schema)
     config = ReaderConfig(batch_size=96, seed=2, shuffle=shuffle, window=2)
     expected = list(InProcessReader(multihot_dataset, "train", options, config).epoch(1))
-    monkeypatch.setattr(chunks, "CHUNK_ID_BYTES", 2048)  # a few rows a chunk
-    assert_same_batches(list(InProcessReader(multihot_dataset, "train", options, config).epoch(1)), expected)
+    monkeypatch.setattr(chunks, "CHUNK_ID_BYTES", 4096)  # a row or two a chunk
+    reader = InProcessReader(multihot_dataset, "train", options, config)
+    span = reader.plan(1).spans[0]
+    sizes = [chunk.batch_size for _, chunk in reader.decoder.chunks(span)]
+    assert sum(sizes) == span.num_rows and max(sizes) <= 4  # the rows hold over 128 ids
+    assert_same_batches(list(reader.epoch(1)), expected)
