@@ -57,6 +57,7 @@ def test_movielens_joins_users_and_genres(tmp_path, directory, users):
     assert {r["label"] for r in train} <= {0.0, 1.0}
 
 
+@pytest.mark.slow  # end to end, over 10 s: CI runs it with -m slow
 def test_each_preset_trains(tmp_path):
     cases = [("criteo", FIXTURES / "criteo_sample.tsv", ["--eval-fraction", "0.5"]),
              ("avazu", FIXTURES / "avazu_sample.csv", ["--eval-fraction", "0.25"]),

@@ -46,6 +46,7 @@ def test_errors_are_reported_without_a_traceback(tmp_path):
     assert result.returncode == 2 and "not a neorec dataset directory" in result.stderr
 
 
+@pytest.mark.slow  # end to end, over 10 s: CI runs it with -m slow
 def test_bench_quick_times_both_sides_training_the_same_model(tmp_path):
     out = tmp_path / "bench.json"
     result = _neorec("bench", "train", "--quick", "--json", str(out))

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def _spinning_processes() -> set[int]:
     """PIDs of live processes running the benchmark's competitor (``python -c 'while True: pass'``)."""
@@ -22,6 +24,7 @@ def _spinning_processes() -> set[int]:
     return found
 
 
+@pytest.mark.slow  # end to end, over 10 s: CI runs it with -m slow
 def test_bench_train_contend_reports_both_thread_counts_and_stops_its_competitor(tmp_path):
     before = _spinning_processes()
     out = tmp_path / "bench.json"

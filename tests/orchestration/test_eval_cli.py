@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.ingest.workers import start_worker, stop_all
 
 
@@ -13,6 +15,7 @@ def _neorec(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "neorec", *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # end to end, over 10 s: CI runs it with -m slow
 def test_eval_of_a_run_trained_through_services_that_are_gone(criteo_dataset, tmp_path):
     run = tmp_path / "run"
     worker = start_worker()

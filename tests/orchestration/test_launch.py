@@ -32,6 +32,7 @@ def _neorec(*args, timeout=600):
 
 
 # ----------------------------------------------------------------------- neorec status
+@pytest.mark.slow  # end to end, over 10 s: CI runs it with -m slow
 def test_status_exit_codes_are_grpc_health_probe_s(tmp_path):
     live, stopped, dead = start_worker(), start_worker(), start_worker()
     dead.kill()
@@ -120,6 +121,7 @@ def assert_ports_free(run: Path) -> None:
             probe.bind((host, int(port)))  # raises while a process of the job still listens on it
 
 
+@pytest.mark.slow  # end to end, over 10 s: CI runs it with -m slow
 def test_a_launched_job_trains_as_a_plain_run_and_leaves_nothing(criteo_dataset, tmp_path):
     job = job_file(tmp_path, criteo_dataset)
     result = _neorec("launch", str(job))

@@ -62,6 +62,7 @@ def _kill_and_resume(dataset, tmp_path, *more):
     _same_run(whole, killed)
 
 
+@pytest.mark.slow  # end to end, over 10 s: CI runs it with -m slow
 def test_a_sigkilled_run_resumes_to_the_same_end(criteo_dataset, tmp_path):
     _kill_and_resume(criteo_dataset, tmp_path)
 

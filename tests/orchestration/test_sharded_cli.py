@@ -58,6 +58,7 @@ def _settings(dataset, run):
             "--set", "train.batch_size=128", "--set", f"run.dir='{run}'"]
 
 
+@pytest.mark.slow  # end to end, over 10 s: CI runs it with -m slow
 def test_the_gpu_code_path_trains_single_process_and_sharded_on_the_cpu(criteo_dataset, tmp_path):
     """``train.kernels = "torch"`` runs the lookups, updates and routing in torch ops, as on
     CUDA: the whole train loop, one process and two, on the CPU."""

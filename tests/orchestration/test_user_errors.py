@@ -55,6 +55,7 @@ def test_a_bad_dataset_json_is_named(dataset_copy, tmp_path, damage, expected):
     _refused(_train(dataset_copy, tmp_path / "run"), str(path), expected)
 
 
+@pytest.mark.slow  # end to end, over 10 s: CI runs it with -m slow
 def test_unknown_splits_and_bad_values_are_named(criteo_dataset, tmp_path):
     run = tmp_path / "run"
     _refused(_train(criteo_dataset.root, run, "--set", "data.eval_split='test'"), "has no split 'test'")
@@ -74,6 +75,7 @@ def test_unknown_splits_and_bad_values_are_named(criteo_dataset, tmp_path):
     assert not run.exists()
 
 
+@pytest.mark.slow  # end to end, over 10 s: CI runs it with -m slow
 def test_bad_command_line_values_are_refused():
     for args in (["data", "synth", "--rows", "-5", "--out", "x"], ["ingest", "serve", "--grace", "-1"],
                  ["ingest", "serve", "--grace", "nan"], ["ingest", "serve", "--worker-threads", "0"],
@@ -83,6 +85,7 @@ def test_bad_command_line_values_are_refused():
         assert result.returncode == ERROR and "Traceback" not in result.stderr, (args, result.stderr)
 
 
+@pytest.mark.slow  # end to end, over 10 s: CI runs it with -m slow
 def test_a_run_directory_holds_one_run(criteo_dataset, tmp_path):
     run = tmp_path / "run"
     assert _train(criteo_dataset.root, run).returncode == 0
