@@ -26,11 +26,26 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
-from typing import Callable, Hashable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import pyarrow as pa
 
 DEFAULT_CAPACITY_BYTES = 512 << 20
+
+
+class _Key(NamedTuple):
+    """A cached table: one row group's columns of one file version, for one epoch."""
+
+    path: str
+    mtime_ns: int
+    size: int  # with mtime_ns: a rewritten file is another key
+    row_group: int
+    columns: tuple[str, ...]
+    epoch: int
+
+    def of(self, groups: Sequence[tuple[str, int]], columns: tuple[str, ...], epoch: int) -> bool:
+        """Whether this is a table of row groups ``groups`` (``(path, row_group)`` pairs)."""
+        return (self.path, self.row_group) in groups and (self.columns, self.epoch) == (columns, epoch)
 
 
 class RowGroupCache:
@@ -46,8 +61,8 @@ class RowGroupCache:
         self.hits = 0
         self.misses = 0
         self._lock = threading.Lock()
-        self._tables: OrderedDict[Hashable, Future] = OrderedDict()
-        self._sizes: dict[Hashable, int] = {}  # bytes of each table read (not of those in flight)
+        self._tables: OrderedDict[_Key, Future] = OrderedDict()
+        self._sizes: dict[_Key, int] = {}  # bytes of each table read (not of those in flight)
         self._decoded: dict[tuple, list[tuple[int, int]]] = {}
         """Runs of rows of a window decoded so far (disjoint, ascending), by window, columns and epoch."""
 
@@ -58,7 +73,7 @@ class RowGroupCache:
         ``epoch``: cached, being read by another thread, or read now by ``load()``, whose
         errors propagate to every thread waiting for it (and are not cached)."""
         stat = os.stat(path)
-        key = (path, stat.st_mtime_ns, stat.st_size, row_group, columns, epoch)  # a rewritten file is another key
+        key = _Key(path, stat.st_mtime_ns, stat.st_size, row_group, columns, epoch)
         with self._lock:
             future = self._tables.get(key)
             reader = future is None
@@ -96,23 +111,25 @@ class RowGroupCache:
             if sum(b - a for a, b in decoded) < window_rows:
                 self._decoded[window] = decoded
                 return
-            for key in [k for k in self._tables if (k[0], k[3]) in window[0] and k[4:] == (columns, epoch)]:
+            for key in [k for k in self._tables if k.of(window[0], columns, epoch)]:
                 if key in self._sizes:  # a table still being read stays for its waiters
                     del self._tables[key], self._sizes[key]
 
-    def _evict(self, keep: Hashable) -> None:
-        """Drop the least recently used tables read, except ``keep``, until the rest fit
-        (lock held)."""
+    def _evict(self, keep: _Key) -> None:
+        """Drop the least recently used tables read, except ``keep``, until the rest fit,
+        and the counts of windows left with no table (lock held)."""
         total = sum(self._sizes.values())
+        evicted = False
         for key in list(self._tables):
             if total <= self.capacity_bytes:
                 break
             if key in self._sizes and key != keep:
                 total -= self._sizes.pop(key)
                 del self._tables[key]
-        cached = {(k[0], k[3], k[4], k[5]) for k in self._tables}
-        for window in [w for w in self._decoded if not any((*g, *w[1:]) in cached for g in w[0])]:
-            del self._decoded[window]  # its tables are gone: a count that would never complete
+                evicted = True
+        if evicted:
+            for window in [w for w in self._decoded if not any(k.of(*w) for k in self._tables)]:
+                del self._decoded[window]  # its tables are gone: a count that would never complete
 
 
 def _merged(runs: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
