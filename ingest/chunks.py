@@ -15,7 +15,6 @@ of the one being delivered (the gathers and numpy's work run without the GIL).
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from concurrent.futures import Executor, Future
 from dataclasses import replace
@@ -24,12 +23,13 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
-from neorec.ingest.batch import HostBatch
+from neorec.ingest.batch import HostBatch, Provenance
 from neorec.ingest.decoder import DecodeOptions, decode_table
 from neorec.ingest.errors import DataError
-from neorec.ingest.rows import RowGroupInfo, RowSpan
+from neorec.ingest.rows import RowGroupInfo, RowSpan, Window
 from neorec.ingest.schema import DatasetSchema, SparseFeature
 from neorec.ingest.take import WindowTables
+from neorec.ingest.wire import decode_batch, serialize_batch
 
 CHUNK_ROWS = 65_536
 """Most rows decoded at once. Larger chunks allocate arrays beyond what the allocator keeps
@@ -139,8 +139,8 @@ def _values_in(column: pa.ChunkedArray) -> int:
 def compile_decoding() -> None:
     """Decode small tables of the usual column types (float32 and float64 numbers, int64
     and int32 ids, lists of int64 and int32 ids with 32- and 64-bit offsets), with nulls,
-    in order and picked from a window, and check a batch as a reader service's client
-    checks the batches it receives, so that this process compiles (or loads from Numba's
+    in order and picked from a window, and send a batch through the wire format and check
+    it as a reader service and its client do, so that this process compiles (or loads from Numba's
     cache) the decoding kernels a run calls. Launchers call it before starting
     processes that decode at once (see :mod:`neorec.trainer.run.warmup`); columns of other
     types compile on first use."""
@@ -166,13 +166,12 @@ def compile_decoding() -> None:
 
 
 def _check_as_received(batch: HostBatch, table_rows: Sequence[int]) -> None:
-    """Check ``batch`` as a reader service's client checks the batches it receives, whose
-    lengths and ids are widened copies or, at their full width on the wire, read-only
-    views of the message (a type of its own to Numba)."""
-    for lengths_writable, values_writable in itertools.product((True, False), repeat=2):
-        lengths, values = batch.lengths.copy(), batch.values.copy()
-        lengths.flags.writeable, values.flags.writeable = lengths_writable, values_writable
-        replace(batch, lengths=lengths, values=values).check(table_rows)
+    """Send ``batch`` through the wire format and check it, as a reader service and its
+    client do with every batch."""
+    window = Window((RowGroupInfo(0, 0, batch.batch_size),))
+    message = serialize_batch(replace(batch, provenance=Provenance(0, 0, (RowSpan(window, 0, batch.batch_size),))),
+                              table_rows, {window: 0})
+    decode_batch(message, batch.keys, [window]).check(table_rows)
 
 
 _LIST_TYPES = {"l64": pa.list_(pa.int64()), "l32": pa.list_(pa.int32()), "ll64": pa.large_list(pa.int64())}

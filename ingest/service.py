@@ -316,12 +316,11 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _stream(self, job: ReadJob, context: grpc.ServicerContext) -> Iterator[bytes]:
-        id_bound = max(job.options.table_rows, default=1)  # decoded ids lie below it
         try:
             for batch in batches_from_chunks(job.task, self._decoded(job), job.dataset.schema):
                 if self.aborting.is_set():
                     self._abort(context, grpc.StatusCode.UNAVAILABLE, "the reader service is shutting down")
-                message = serialize_batch(batch, id_bound, job.windows, job.compression)
+                message = serialize_batch(batch, job.options.table_rows, job.windows, job.compression)
                 if len(message) > MAX_MESSAGE_BYTES:
                     self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"batch step {batch.provenance.step} is {len(message)} bytes, "

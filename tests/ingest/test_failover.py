@@ -14,6 +14,7 @@ from neorec.ingest.client import ClientOptions, IngestError, RemoteReader
 from neorec.ingest.decoder import DecodeOptions
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.service import ReaderServer
+from neorec.protos import ingest_pb2
 from tests.ingest.workers import DATA_ROOTS, assert_same_batches, start_worker, stop_all
 
 
@@ -88,10 +89,10 @@ def _serve_with(monkeypatch, change):
     return server
 
 
-def _bad_id(original, batch, id_bound, windows, compression):
+def _bad_id(original, batch, id_bounds, windows, compression):
     batch.values = batch.values.copy()
-    batch.values[-1] = id_bound + 5  # past every table
-    return original(batch, id_bound + 10, windows, compression)
+    batch.values[-1] = id_bounds[-1] + 5  # past the last feature's table
+    return original(batch, (*id_bounds[:-1], id_bounds[-1] + 10), windows, compression)
 
 
 def _first_epoch_fails(dataset, server: ReaderServer, client: ClientOptions, match: str) -> None:
@@ -111,10 +112,10 @@ def test_an_id_outside_its_table_is_refused_by_name_after_every_attempt(criteo_d
                        r"failed 2 times.*malformed batch.*feature 'C26': id \d+ is outside its table's rows")
 
 
-def _bad_lengths(original, batch, id_bound, windows, compression):
-    batch.lengths = batch.lengths.copy()
-    batch.lengths[0] += 1  # one id more than the batch holds
-    return original(batch, id_bound, windows, compression)
+def _bad_lengths(original, batch, id_bounds, windows, compression):
+    message = ingest_pb2.Batch.FromString(original(batch, id_bounds, windows, compression))
+    message.num_values -= 1  # one id fewer than the bag lengths add up to
+    return message.SerializeToString()
 
 
 def test_lengths_that_do_not_add_up_are_refused(criteo_dataset, monkeypatch):

@@ -17,13 +17,14 @@ def _windows(batches: list[HostBatch]) -> list[Window]:
     return list(dict.fromkeys(s.window for b in batches for s in b.provenance.rows))
 
 
-def _message(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_NONE, id_bound: int | None = None,
-             windows: list[Window] = WINDOWS) -> bytes:
-    """The batch as a client receives it: the serialized message (ids bounded by the
-    largest + 1 unless ``id_bound`` says otherwise)."""
-    if id_bound is None:
-        id_bound = int(batch.values.max(initial=0)) + 1
-    return serialize_batch(batch, id_bound, {w: i for i, w in enumerate(windows)}, compression)
+def _message(batch: HostBatch, compression: int = ingest_pb2.COMPRESSION_NONE,
+             id_bounds: tuple[int, ...] | None = None, windows: list[Window] = WINDOWS) -> bytes:
+    """The batch as a client receives it: the serialized message (each feature's ids
+    bounded by its largest + 1 unless ``id_bounds`` says otherwise)."""
+    if id_bounds is None:
+        offsets = batch.feature_value_offsets()
+        id_bounds = tuple(int(batch.values[a:b].max(initial=0)) + 1 for a, b in zip(offsets[:-1], offsets[1:]))
+    return serialize_batch(batch, id_bounds, {w: i for i, w in enumerate(windows)}, compression)
 
 
 @pytest.mark.parametrize("compression", COMPRESSIONS)
@@ -59,30 +60,59 @@ def test_weights_and_empty_bags_round_trip(compression):
     assert_same_batches([decode_batch(_message(batch, compression), batch.keys, WINDOWS)], [batch])
 
 
-@pytest.mark.parametrize("id_bound, value_bytes", [(8, 4), (1 << 32, 4), ((1 << 32) + 1, 8)])
-@pytest.mark.parametrize("longest_bag, length_bytes", [(3, 1), (255, 1), (256, 2), (65_536, 4)])
-def test_ids_and_lengths_travel_narrow_and_come_back_wide(id_bound, value_bytes, longest_bag, length_bytes):
-    lengths = np.array([longest_bag, 1, 0, 2], dtype=np.int32)  # features "a", "b" of samples 0, 1
-    values = np.arange(lengths.sum(), dtype=np.int64) % 5
-    values[-1] = id_bound - 1  # the largest id the bound allows
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_each_feature_travels_in_its_own_narrowest_widths_and_comes_back_wide(compression):
+    # Features a..e: tables that need 1, 2, 4, 8 and 1 bytes an id (the largest id each
+    # allows is sent); bags of one id each (no lengths sent), longest 255, 256 and 65,536,
+    # and bags of at most one id, not all one (1 byte).
+    bounds = (256, 1 << 16, 1 << 32, (1 << 32) + 1, 3)
+    lengths = np.array([[1, 1], [255, 0], [256, 3], [65_536, 2], [1, 0]], dtype=np.int32)
+    values = np.concatenate([np.arange(n, dtype=np.int64) % 7 for n in lengths.sum(axis=1)])
+    ends = np.cumsum(lengths.sum(axis=1)) - 1
+    values[ends] = np.array(bounds) - 1
     batch = HostBatch(
-        dense=np.ones((2, 1), dtype=np.float32), labels=np.array([1, 0], dtype=np.float32), keys=("a", "b"),
-        lengths=lengths, values=values, weights=np.linspace(0, 1, values.size, dtype=np.float32),
+        dense=np.ones((2, 1), dtype=np.float32), labels=np.array([1, 0], dtype=np.float32), keys=tuple("abcde"),
+        lengths=lengths.reshape(-1), values=values, weights=np.linspace(0, 1, values.size, dtype=np.float32),
         provenance=Provenance(epoch=0, step=1, rows=(RowSpan(WINDOWS[0], 0, 2),)),
     )
-    message = _message(batch, id_bound=id_bound)
+    message = _message(batch, compression, id_bounds=bounds)
     header = ingest_pb2.Batch.FromString(message)
-    assert (header.value_bytes, header.length_bytes) == (value_bytes, length_bytes)
+    assert list(header.value_bytes) == [1, 2, 4, 8, 1]
+    assert list(header.length_bytes) == [0, 1, 2, 4, 1]
     decoded = decode_batch(message, batch.keys, WINDOWS)
     assert decoded.values.dtype == np.int64 and decoded.lengths.dtype == np.int32
     assert_same_batches([decoded], [batch])
+    if compression == ingest_pb2.COMPRESSION_NONE:
+        ids = 2 + 255 * 2 + 259 * 4 + 65_538 * 8 + 1
+        assert len(header.body) == ids + 4 * (2 + 2 + values.size) + 2 * (1 + 2 + 4 + 1)
+
+
+def test_negative_lengths_travel_signed():
+    batch = _weighted_batch()
+    batch.lengths = np.array([1, 0, 2, 3, -1, 1], dtype=np.int32)  # feature b adds up to its 3 ids
+    message = _message(batch)
+    assert list(ingest_pb2.Batch.FromString(message).length_bytes) == [1, 4]
+    with pytest.raises(ValueError, match="feature 'b', sample 1: negative bag length -1"):
+        decode_batch(message, batch.keys, WINDOWS).check((8, 8))
+
+
+def test_a_batch_whose_lengths_do_not_add_up_is_not_serialized():
+    batch = _weighted_batch()
+    batch.lengths = batch.lengths + 1
+    with pytest.raises(ValueError, match="bag lengths add up to 12 ids, the batch holds 6"):
+        _message(batch, id_bounds=(8, 8))
 
 
 def test_a_body_that_does_not_match_its_header_is_refused():
     message = ingest_pb2.Batch.FromString(_message(_weighted_batch()))  # protobuf's own encoding
     message.num_values += 1
-    with pytest.raises(WireError, match="step 9: body holds"):
+    with pytest.raises(WireError, match="step 9: bag lengths add up to 6 ids, the batch holds 7"):
         decode_batch(message.SerializeToString(), ("a", "b"), WINDOWS)
+    message.num_values -= 1
+    message.has_weights = False
+    with pytest.raises(WireError, match="step 9: body holds 72 bytes, its header says 48"):
+        decode_batch(message.SerializeToString(), ("a", "b"), WINDOWS)
+    message.has_weights = True
     with pytest.raises(WireError, match="truncated|not a Batch"):
         decode_batch(_message(_weighted_batch())[:-5], ("a", "b"), WINDOWS)
     with pytest.raises(WireError, match="not a Batch|wire type"):
@@ -91,7 +121,10 @@ def test_a_body_that_does_not_match_its_header_is_refused():
         decode_batch(_message(_weighted_batch()), ("a", "b", "c"), WINDOWS)
     with pytest.raises(WireError, match="not rows of the request's 1 windows"):
         decode_batch(_message(_weighted_batch()), ("a", "b"), WINDOWS[:1])
-    message.num_values -= 1
-    message.value_bytes = 3
-    with pytest.raises(WireError, match="step 9: value_bytes is 3"):
+    message.value_bytes[0] = 3
+    with pytest.raises(WireError, match=r"step 9: value_bytes is \[3, 1\], expected 2 of \[1, 2, 4, 8\]"):
+        decode_batch(message.SerializeToString(), ("a", "b"), WINDOWS)
+    message.value_bytes[0] = 1
+    del message.length_bytes[1]
+    with pytest.raises(WireError, match=r"step 9: length_bytes is \[1\], expected 2 of \[0, 1, 2, 4\]"):
         decode_batch(message.SerializeToString(), ("a", "b"), WINDOWS)
