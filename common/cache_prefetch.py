@@ -16,12 +16,15 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-_READ, _WRITE, _HIGH_LOCALITY, _DATA_CACHE = 0, 1, 3, 1
+_READ, _WRITE, _DATA_CACHE = 0, 1, 1
+_ALL_LEVELS, _FROM_L2 = 3, 2
+"""``llvm.prefetch`` locality: into every cache level (x86 ``prefetcht0``), or into L2 and
+below, not L1 (``prefetcht1``)."""
 
 
-def _prefetch_intrinsic(name: str, intent: int, doc: str):
+def _prefetch_intrinsic(name: str, intent: int, locality: int, doc: str):
     """An intrinsic ``f(array, index)`` that emits ``llvm.prefetch`` of the line holding
-    ``array[index]`` with read or write ``intent``."""
+    ``array[index]`` with read or write ``intent`` and cache ``locality``."""
 
     def typer(typingctx, array, index):
         signature = types.void(array, index)
@@ -36,7 +39,7 @@ def _prefetch_intrinsic(name: str, intent: int, doc: str):
             function = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]), "llvm.prefetch.p0i8")
             builder.call(function, [builder.bitcast(pointer, byte_pointer), ir.Constant(i32, intent),
-                                    ir.Constant(i32, _HIGH_LOCALITY), ir.Constant(i32, _DATA_CACHE)])
+                                    ir.Constant(i32, locality), ir.Constant(i32, _DATA_CACHE)])
             return context.get_dummy_value()
 
         return signature, codegen
@@ -47,8 +50,15 @@ def _prefetch_intrinsic(name: str, intent: int, doc: str):
 
 
 prefetch = _prefetch_intrinsic(
-    "prefetch", _READ, """``prefetch(array, index)``: start loading the line holding ``array[index]`` (1-D).""")
+    "prefetch", _READ, _ALL_LEVELS,
+    """``prefetch(array, index)``: start loading the line holding ``array[index]`` (1-D).""")
+prefetch_to_l2 = _prefetch_intrinsic(
+    "prefetch_to_l2", _READ, _FROM_L2, """``prefetch_to_l2(array, index)``: start loading the line holding ``array[index]`` (1-D)
+    into L2, not L1: for kernels that keep many lines in flight (several lines of each of
+    many rows or bags ahead), which then do not wait for L1's few outstanding-miss slots nor
+    evict from L1 what they are working on. The embedding forward's rows and the ingest
+    bag gather read ~10-25% faster than with :func:`prefetch` (one thread, this machine).""")
 prefetch_for_write = _prefetch_intrinsic(
-    "prefetch_for_write", _WRITE, """``prefetch_for_write(array, index)``: start loading the line holding ``array[index]``
+    "prefetch_for_write", _WRITE, _ALL_LEVELS, """``prefetch_for_write(array, index)``: start loading the line holding ``array[index]``
     (1-D) in a state that lets this core write it (on x86, ``prefetchw``): for lines the
     kernel will modify, which saves the later ownership request a plain prefetch leaves.""")

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from neorec.common.cache_prefetch import prefetch
+from neorec.common.cache_prefetch import prefetch, prefetch_to_l2
 from neorec.ingest.decoder import Bags
 from neorec.ingest.flat_columns import Part
 
@@ -172,8 +172,11 @@ def _copy_bags(offsets, ids, valid, rows, places, out):  # pragma: no cover - co
             prefetch(offsets, rows[k + 2 * PREFETCH_BAGS])
         if k + PREFETCH_BAGS < n:
             ahead = rows[k + PREFETCH_BAGS]
-            for q in range(offsets[ahead], offsets[ahead + 1], 8):
-                prefetch(ids, q)
+            first, end = offsets[ahead], offsets[ahead + 1]
+            for q in range(first, end, 8):
+                prefetch_to_l2(ids, q)
+            if end > first:
+                prefetch_to_l2(ids, end - 1)  # the bag's last line, when it does not start one
         r = rows[k]
         if valid.size != 0 and not valid[r]:
             continue

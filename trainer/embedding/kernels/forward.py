@@ -12,7 +12,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from neorec.common.cache_prefetch import prefetch
+from neorec.common.cache_prefetch import prefetch_to_l2
 from neorec.trainer.embedding.kernels.precision import FP32, decode
 from neorec.trainer.embedding.kernels.registers import STREAM_ALIGNMENT, fence_streaming, stack_floats, store_streaming
 from neorec.trainer.embedding.kernels.row_prefetch import prefetch_row
@@ -186,7 +186,7 @@ def pooled_sum_lanes(
                         row_ahead = values[ahead]
                         if 0 <= row_ahead < table_rows:
                             for d in range(0, LANES, 16):
-                                prefetch(weights, base + row_ahead * dim + c + d)
+                                prefetch_to_l2(weights, base + row_ahead * dim + c + d)
                     upstream_of_id[p] = o
                     idx = values[p]
                     if idx < 0 or idx >= table_rows:
