@@ -56,8 +56,8 @@ prefetch_to_l2 = _prefetch_intrinsic(
     "prefetch_to_l2", _READ, _FROM_L2, """``prefetch_to_l2(array, index)``: start loading the line holding ``array[index]`` (1-D)
     into L2, not L1: for kernels that keep many lines in flight (several lines of each of
     many rows or bags ahead), which then do not wait for L1's few outstanding-miss slots nor
-    evict from L1 what they are working on. The embedding forward's rows and the ingest
-    bag gather read ~10-25% faster than with :func:`prefetch` (one thread, this machine).""")
+    evict from L1 what they are working on: the embedding kernels' rows, read by the
+    forward and updated by the backward, and the ingest bag gather.""")
 prefetch_for_write = _prefetch_intrinsic(
     "prefetch_for_write", _WRITE, _ALL_LEVELS, """``prefetch_for_write(array, index)``: start loading the line holding ``array[index]``
     (1-D) in a state that lets this core write it (on x86, ``prefetchw``): for lines the

@@ -277,9 +277,9 @@ def apply_updates(
 @numba.njit(inline="always")
 def _prefetch_row_and_state(weights, weights16, precision, state1, touched, table_offsets, state_offsets,
                             state_width, touched_offsets, dims, t, row):
-    """Prefetch, for writing, what the update of ``row`` of table ``t`` modifies: its
-    weights, its state and its touched bit's byte."""
-    prefetch_row(weights, weights16, precision, table_offsets[t] + row * dims[t], dims[t], True)
+    """Prefetch what the update of ``row`` of table ``t`` modifies: its weights (into L2,
+    see :func:`prefetch_row`) and, for writing, its state and its touched bit's byte."""
+    prefetch_row(weights, weights16, precision, table_offsets[t] + row * dims[t], dims[t])
     if state1.shape[0] > 0:
         prefetch_for_write(state1, state_offsets[t] + row * state_width[t])
     prefetch_for_write(touched, (touched_offsets[t] + row) >> 3)

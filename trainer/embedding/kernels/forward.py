@@ -115,7 +115,7 @@ def pooled_forward(
             for p in range(start, end):
                 ahead = p + PREFETCH_IDS
                 if ahead < feature_end and 0 <= values[ahead] < table_rows:
-                    prefetch_row(weights, weights16, precision, base + values[ahead] * dim, dim, False)
+                    prefetch_row(weights, weights16, precision, base + values[ahead] * dim, dim)
                 upstream_of_id[p] = o
                 w = id_weights[p] if weighted else np.float32(1.0)
                 if scaled:

@@ -4,27 +4,24 @@ from __future__ import annotations
 
 import numba
 
-from neorec.common.cache_prefetch import prefetch_for_write, prefetch_to_l2
+from neorec.common.cache_prefetch import prefetch_to_l2
 from neorec.trainer.embedding.kernels.precision import FP32
 
 
 @numba.njit(inline="always")
-def prefetch_row(weights, weights16, precision, start, dim, for_write):
-    """Prefetch the cache lines of one row of ``dim`` weights from ``start``: float32
-    ``weights`` or, in half precision, uint16 ``weights16``. ``for_write``: the kernel is
-    about to update the row (each call passes a constant, folded away once inlined). A row
-    only read is prefetched into L2 (the forward keeps many rows in flight)."""
+def prefetch_row(weights, weights16, precision, start, dim):
+    """Prefetch the cache lines of one row of ``dim`` weights from ``start`` into L2:
+    float32 ``weights`` or, in half precision, uint16 ``weights16``.
+
+    For the forward, which only reads the row, and for the update, which writes it too: a
+    line read from memory that no other core holds arrives exclusive, so the update's
+    write needs no further request, and the kernels keep many rows in flight, which L1's
+    few outstanding-miss slots would hold up. Against ``prefetchw`` of the rows to be
+    updated, one thread's row-wise Adagrad step is ~10-15% faster; a read into L1 is not
+    (BENCHMARKS.md, ``neorec bench tbe``)."""
     if precision == FP32:
         for d in range(0, dim, 16):
-            _prefetch_line(weights, start + d, for_write)
+            prefetch_to_l2(weights, start + d)
     else:
         for d in range(0, dim, 32):
-            _prefetch_line(weights16, start + d, for_write)
-
-
-@numba.njit(inline="always")
-def _prefetch_line(array, index, for_write):
-    if for_write:
-        prefetch_for_write(array, index)
-    else:
-        prefetch_to_l2(array, index)
+            prefetch_to_l2(weights16, start + d)
