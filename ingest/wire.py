@@ -44,15 +44,17 @@ def serialize_batch(batch: HostBatch, id_bounds: Sequence[int], window_index: Ma
     """The serialized ``Batch`` message for ``batch``, whose feature ``f`` has ids in
     ``[0, id_bounds[f])`` (its table's rows: no scan of the ids). ``window_index`` numbers
     the windows of the request the batch answers (its provenance names rows by window
-    number). Raises ``ValueError`` if the bag lengths do not add up to the batch's ids.
+    number). Raises ``ValueError`` if a feature's bag lengths add up to a negative number of
+    ids or all of them to another number than the batch holds.
 
     Each feature's ids travel in the narrowest of :data:`VALUE_WIDTHS` that holds its bound,
     its bag lengths in the narrowest of :data:`LENGTH_WIDTHS` that holds its longest bag, or
-    not at all when every bag holds one id (width 0). The tensors are packed into the body
-    in one pass; the header fields are serialized by protobuf and the body field (number
-    11) appended by hand (tag, length, bytes), which is a valid encoding of the same
-    message: fields may come in any order. This saves the two copies of the body that
-    setting the field and serializing the message would make.
+    not at all when every bag holds one id (width 0); a feature with an id its width cannot
+    hold (outside its table) sends its ids at 8 bytes, so that the receiver names the bad
+    id. Each tensor is packed into the body in one pass; the header fields are serialized
+    by protobuf and the body field (number 11) appended by hand (tag, length, bytes), which
+    is a valid encoding of the same message: fields may come in any order. This saves the
+    two copies of the body that setting the field and serializing the message would make.
     """
     provenance = batch.provenance
     if provenance is None:
@@ -60,24 +62,22 @@ def serialize_batch(batch: HostBatch, id_bounds: Sequence[int], window_index: Ma
     num_f, size = batch.num_features, batch.batch_size
     if len(id_bounds) != num_f:
         raise ValueError(f"{len(id_bounds)} id bounds for a batch of {num_f} features")
-    value_widths = _value_widths(tuple(id_bounds))
     counts, least, largest = _bag_stats(batch.lengths.reshape(num_f, size))
-    length_widths = np.array([_length_width(int(c), int(lo), int(hi), size)
-                              for c, lo, hi in zip(counts.tolist(), least.tolist(), largest.tolist())], dtype=np.int64)
+    if (counts < 0).any():
+        f = int(np.argmax(counts < 0))
+        raise ValueError(f"feature {batch.keys[f]!r}: bag lengths add up to {int(counts[f])} ids")
     if counts.sum() != batch.values.size:
         raise ValueError(f"bag lengths add up to {int(counts.sum())} ids, the batch holds {batch.values.size}")
+    length_widths = np.array([_length_width(int(c), int(lo), int(hi), size)
+                              for c, lo, hi in zip(counts.tolist(), least.tolist(), largest.tolist())], dtype=np.int64)
     floats = [np.ascontiguousarray(batch.dense, dtype="<f4"), np.ascontiguousarray(batch.labels, dtype="<f4")]
     if batch.weights is not None:
         floats.append(np.ascontiguousarray(batch.weights, dtype="<f4"))
-    value_bytes = int(counts @ value_widths)
-    float_bytes = sum(a.nbytes for a in floats)
-    body = np.empty(value_bytes + float_bytes + int(length_widths.sum()) * size, dtype=np.uint8)
-    _pack(batch.values, counts, value_widths, body, 0)
-    position = value_bytes
-    for array in floats:
-        body[position : position + array.nbytes] = array.reshape(-1).view(np.uint8)
-        position += array.nbytes
-    _pack(batch.lengths, np.full(num_f, size, dtype=np.int64), length_widths, body, position)
+    value_widths = _value_widths(tuple(id_bounds))
+    body, too_wide = _body(batch, counts, value_widths, floats, length_widths)
+    if too_wide.any():  # ids outside their tables travel whole, for the receiver to name
+        value_widths = np.where(too_wide, VALUE_WIDTHS[-1], value_widths)
+        body, _ = _body(batch, counts, value_widths, floats, length_widths)
     view = memoryview(body)
     if compression == ingest_pb2.COMPRESSION_ZSTD:
         view = memoryview(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(view))
@@ -101,6 +101,23 @@ def serialize_batch(batch: HostBatch, id_bounds: Sequence[int], window_index: Ma
     return b"".join([header.SerializeToString(), _BODY_TAG, _varint(view.nbytes), view])
 
 
+def _body(batch: HostBatch, counts: np.ndarray, value_widths: np.ndarray, floats: list[np.ndarray],
+          length_widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The message body (uint8) of ``batch`` at these widths, and, per feature, whether an
+    id did not fit its width (bool ``[F]``)."""
+    size = batch.batch_size
+    value_bytes = int(counts @ value_widths)
+    float_bytes = sum(a.nbytes for a in floats)
+    body = np.empty(value_bytes + float_bytes + int(length_widths.sum()) * size, dtype=np.uint8)
+    too_wide = _pack(batch.values, counts, value_widths, body, 0)
+    position = value_bytes
+    for array in floats:
+        body[position : position + array.nbytes] = array.reshape(-1).view(np.uint8)
+        position += array.nbytes
+    _pack(batch.lengths, np.full(batch.num_features, size, dtype=np.int64), length_widths, body, position)
+    return body, too_wide != 0
+
+
 VALUE_WIDTHS = (1, 2, 4, 8)
 """Bytes of an id on the wire, narrowest first: unsigned, but 8 bytes are a signed int64
 (the width of a decoded id)."""
@@ -121,7 +138,7 @@ def _value_widths(id_bounds: tuple[int, ...]) -> np.ndarray:
 def _length_width(total: int, least: int, largest: int, size: int) -> int:
     """The wire width of a feature's ``size`` bag lengths, which add up to ``total`` and
     lie in ``[least, largest]``: 0 when all are 1, a signed 4 when any is negative."""
-    if largest == 1 and total == size:  # at most 1 each and adding up to size: all 1
+    if largest == 1 and total == size or size == 0:  # at most 1 each and adding up to size: all 1
         return 0
     if least < 0:
         return LENGTH_WIDTHS[-1]
@@ -153,7 +170,10 @@ def _bag_stats(lengths):  # pragma: no cover - compiled
 def _pack(source, counts, widths, out, start):  # pragma: no cover - compiled
     """Write ``source`` (int64 or int32), as ``counts[f]`` elements of ``widths[f]`` bytes
     each (little endian, truncated; 0: nothing) for each ``f`` in turn, into ``out``
-    (uint8) from ``start``."""
+    (uint8) from ``start``. Returns int64 ``[F]``: per feature, the bits of its elements
+    that did not fit (0: all fit unsigned in 1, 2 or 4 bytes; 8 bytes always fit). The
+    counts must not be negative nor add up to more than ``source`` holds."""
+    spilled = np.zeros(counts.size, dtype=np.int64)
     read = 0
     position = start
     for f in range(counts.size):
@@ -161,23 +181,29 @@ def _pack(source, counts, widths, out, start):  # pragma: no cover - compiled
         width = widths[f]
         part = source[read : read + n]
         dst = out[position : position + n * width]  # slices from 0 let the loops vectorize
+        high = np.int64(0)
         if width == 1:
             for k in range(n):
                 dst[k] = part[k] & 0xFF
+                high |= part[k] >> 8
         elif width == 2:
             for k in range(n):
                 dst[2 * k] = part[k] & 0xFF
                 dst[2 * k + 1] = (part[k] >> 8) & 0xFF
+                high |= part[k] >> 16
         elif width == 4:
             for k in range(n):
                 for j in range(4):
                     dst[4 * k + j] = (part[k] >> (8 * j)) & 0xFF
+                high |= np.int64(part[k]) >> 32
         elif width == 8:
             for k in range(n):
                 for j in range(8):
                     dst[8 * k + j] = (np.int64(part[k]) >> (8 * j)) & 0xFF
+        spilled[f] = high
         read += n
         position += n * width
+    return spilled
 
 
 @numba.njit(cache=True, nogil=True)
@@ -295,6 +321,9 @@ def decode_batch(data: bytes, keys: tuple[str, ...], windows: Sequence[Window]) 
         raise WireError(f"batch has {message.num_features} features, the dataset {len(keys)}")
     if message.compression == ingest_pb2.COMPRESSION_ZSTD:
         try:
+            if not 0 <= zstandard.frame_content_size(body) <= MAX_MESSAGE_BYTES:
+                raise WireError(f"batch step {message.step}: the zstd body does not declare a size up to "
+                                f"{MAX_MESSAGE_BYTES} bytes")
             body = zstandard.ZstdDecompressor().decompress(body)
         except zstandard.ZstdError as err:
             raise WireError(f"batch step {message.step}: the zstd body does not decompress: {err}") from None
@@ -312,6 +341,9 @@ def decode_batch(data: bytes, keys: tuple[str, ...], windows: Sequence[Window]) 
     lengths = np.empty(len(keys) * size, dtype=np.int32)
     _unpack(raw, data_bytes, np.full(len(keys), size, dtype=np.int64), length_widths, lengths)
     counts = _bag_stats(lengths.reshape(len(keys), size))[0]
+    if (counts < 0).any():
+        raise WireError(f"batch step {step}: a feature's bag lengths add up to a negative number of ids "
+                        f"({counts.tolist()})")
     if counts.sum() != num_values:
         raise WireError(f"batch step {step}: bag lengths add up to {int(counts.sum())} ids, the batch holds {num_values}")
     value_bytes = int(counts @ value_widths)

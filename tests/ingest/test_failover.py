@@ -92,7 +92,7 @@ def _serve_with(monkeypatch, change):
 def _bad_id(original, batch, id_bounds, windows, compression):
     batch.values = batch.values.copy()
     batch.values[-1] = id_bounds[-1] + 5  # past the last feature's table
-    return original(batch, (*id_bounds[:-1], id_bounds[-1] + 10), windows, compression)
+    return original(batch, id_bounds, windows, compression)
 
 
 def _first_epoch_fails(dataset, server: ReaderServer, client: ClientOptions, match: str) -> None:
@@ -142,8 +142,8 @@ def test_an_unexpected_exception_in_a_fetcher_ends_the_epoch_at_once_with_its_ca
 
 
 def test_a_corrupt_zstd_body_is_a_malformed_batch(criteo_dataset, monkeypatch):
-    def corrupt(original, batch, id_bound, windows, compression):
-        message = bytearray(original(batch, id_bound, windows, compression))
+    def corrupt(original, batch, id_bounds, windows, compression):
+        message = bytearray(original(batch, id_bounds, windows, compression))
         message[-8:] = b"\xff" * 8
         return bytes(message)
 

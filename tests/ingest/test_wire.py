@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+import zstandard
 
 from neorec.ingest.batch import HostBatch, Provenance
 from neorec.ingest.decoder import DecodeOptions
@@ -127,4 +128,77 @@ def test_a_body_that_does_not_match_its_header_is_refused():
     message.value_bytes[0] = 1
     del message.length_bytes[1]
     with pytest.raises(WireError, match=r"step 9: length_bytes is \[1\], expected 2 of \[0, 1, 2, 4\]"):
+        decode_batch(message.SerializeToString(), ("a", "b"), WINDOWS)
+
+
+def test_the_body_holds_each_width_little_endian_in_the_documented_order():
+    batch = HostBatch(
+        dense=np.array([[1.5], [2.5]], dtype=np.float32), labels=np.array([1, 0], dtype=np.float32),
+        keys=("a", "b"), lengths=np.array([1, 1, 2, 0], dtype=np.int32),
+        values=np.array([5, 6, 0x0102, 0x0A0B], dtype=np.int64),
+        provenance=Provenance(epoch=0, step=1, rows=(RowSpan(WINDOWS[0], 0, 2),)),
+    )
+    header = ingest_pb2.Batch.FromString(_message(batch, id_bounds=(256, 1 << 16)))
+    assert (list(header.value_bytes), list(header.length_bytes)) == ([1, 2], [0, 1])
+    floats = np.array([1.5, 2.5, 1.0, 0.0], dtype="<f4").tobytes()
+    assert header.body == bytes([5, 6, 0x02, 0x01, 0x0B, 0x0A]) + floats + bytes([2, 0])
+
+
+def _one_feature(lengths: list[int], largest_id: int) -> HostBatch:
+    values = np.zeros(sum(lengths), dtype=np.int64)
+    values[-1] = largest_id
+    return HostBatch(
+        dense=np.zeros((len(lengths), 0), dtype=np.float32), labels=np.zeros(len(lengths), dtype=np.float32),
+        keys=("a",), lengths=np.array(lengths, dtype=np.int32), values=values,
+        provenance=Provenance(epoch=0, step=1, rows=(RowSpan(WINDOWS[0], 0, len(lengths)),)),
+    )
+
+
+@pytest.mark.parametrize("bound, width", [(1, 1), (256, 1), (257, 2), (1 << 16, 2), ((1 << 16) + 1, 4),
+                                          (1 << 32, 4), ((1 << 32) + 1, 8)])
+def test_ids_take_the_narrowest_width_that_holds_their_table(bound, width):
+    batch = _one_feature([1, 0, 1], bound - 1)
+    message = _message(batch, id_bounds=(bound,))
+    assert list(ingest_pb2.Batch.FromString(message).value_bytes) == [width]
+    assert_same_batches([decode_batch(message, batch.keys, WINDOWS)], [batch])
+
+
+@pytest.mark.parametrize("longest, width", [(1, 1), (255, 1), (256, 2), (65_535, 2), (65_536, 4)])
+def test_lengths_take_the_narrowest_width_that_holds_the_longest_bag(longest, width):
+    batch = _one_feature([0, longest], 0)  # an empty bag: not all ones
+    message = _message(batch, id_bounds=(1,))
+    assert list(ingest_pb2.Batch.FromString(message).length_bytes) == [width]
+    assert_same_batches([decode_batch(message, batch.keys, WINDOWS)], [batch])
+
+
+@pytest.mark.parametrize("bad_id", [300, 1 << 40, -1])
+def test_an_id_its_width_cannot_hold_travels_whole_for_the_receiver_to_name(bad_id):
+    batch = _one_feature([1, 1], bad_id)
+    message = _message(batch, id_bounds=(200,))
+    assert list(ingest_pb2.Batch.FromString(message).value_bytes) == [8]
+    decoded = decode_batch(message, batch.keys, WINDOWS)
+    assert decoded.values.tolist() == [0, bad_id]
+    with pytest.raises(ValueError, match=f"feature 'a': id {bad_id} is outside its table's rows"):
+        decoded.check((200,))
+
+
+def test_a_feature_whose_lengths_add_up_below_zero_is_neither_sent_nor_read():
+    batch = _weighted_batch()
+    batch.lengths = np.array([-2, 0, 0, 4, 2, 2], dtype=np.int32)  # 6 ids in all
+    with pytest.raises(ValueError, match="feature 'a': bag lengths add up to -2 ids"):
+        _message(batch, id_bounds=(8, 8))
+    # The same lengths as a worker might send them: signed 4-byte lengths, 6 one-byte ids.
+    message = ingest_pb2.Batch(epoch=2, step=9, rows=[ingest_pb2.RowSpan(window=1, start=10, stop=13)],
+                               batch_size=3, num_valid=3, num_dense=0, num_features=2, num_values=6,
+                               value_bytes=[1, 1], length_bytes=[4, 4],
+                               body=bytes(6) + bytes(4 * 3) + batch.lengths.astype("<i4").tobytes())
+    with pytest.raises(WireError, match="step 9: a feature's bag lengths add up to a negative number"):
+        decode_batch(message.SerializeToString(), ("a", "b"), WINDOWS)
+
+
+def test_a_zstd_body_must_declare_its_size():
+    message = ingest_pb2.Batch.FromString(_message(_weighted_batch()))
+    message.compression = ingest_pb2.COMPRESSION_ZSTD
+    message.body = zstandard.ZstdCompressor(write_content_size=False).compress(message.body)
+    with pytest.raises(WireError, match="step 9: the zstd body does not declare a size"):
         decode_batch(message.SerializeToString(), ("a", "b"), WINDOWS)
