@@ -66,8 +66,9 @@ class HostBatch:
 
     def check(self, table_rows: Sequence[int]) -> None:
         """Raise ``ValueError`` naming the first problem unless the batch is well formed for
-        features whose ids lie in ``[0, table_rows[f])``: ``B * F`` bag lengths, none
-        negative, adding up to the number of ids, and every id inside its feature's table.
+        features whose ids lie in ``[0, table_rows[f])`` (any int64 where ``table_rows[f]``
+        is 0: raw ids): ``B * F`` bag lengths, none negative, adding up to the number of
+        ids, and every id inside its feature's table.
         One pass over the lengths and one over the ids (:func:`_first_problem`)."""
         num_f, size = self.num_features, self.batch_size
         if len(table_rows) != num_f:
@@ -191,8 +192,9 @@ def _first_problem(lengths, values, table_rows):  # pragma: no cover - compiled
     (``_NEGATIVE_LENGTH``, feature ``at``, sample ``of``; the first in feature-major order),
     lengths adding up to ``at`` ids where ``values`` holds another number
     (``_LENGTHS_MISMATCH``), or the first id outside its feature's ``[0, table_rows[f])``
-    (``_ID_OUTSIDE``, position ``at`` in ``values``, feature ``of``); ``_WELL_FORMED`` if
-    none. ``lengths`` is ``[F, B]``, ``values`` ``[sum(lengths)]``, ``table_rows`` int64 ``[F]``.
+    (``_ID_OUTSIDE``, position ``at`` in ``values``, feature ``of``; a feature whose
+    ``table_rows`` is 0 has raw ids, never outside); ``_WELL_FORMED`` if none. ``lengths``
+    is ``[F, B]``, ``values`` ``[sum(lengths)]``, ``table_rows`` int64 ``[F]``.
 
     Each feature's lengths and ids are checked by their least and largest (loops the
     compiler vectorizes, unlike one that stops at the first bad element); only a feature
@@ -216,7 +218,7 @@ def _first_problem(lengths, values, table_rows):  # pragma: no cover - compiled
     start = 0
     for f in range(num_f):
         ids = values[start : start + totals[f]]  # a slice: indexing from 0 lets the loops vectorize
-        if ids.size:
+        if ids.size and table_rows[f] > 0:
             least = ids[0]
             largest = ids[0]
             for k in range(ids.size):

@@ -139,7 +139,8 @@ class RemoteReader:
             raise ValueError("RemoteReader needs at least one reader service address")
         self.dataset = dataset
         self.client = client
-        self.table_rows = options.table_rows
+        self.id_bounds = options.id_bounds(dataset.schema)
+        """What the batches received are checked against (0: a raw feature's ids, any int64)."""
         self.planner = SplitPlanner(dataset, split, config)
         self.requeued_batches = 0
         """Batches re-requested from another worker after a failure (all epochs)."""
@@ -159,6 +160,7 @@ class RemoteReader:
                 table_rows=options.table_rows,
                 dense_transform=options.dense_transform,
                 id_mapping=options.id_mapping,
+                raw_features=options.raw_features,
             ),
             batch_size=config.batch_size,
             compression=COMPRESSIONS[client.compression],
@@ -419,7 +421,7 @@ class _EpochFetch:
         well formed; a malformed one is the worker's fault (:class:`_WorkerFault`)."""
         try:
             batch = decode_batch(message, self.keys, windows)
-            batch.check(self.reader.table_rows)
+            batch.check(self.reader.id_bounds)
         except (WireError, ValueError) as err:
             raise _WorkerFault(f"sent a malformed batch (step {task.first_step + index}): {err}", counted=True) from err
         expected_rows = task.batch_rows(index)

@@ -52,6 +52,11 @@ class DecodeOptions:
         if any(r <= 0 for r in self.table_rows):
             raise ValueError("every table must have at least one row")
 
+    def id_bounds(self, schema: DatasetSchema) -> tuple[int, ...]:
+        """Per sparse feature of ``schema``: its decoded ids lie in ``[0, bound)``, or any
+        int64 for a raw feature (bound 0)."""
+        return tuple(0 if f.name in self.raw_features else rows for f, rows in zip(schema.sparse, self.table_rows))
+
     @classmethod
     def for_schema(cls, schema: DatasetSchema, **kwargs) -> "DecodeOptions":
         """Options whose tables hold every id of the schema (no hashing collisions)."""

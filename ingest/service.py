@@ -201,7 +201,12 @@ def _decode_options(spec: ingest_pb2.DecodeSpec, dataset: Dataset) -> DecodeOpti
                                     f"id_mapping one of {ID_MAPPINGS}")
     if any(rows <= 0 for rows in spec.table_rows):
         raise RequestError(invalid, "decode.table_rows must all be positive")
-    return DecodeOptions(tuple(spec.table_rows), spec.dense_transform, spec.id_mapping)
+    names = [f.name for f in dataset.schema.sparse]
+    unknown = sorted(set(spec.raw_features) - set(names))
+    if unknown or len(set(spec.raw_features)) != len(spec.raw_features):
+        raise RequestError(invalid, f"decode.raw_features {list(spec.raw_features)} must name sparse features of the "
+                                    f"dataset once each{f' (not {unknown})' if unknown else ''}")
+    return DecodeOptions(tuple(spec.table_rows), spec.dense_transform, spec.id_mapping, tuple(spec.raw_features))
 
 
 class ServiceCounters:
@@ -316,11 +321,12 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _stream(self, job: ReadJob, context: grpc.ServicerContext) -> Iterator[bytes]:
+        id_bounds = job.options.id_bounds(job.dataset.schema)
         try:
             for batch in batches_from_chunks(job.task, self._decoded(job), job.dataset.schema):
                 if self.aborting.is_set():
                     self._abort(context, grpc.StatusCode.UNAVAILABLE, "the reader service is shutting down")
-                message = serialize_batch(batch, job.options.table_rows, job.windows, job.compression)
+                message = serialize_batch(batch, id_bounds, job.windows, job.compression)
                 if len(message) > MAX_MESSAGE_BYTES:
                     self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"batch step {batch.provenance.step} is {len(message)} bytes, "

@@ -42,10 +42,11 @@ class WireError(ValueError):
 def serialize_batch(batch: HostBatch, id_bounds: Sequence[int], window_index: Mapping[Window, int],
                     compression: int = ingest_pb2.COMPRESSION_NONE) -> bytes:
     """The serialized ``Batch`` message for ``batch``, whose feature ``f`` has ids in
-    ``[0, id_bounds[f])`` (its table's rows: no scan of the ids). ``window_index`` numbers
-    the windows of the request the batch answers (its provenance names rows by window
-    number). Raises ``ValueError`` if a feature's bag lengths add up to a negative number of
-    ids or all of them to another number than the batch holds.
+    ``[0, id_bounds[f])`` (its table's rows: no scan of the ids), or any int64 where the
+    bound is 0 (raw ids, 8 bytes). ``window_index`` numbers the windows of the request the
+    batch answers (its provenance names rows by window number). Raises ``ValueError`` if a
+    feature's bag lengths add up to a negative number of ids or all of them to another
+    number than the batch holds.
 
     Each feature's ids travel in the narrowest of :data:`VALUE_WIDTHS` that holds its bound,
     its bag lengths in the narrowest of :data:`LENGTH_WIDTHS` that holds its longest bag, or
@@ -128,8 +129,9 @@ sent), unsigned 1 or 2, or a signed int32 (the width of a decoded length)."""
 
 @functools.lru_cache(maxsize=64)
 def _value_widths(id_bounds: tuple[int, ...]) -> np.ndarray:
-    """int64 ``[F]``: the narrowest of :data:`VALUE_WIDTHS` holding ids below each bound."""
-    widths = np.array([next((w for w in VALUE_WIDTHS[:-1] if bound - 1 < 1 << 8 * w), VALUE_WIDTHS[-1])
+    """int64 ``[F]``: the narrowest of :data:`VALUE_WIDTHS` holding ids below each bound
+    (8 bytes for a bound of 0: raw ids, any int64)."""
+    widths = np.array([next((w for w in VALUE_WIDTHS[:-1] if 0 < bound <= 1 << 8 * w), VALUE_WIDTHS[-1])
                        for bound in id_bounds], dtype=np.int64)
     widths.flags.writeable = False  # shared by the callers of the cache
     return widths

@@ -71,6 +71,14 @@ def test_check_takes_wire_widths_and_read_only_arrays():
     _batch(("a", "b"), lengths.astype(np.int64), values.astype(np.uint32), 2).check([10, 10])
 
 
+def test_a_bound_of_zero_takes_any_raw_id():
+    lengths = np.array([1, 1, 1, 1], dtype=np.int32)
+    values = np.array([-5, 1 << 62, 3, 7], dtype=np.int64)
+    _batch(("a", "b"), lengths, values, 2).check([0, 8])
+    with pytest.raises(ValueError, match=r"feature 'b': id 7 is outside its table's rows \[0, 5\)"):
+        _batch(("a", "b"), lengths, values, 2).check([0, 5])
+
+
 def test_check_of_no_features_and_no_samples():
     _batch((), np.zeros(0, np.int32), np.zeros(0, np.int64), 3).check([])
     _batch(("a",), np.zeros(0, np.int32), np.zeros(0, np.int64), 0).check([5])

@@ -10,6 +10,7 @@ from neorec.ingest.client import ClientOptions, IngestError, RemoteReader
 from neorec.ingest.decoder import DecodeOptions
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.schema import Dataset
+from neorec.ingest.synth import SynthSpec, generate
 from tests.ingest.workers import assert_same_batches, scramble_data_pages, stop_all, start_worker
 
 SMALL_TASKS = ClientOptions(task_rows=200)  # a few batches per task: many tasks per epoch
@@ -48,6 +49,18 @@ def test_multihot_padding_and_compression(multihot_dataset, workers, compression
     got, expected = _both(multihot_dataset, config, [w.address for w in workers], client, epoch=1)
     assert expected[-1].num_valid < 96
     assert_same_batches(got, expected)
+
+
+def test_raw_ids_of_dynamic_tables_travel_unchanged(workers, tmp_path):
+    dataset = generate(SynthSpec(profile="multihot", rows=1500, eval_fraction=0.1, raw_ids=True), tmp_path)
+    names = tuple(f.name for f in dataset.schema.sparse)
+    options = DecodeOptions(table_rows=(1000,) * len(names), raw_features=names)  # a dynamic table's 1000 slots
+    config = ReaderConfig(batch_size=64, seed=3)
+    expected = list(InProcessReader(dataset, "train", options, config).epoch(0))
+    with RemoteReader(dataset, "train", options, config, [w.address for w in workers[:2]], SMALL_TASKS) as reader:
+        got = list(reader.epoch(0))
+    assert_same_batches(got, expected)
+    assert any((b.values < 0).any() for b in got) and any((b.values >= 1000).any() for b in got)
 
 
 @pytest.mark.parametrize("seed,kill_after", [(0, 1), (1, 7), (2, 25)])

@@ -143,6 +143,8 @@ def _mutations(dataset: Dataset):
         ("file with another footer", first_file(footer_crc32=1), grpc.StatusCode.FAILED_PRECONDITION),
         ("wrong table count", lambda r: r.decode.table_rows.pop(), invalid),
         ("unknown dense transform", lambda r: setattr(r.decode, "dense_transform", "sqrt"), invalid),
+        ("raw ids of an unknown feature", lambda r: r.decode.raw_features.append("C99"), invalid),
+        ("raw ids named twice", lambda r: r.decode.raw_features.extend(["C1", "C1"]), invalid),
     ]
 
 

@@ -155,7 +155,7 @@ def _one_feature(lengths: list[int], largest_id: int) -> HostBatch:
 
 
 @pytest.mark.parametrize("bound, width", [(1, 1), (256, 1), (257, 2), (1 << 16, 2), ((1 << 16) + 1, 4),
-                                          (1 << 32, 4), ((1 << 32) + 1, 8)])
+                                          (1 << 32, 4), ((1 << 32) + 1, 8), (0, 8)])  # 0: raw ids, any int64
 def test_ids_take_the_narrowest_width_that_holds_their_table(bound, width):
     batch = _one_feature([1, 0, 1], bound - 1)
     message = _message(batch, id_bounds=(bound,))
