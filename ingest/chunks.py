@@ -140,8 +140,8 @@ def compile_decoding() -> None:
     """Decode small tables of the usual column types (float32 and float64 numbers, int64
     and int32 ids, lists of int64 and int32 ids with 32- and 64-bit offsets), with nulls,
     in order and picked from a window, and send a batch through the wire format and check
-    it as a reader service and its client do, so that this process compiles (or loads from Numba's
-    cache) the decoding kernels a run calls. Launchers call it before starting
+    it as a reader service and its client do, so that this process compiles (or loads from
+    Numba's cache) the decoding kernels a run calls. Launchers call it before starting
     processes that decode at once (see :mod:`neorec.trainer.run.warmup`); columns of other
     types compile on first use."""
     schema = DatasetSchema(label="y", dense=("f32", "f64", "i64", "i32"),
@@ -155,7 +155,7 @@ def compile_decoding() -> None:
                    ("s64", pa.int64()), ("s32", pa.int32()))},
                **{name: pa.array([[1, 2], None, [3]], type=kind) for name, kind in _LIST_TYPES.items()}}
     table = pa.table(columns)
-    _check_as_received(decode_table(table, schema, options), options.table_rows)
+    _check_through_the_wire(decode_table(table, schema, options), options.table_rows)
     no_nulls = pa.table({name: column.fill_null(0) if name in ("s64", "s32") else column
                          for name, column in columns.items()})
     for tables in ([table, table], [no_nulls]):
@@ -165,7 +165,7 @@ def compile_decoding() -> None:
         decode_table(WindowTables(tables, starts).picked(positions), schema, options)
 
 
-def _check_as_received(batch: HostBatch, table_rows: Sequence[int]) -> None:
+def _check_through_the_wire(batch: HostBatch, table_rows: Sequence[int]) -> None:
     """Send ``batch`` through the wire format and check it, as a reader service and its
     client do with every batch."""
     window = Window((RowGroupInfo(0, 0, batch.batch_size),))

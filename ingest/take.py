@@ -176,7 +176,7 @@ def _copy_bags(offsets, ids, valid, rows, places, out):  # pragma: no cover - co
             for q in range(first, end, 8):
                 prefetch_to_l2(ids, q)
             if end > first:
-                prefetch_to_l2(ids, end - 1)  # the bag's last line, when it does not start one
+                prefetch_to_l2(ids, end - 1)  # the last line, which the stride misses when the bag starts mid-line
         r = rows[k]
         if valid.size != 0 and not valid[r]:
             continue
