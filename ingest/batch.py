@@ -9,12 +9,12 @@ feature 1's, and so on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numba
 import numpy as np
 
-from neorec.ingest.rows import RowSpan
+from neorec.ingest.rows import RowSpan, merge_spans
 
 
 @dataclass(frozen=True)
@@ -93,33 +93,20 @@ class HostBatch:
         totals = self.lengths.reshape(self.num_features, self.batch_size).sum(axis=1, dtype=np.int64)
         return np.concatenate([[0], np.cumsum(totals)]).astype(np.int64)
 
-    def split(self, bounds: Sequence[int]) -> Iterator["HostBatch"]:
-        """Samples ``[bounds[j], bounds[j+1])`` as new batches (all samples valid), made one
-        at a time as they are taken: a chunk cut into batches never holds a second copy of
-        all its ids at once (memory the allocator would map afresh for every chunk).
-
-        ``bounds`` must rise strictly from 0 to ``B``. Costs one pass over the lengths:
-        the ids of every piece are counted per feature at once (no prefix sum over bags).
-        """
-        if list(bounds) == [0, self.batch_size]:
-            yield self
-            return
+    def pieces(self, bounds: Sequence[int]) -> list["Piece"]:
+        """Samples ``[bounds[j], bounds[j+1])`` as uncopied :class:`Piece` s, each copied into
+        a batch of its own only when taken (:meth:`Piece.copied`): a chunk cut into batches
+        never holds a second copy of all its ids at once (memory the allocator would map
+        afresh for every chunk). ``bounds`` must rise strictly from 0 to ``B``. Costs one
+        pass over the lengths: the ids of every piece are counted per feature at once (no
+        prefix sum over bags)."""
         starts = np.asarray(bounds[:-1], dtype=np.int64)
         num_f = self.num_features
         counts = np.add.reduceat(self.lengths.reshape(num_f, self.batch_size), starts, axis=1, dtype=np.int64)
         # first[f, j]: where piece j of feature f starts in values.
         first = np.cumsum(counts.reshape(-1)).reshape(counts.shape) - counts
-        lengths = self.lengths.reshape(num_f, self.batch_size)
-        for j, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-            spans = [slice(a, a + n) for a, n in zip(first[:, j].tolist(), counts[:, j].tolist())]
-            yield HostBatch(
-                dense=self.dense[lo:hi],
-                labels=self.labels[lo:hi],
-                keys=self.keys,
-                lengths=np.ascontiguousarray(lengths[:, lo:hi]).reshape(-1),
-                values=np.concatenate([self.values[p] for p in spans]) if num_f else self.values[:0],
-                weights=None if self.weights is None else np.concatenate([self.weights[p] for p in spans]),
-            )
+        return [Piece(self, lo, hi, first[:, j], counts[:, j])
+                for j, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
 
     @classmethod
     def empty(cls, keys: tuple[str, ...], num_dense: int) -> "HostBatch":
@@ -181,6 +168,82 @@ class HostBatch:
             weights=self.weights,
             num_valid=self.batch_size,
         )
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Samples ``[lo, hi)`` of ``source``, not copied: feature ``f``'s ids are
+    ``source.values[first[f] : first[f] + counts[f]]`` (``first`` and ``counts`` int64
+    ``[F]``), as are its weights."""
+
+    source: HostBatch
+    lo: int
+    hi: int
+    first: np.ndarray
+    counts: np.ndarray
+
+    @classmethod
+    def whole(cls, batch: HostBatch) -> "Piece":
+        """All of ``batch`` (of any size, none included)."""
+        counts = batch.lengths.reshape(batch.num_features, batch.batch_size).sum(axis=1, dtype=np.int64)
+        return cls(batch, 0, batch.batch_size, np.cumsum(counts) - counts, counts)
+
+    @property
+    def num_samples(self) -> int:
+        return self.hi - self.lo
+
+    def bag_starts(self) -> np.ndarray:
+        """int64 ``[F]``: where each feature's bag lengths of the piece start in
+        ``source.lengths`` (``hi - lo`` of them)."""
+        return np.arange(self.source.num_features, dtype=np.int64) * self.source.batch_size + self.lo
+
+    def copied(self) -> HostBatch:
+        """The piece as a batch of its own (all samples valid): ids and lengths copied,
+        dense values and labels views; a piece that is all of its source is the source."""
+        source = self.source
+        if self.lo == 0 and self.hi == source.batch_size:
+            return source
+        spans = [slice(a, a + n) for a, n in zip(self.first.tolist(), self.counts.tolist())]
+        lengths = source.lengths.reshape(source.num_features, source.batch_size)[:, self.lo : self.hi]
+        return HostBatch(
+            dense=source.dense[self.lo : self.hi],
+            labels=source.labels[self.lo : self.hi],
+            keys=source.keys,
+            lengths=np.ascontiguousarray(lengths).reshape(-1),
+            values=np.concatenate([source.values[p] for p in spans]) if spans else source.values[:0],
+            weights=None if source.weights is None else np.concatenate([source.weights[p] for p in spans]),
+        )
+
+
+@dataclass(frozen=True)
+class BatchPieces:
+    """A batch before it is copied into one: the pieces of decoded chunks it takes, in
+    order, then padding up to ``size`` samples. ``parts`` pairs each piece with the rows it
+    holds; ``empty`` is a batch of no samples with the dataset's keys and dense width."""
+
+    epoch: int
+    step: int
+    size: int
+    parts: tuple[tuple[RowSpan, Piece], ...]
+    empty: HostBatch
+
+    @property
+    def num_valid(self) -> int:
+        return sum(piece.num_samples for _, piece in self.parts)
+
+    @property
+    def provenance(self) -> Provenance:
+        return Provenance(epoch=self.epoch, step=self.step, rows=merge_spans(rows for rows, _ in self.parts))
+
+    def pieces(self) -> list[Piece]:
+        """The pieces in order; one of no samples (of ``empty``) for an all-padding batch."""
+        return [piece for _, piece in self.parts] or [Piece.whole(self.empty)]
+
+    def assembled(self) -> HostBatch:
+        """The batch, its pieces copied into one and padded, with its provenance."""
+        batch = HostBatch.concat([piece.copied() for piece in self.pieces()]).padded_to(self.size)
+        batch.provenance = self.provenance
+        return batch
 
 
 _WELL_FORMED, _NEGATIVE_LENGTH, _LENGTHS_MISMATCH, _ID_OUTSIDE = range(4)

@@ -8,11 +8,11 @@ from typing import Iterable, Iterator, Protocol
 
 import pyarrow as pa
 
-from neorec.ingest.batch import HostBatch, Provenance
+from neorec.ingest.batch import BatchPieces, HostBatch, Piece
 from neorec.ingest.chunks import ChunkDecoder
 from neorec.ingest.decoder import DecodeOptions, open_files, read_row_group
 from neorec.ingest.plan import RankPlan, ReadTask, plan_epoch, row_groups_of
-from neorec.ingest.rows import RowGroupInfo, RowSpan, merge_spans
+from neorec.ingest.rows import RowGroupInfo, RowSpan
 from neorec.ingest.schema import Dataset, DatasetSchema
 
 
@@ -123,36 +123,37 @@ class InProcessReader:
             self._pool.shutdown()
 
 
-def batches_from_chunks(
+def batch_pieces(
     task: ReadTask, chunks: Iterable[tuple[RowSpan, HostBatch]], schema: DatasetSchema
-) -> Iterator[HostBatch]:
-    """Cut decoded spans (in ``task`` order) into the task's batches, padding the tail."""
+) -> Iterator[BatchPieces]:
+    """Cut decoded spans (in ``task`` order) into the task's batches, padding the tail; each
+    batch as the pieces of chunks it takes (copied into one by
+    :meth:`~neorec.ingest.batch.BatchPieces.assembled`, or straight into a message by a
+    reader service)."""
     empty = HostBatch.empty(schema.feature_names, len(schema.dense))  # start of an all-padding batch
     size = task.batch_size
-    parts: list[tuple[RowSpan, HostBatch]] = []  # pieces of the batch being filled
+    parts: list[tuple[RowSpan, Piece]] = []  # pieces of the batch being filled
     filled = 0
     step = task.first_step
     for span, chunk in chunks:
         rows = chunk.batch_size
         bounds = [0, *range(size - filled, rows, size), rows]
-        for lo, hi, piece in zip(bounds[:-1], bounds[1:], chunk.split(bounds)):
-            parts.append((span.sub(lo, hi), piece))
-            filled += hi - lo
+        for piece in chunk.pieces(bounds):
+            parts.append((span.sub(piece.lo, piece.hi), piece))
+            filled += piece.num_samples
             if filled == size:
-                yield _stamped(parts, empty, task.epoch, step, size)
+                yield BatchPieces(task.epoch, step, size, tuple(parts), empty)
                 parts, filled = [], 0
                 step += 1
     while step < task.first_step + task.num_batches:
-        yield _stamped(parts, empty, task.epoch, step, size)
+        yield BatchPieces(task.epoch, step, size, tuple(parts), empty)
         parts = []
         step += 1
 
 
-def _stamped(
-    taken: list[tuple[RowSpan, HostBatch]], empty: HostBatch, epoch: int, step: int, size: int
-) -> HostBatch:
-    parts = [chunk for _, chunk in taken] or [empty]
-    batch = HostBatch.concat(parts).padded_to(size)
-    batch.provenance = Provenance(epoch=epoch, step=step, rows=merge_spans(r for r, _ in taken))
-    return batch
-
+def batches_from_chunks(
+    task: ReadTask, chunks: Iterable[tuple[RowSpan, HostBatch]], schema: DatasetSchema
+) -> Iterator[HostBatch]:
+    """Cut decoded spans (in ``task`` order) into the task's batches, padding the tail."""
+    for pieces in batch_pieces(task, chunks, schema):
+        yield pieces.assembled()

@@ -3,7 +3,8 @@
 A ``Read`` request names a dataset directory, the rows to read (windows of row groups,
 each read in file order or permuted by a seed, and spans of them) and how to cut them
 into batches; the reply streams one ``Batch`` message per
-batch, cut exactly as :func:`neorec.ingest.reader.batches_from_chunks` cuts them in process.
+batch, cut exactly as :func:`neorec.ingest.reader.batches_from_chunks` cuts them in process
+(packed into the message straight from the decoded chunks).
 The worker keeps nothing between requests, so any worker can serve any request and a
 client can re-request unfinished work from another worker.
 
@@ -36,7 +37,7 @@ from neorec.ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS, DecodeOptions, 
 from neorec.ingest.errors import DataError
 from neorec.ingest.fingerprint import fingerprint
 from neorec.ingest.plan import ReadTask
-from neorec.ingest.reader import batches_from_chunks
+from neorec.ingest.reader import batch_pieces
 from neorec.ingest.row_group_cache import DEFAULT_CAPACITY_BYTES, RowGroupCache
 from neorec.ingest.rows import RowGroupInfo, RowSpan, Window
 from neorec.ingest.partitions import MARKER, with_partition_split
@@ -44,7 +45,8 @@ from neorec.ingest.schema import Dataset
 from neorec.common.confine import confined, resolve_roots
 from neorec.common.transport import (MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, RequestError, ServerSecurity,
                                      ServiceHost, abort)
-from neorec.ingest.wire import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, SERVICE_NAME, serialize_batch
+from neorec.ingest.wire import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, SERVICE_NAME, \
+    serialize_pieces
 from neorec.protos import ingest_pb2, ingest_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -323,13 +325,13 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
     def _stream(self, job: ReadJob, context: grpc.ServicerContext) -> Iterator[bytes]:
         id_bounds = job.options.id_bounds(job.dataset.schema)
         try:
-            for batch in batches_from_chunks(job.task, self._decoded(job), job.dataset.schema):
+            for batch in batch_pieces(job.task, self._decoded(job), job.dataset.schema):
                 if self.aborting.is_set():
                     self._abort(context, grpc.StatusCode.UNAVAILABLE, "the reader service is shutting down")
-                message = serialize_batch(batch, id_bounds, job.windows, job.compression)
+                message = serialize_pieces(batch, id_bounds, job.windows, job.compression)
                 if len(message) > MAX_MESSAGE_BYTES:
                     self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"batch step {batch.provenance.step} is {len(message)} bytes, "
+                                f"batch step {batch.step} is {len(message)} bytes, "
                                 f"above the {MAX_MESSAGE_BYTES}-byte message limit: use smaller batches")
                 self.counters.served(batch.num_valid, len(message))
                 yield message

@@ -19,7 +19,7 @@ import numpy as np
 import zstandard
 from google.protobuf.message import DecodeError
 
-from neorec.ingest.batch import HostBatch, Provenance
+from neorec.ingest.batch import BatchPieces, HostBatch, Piece, Provenance
 from neorec.ingest.rows import RowSpan, Window
 from neorec.protos import ingest_pb2
 
@@ -57,28 +57,52 @@ def serialize_batch(batch: HostBatch, id_bounds: Sequence[int], window_index: Ma
     is a valid encoding of the same message: fields may come in any order. This saves the
     two copies of the body that setting the field and serializing the message would make.
     """
-    provenance = batch.provenance
-    if provenance is None:
+    if batch.provenance is None:
         raise ValueError("only batches with a provenance go on the wire")
-    num_f, size = batch.num_features, batch.batch_size
+    whole = Piece.whole(batch)
+    if whole.counts.sum() != batch.values.size:
+        raise ValueError(f"bag lengths add up to {int(whole.counts.sum())} ids, the batch holds {batch.values.size}")
+    return _serialized([whole], batch.batch_size, batch.num_valid, batch.provenance, id_bounds, window_index,
+                       compression)
+
+
+def serialize_pieces(batch: BatchPieces, id_bounds: Sequence[int], window_index: Mapping[Window, int],
+                     compression: int = ingest_pb2.COMPRESSION_NONE) -> bytes:
+    """``serialize_batch(batch.assembled(), ...)``, byte for byte, without assembling it:
+    each piece's ids, lengths and floats are packed into the body straight from the chunk
+    it is part of (one copy of the data instead of two)."""
+    return _serialized(batch.pieces(), batch.size, batch.num_valid, batch.provenance, id_bounds, window_index,
+                       compression)
+
+
+def _serialized(pieces: Sequence[Piece], size: int, num_valid: int, provenance: Provenance, id_bounds: Sequence[int],
+                window_index: Mapping[Window, int], compression: int) -> bytes:
+    """The message of a batch of ``size`` samples: ``pieces`` (at least one), then
+    padding (see :func:`serialize_batch`)."""
+    first = pieces[0].source
+    num_f = first.num_features
     if len(id_bounds) != num_f:
         raise ValueError(f"{len(id_bounds)} id bounds for a batch of {num_f} features")
-    counts, least, largest = _bag_stats(batch.lengths.reshape(num_f, size))
-    if (counts < 0).any():
-        f = int(np.argmax(counts < 0))
-        raise ValueError(f"feature {batch.keys[f]!r}: bag lengths add up to {int(counts[f])} ids")
-    if counts.sum() != batch.values.size:
-        raise ValueError(f"bag lengths add up to {int(counts.sum())} ids, the batch holds {batch.values.size}")
+    counts = np.zeros(num_f, dtype=np.int64)
+    least = np.zeros(num_f, dtype=np.int64)
+    largest = np.zeros(num_f, dtype=np.int64)
+    for piece in pieces:
+        totals, lo, hi = _bag_stats(piece.source.lengths, piece.bag_starts(), piece.num_samples)
+        if (totals < 0).any() or (totals != piece.counts).any():
+            f = int(np.argmax((totals < 0) | (totals != piece.counts)))
+            raise ValueError(f"feature {first.keys[f]!r}: bag lengths add up to {int(totals[f])} ids")
+        if piece.counts.size and (piece.first + piece.counts).max() > piece.source.values.size:
+            raise ValueError(f"a piece's ids reach past the {piece.source.values.size} ids of its batch")
+        counts += totals
+        np.minimum(least, lo, out=least)
+        np.maximum(largest, hi, out=largest)
     length_widths = np.array([_length_width(int(c), int(lo), int(hi), size)
                               for c, lo, hi in zip(counts.tolist(), least.tolist(), largest.tolist())], dtype=np.int64)
-    floats = [np.ascontiguousarray(batch.dense, dtype="<f4"), np.ascontiguousarray(batch.labels, dtype="<f4")]
-    if batch.weights is not None:
-        floats.append(np.ascontiguousarray(batch.weights, dtype="<f4"))
     value_widths = _value_widths(tuple(id_bounds))
-    body, too_wide = _body(batch, counts, value_widths, floats, length_widths)
+    body, too_wide = _body(pieces, size, counts, value_widths, length_widths)
     if too_wide.any():  # ids outside their tables travel whole, for the receiver to name
         value_widths = np.where(too_wide, VALUE_WIDTHS[-1], value_widths)
-        body, _ = _body(batch, counts, value_widths, floats, length_widths)
+        body, _ = _body(pieces, size, counts, value_widths, length_widths)
     view = memoryview(body)
     if compression == ingest_pb2.COMPRESSION_ZSTD:
         view = memoryview(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(view))
@@ -90,11 +114,11 @@ def serialize_batch(batch: HostBatch, id_bounds: Sequence[int], window_index: Ma
         rows=[ingest_pb2.RowSpan(window=window_index[s.window], start=s.start, stop=s.stop)
               for s in provenance.rows],
         batch_size=size,
-        num_valid=batch.num_valid,
-        num_dense=batch.dense.shape[1],
+        num_valid=num_valid,
+        num_dense=first.dense.shape[1],
         num_features=num_f,
-        num_values=batch.values.shape[0],
-        has_weights=batch.weights is not None,
+        num_values=int(counts.sum()),
+        has_weights=first.weights is not None,
         compression=compression,
         value_bytes=value_widths.tolist(),
         length_bytes=length_widths.tolist(),
@@ -102,21 +126,45 @@ def serialize_batch(batch: HostBatch, id_bounds: Sequence[int], window_index: Ma
     return b"".join([header.SerializeToString(), _BODY_TAG, _varint(view.nbytes), view])
 
 
-def _body(batch: HostBatch, counts: np.ndarray, value_widths: np.ndarray, floats: list[np.ndarray],
+def _body(pieces: Sequence[Piece], size: int, counts: np.ndarray, value_widths: np.ndarray,
           length_widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The message body (uint8) of ``batch`` at these widths, and, per feature, whether an
-    id did not fit its width (bool ``[F]``)."""
-    size = batch.batch_size
-    value_bytes = int(counts @ value_widths)
-    float_bytes = sum(a.nbytes for a in floats)
-    body = np.empty(value_bytes + float_bytes + int(length_widths.sum()) * size, dtype=np.uint8)
-    too_wide = _pack(batch.values, counts, value_widths, body, 0)
-    position = value_bytes
-    for array in floats:
-        body[position : position + array.nbytes] = array.reshape(-1).view(np.uint8)
-        position += array.nbytes
-    _pack(batch.lengths, np.full(batch.num_features, size, dtype=np.int64), length_widths, body, position)
-    return body, too_wide != 0
+    """The message body (uint8) of a batch of ``size`` samples, ``pieces`` then padding,
+    whose features hold ``counts`` ids (int64 ``[F]``), at these widths; and, per feature,
+    whether an id did not fit its width (bool ``[F]``)."""
+    first = pieces[0].source
+    num_f, num_dense, has_weights = first.num_features, first.dense.shape[1], first.weights is not None
+    num_values = int(counts.sum())
+    dense_at = int(counts @ value_widths)
+    labels_at = dense_at + 4 * size * num_dense
+    weights_at = labels_at + 4 * size
+    lengths_at = weights_at + (4 * num_values if has_weights else 0)
+    body = np.empty(lengths_at + int(length_widths.sum()) * size, dtype=np.uint8)
+    valid = sum(piece.num_samples for piece in pieces)
+    if valid < size:  # padding samples: zero dense values and label, empty bags
+        body[dense_at + 4 * valid * num_dense : labels_at] = 0
+        body[labels_at + 4 * valid : weights_at] = 0
+        body[lengths_at:] = 0
+    # where each feature's next ids, weights and bag lengths go, advanced piece by piece
+    value_at = np.cumsum(counts * value_widths) - counts * value_widths
+    weight_at = weights_at + 4 * (np.cumsum(counts) - counts)
+    length_at = lengths_at + size * (np.cumsum(length_widths) - length_widths)
+    spilled = np.zeros(num_f, dtype=np.int64)
+    rows = 0
+    for piece in pieces:
+        source, n = piece.source, piece.num_samples
+        spilled |= _pack(source.values, piece.first, piece.counts, value_widths, body, value_at)
+        value_at = value_at + piece.counts * value_widths
+        if has_weights:  # float32 weights travel as their bits
+            _pack(source.weights.view(np.uint32), piece.first, piece.counts, np.full(num_f, 4, dtype=np.int64), body,
+                  weight_at)
+            weight_at = weight_at + 4 * piece.counts
+        _pack(source.lengths, piece.bag_starts(), np.full(num_f, n, dtype=np.int64), length_widths, body,
+              length_at + rows * length_widths)
+        for array, at, width in ((source.dense, dense_at, 4 * num_dense), (source.labels, labels_at, 4)):
+            rows_bytes = np.ascontiguousarray(array[piece.lo : piece.hi], dtype="<f4").view(np.uint8).reshape(-1)
+            body[at + rows * width : at + (rows + n) * width] = rows_bytes
+        rows += n
+    return body, spilled != 0
 
 
 VALUE_WIDTHS = (1, 2, 4, 8)
@@ -148,15 +196,16 @@ def _length_width(total: int, least: int, largest: int, size: int) -> int:
 
 
 @numba.njit(cache=True, nogil=True)
-def _bag_stats(lengths):  # pragma: no cover - compiled
-    """Per feature of ``lengths`` (int32 ``[F, B]``): the sum (int64), least and largest
-    (int64 ``[F]`` each), in one pass."""
-    num_f, size = lengths.shape
+def _bag_stats(lengths, starts, size):  # pragma: no cover - compiled
+    """Per feature ``f`` of the bag lengths ``lengths[starts[f] : starts[f] + size]``
+    (int32): their sum (int64), least and largest (int64 ``[F]`` each; no more than 0 and
+    no less than 0), in one pass."""
+    num_f = starts.size
     totals = np.zeros(num_f, dtype=np.int64)
     least = np.zeros(num_f, dtype=np.int64)
     largest = np.zeros(num_f, dtype=np.int64)
     for f in range(num_f):
-        bags = lengths[f]
+        bags = lengths[starts[f] : starts[f] + size]  # a slice: indexing from 0 lets the loop vectorize
         total = 0
         lo = 0
         hi = 0
@@ -169,20 +218,18 @@ def _bag_stats(lengths):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _pack(source, counts, widths, out, start):  # pragma: no cover - compiled
-    """Write ``source`` (int64 or int32), as ``counts[f]`` elements of ``widths[f]`` bytes
-    each (little endian, truncated; 0: nothing) for each ``f`` in turn, into ``out``
-    (uint8) from ``start``. Returns int64 ``[F]``: per feature, the bits of its elements
-    that did not fit (0: all fit unsigned in 1, 2 or 4 bytes; 8 bytes always fit). The
-    counts must not be negative nor add up to more than ``source`` holds."""
+def _pack(source, starts, counts, widths, out, out_starts):  # pragma: no cover - compiled
+    """For each ``f``: write ``source[starts[f] : starts[f] + counts[f]]`` (int64, int32 or
+    uint32), as elements of ``widths[f]`` bytes each (little endian, truncated; 0: nothing),
+    into ``out`` (uint8) from ``out_starts[f]``. Returns int64 ``[F]``: per feature, the
+    bits of its elements that did not fit (0: all fit unsigned in 1, 2 or 4 bytes; 8 bytes
+    always fit). The ranges must lie inside ``source`` and ``out`` (counts not negative)."""
     spilled = np.zeros(counts.size, dtype=np.int64)
-    read = 0
-    position = start
     for f in range(counts.size):
         n = counts[f]
         width = widths[f]
-        part = source[read : read + n]
-        dst = out[position : position + n * width]  # slices from 0 let the loops vectorize
+        part = source[starts[f] : starts[f] + n]
+        dst = out[out_starts[f] : out_starts[f] + n * width]  # slices from 0 let the loops vectorize
         high = np.int64(0)
         if width == 1:
             for k in range(n):
@@ -203,8 +250,6 @@ def _pack(source, counts, widths, out, start):  # pragma: no cover - compiled
                 for j in range(8):
                     dst[8 * k + j] = (np.int64(part[k]) >> (8 * j)) & 0xFF
         spilled[f] = high
-        read += n
-        position += n * width
     return spilled
 
 
@@ -342,7 +387,7 @@ def decode_batch(data: bytes, keys: tuple[str, ...], windows: Sequence[Window]) 
     raw = np.frombuffer(body, dtype=np.uint8)
     lengths = np.empty(len(keys) * size, dtype=np.int32)
     _unpack(raw, data_bytes, np.full(len(keys), size, dtype=np.int64), length_widths, lengths)
-    counts = _bag_stats(lengths.reshape(len(keys), size))[0]
+    counts = _bag_stats(lengths, np.arange(len(keys), dtype=np.int64) * size, size)[0]
     if (counts < 0).any():
         raise WireError(f"batch step {step}: a feature's bag lengths add up to a negative number of ids "
                         f"({counts.tolist()})")

@@ -14,6 +14,7 @@ from neorec.ingest.client import ClientOptions, IngestError, RemoteReader
 from neorec.ingest.decoder import DecodeOptions
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.service import ReaderServer
+from neorec.ingest.wire import serialize_batch
 from neorec.protos import ingest_pb2
 from tests.ingest.workers import DATA_ROOTS, assert_same_batches, start_worker, stop_all
 
@@ -81,9 +82,10 @@ def test_a_broken_stream_resumes_from_its_first_undelivered_batch(criteo_dataset
 
 
 def _serve_with(monkeypatch, change):
-    """A one-thread reader service whose serialized batches pass through ``change``."""
-    original = service_module.serialize_batch
-    monkeypatch.setattr(service_module, "serialize_batch", lambda *args: change(original, *args))
+    """A one-thread reader service whose batches pass through ``change`` (given
+    :func:`serialize_batch` and its arguments) as they are serialized."""
+    monkeypatch.setattr(service_module, "serialize_pieces",
+                        lambda pieces, *args: change(serialize_batch, pieces.assembled(), *args))
     server = ReaderServer(threads=1, data_roots=DATA_ROOTS)
     server.start()
     return server

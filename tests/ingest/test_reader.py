@@ -184,13 +184,13 @@ def test_missing_single_id_is_an_empty_bag(tmp_path, criteo_dataset):
     assert [int(lengths[order.index(i)]) for i in range(4)] == [1, 0, 1, 0]
 
 
-def test_split_then_concat_gives_back_the_batch(multihot_dataset):
+def test_pieces_copied_then_concatenated_give_back_the_batch(multihot_dataset):
     reader = InProcessReader(multihot_dataset, "train", DecodeOptions.for_schema(multihot_dataset.schema),
                              ReaderConfig(batch_size=400))
     batch = next(reader.epoch(0))
     rng = np.random.default_rng(0)
     bounds = [0, *sorted(rng.choice(np.arange(1, 400), size=7, replace=False).tolist()), 400]
-    pieces = list(batch.split(bounds))
+    pieces = [piece.copied() for piece in batch.pieces(bounds)]
     assert [p.batch_size for p in pieces] == np.diff(bounds).tolist()
     assert _samples(HostBatch.concat(pieces)) == _samples(batch)
     assert [s for p in pieces for s in _samples(p)] == _samples(batch)

@@ -2,11 +2,11 @@ import numpy as np
 import pytest
 import zstandard
 
-from neorec.ingest.batch import HostBatch, Provenance
+from neorec.ingest.batch import BatchPieces, HostBatch, Provenance
 from neorec.ingest.decoder import DecodeOptions
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.rows import RowGroupInfo, RowSpan, Window
-from neorec.ingest.wire import WireError, decode_batch, serialize_batch
+from neorec.ingest.wire import WireError, decode_batch, serialize_batch, serialize_pieces
 from neorec.protos import ingest_pb2
 from tests.ingest.workers import assert_same_batches
 
@@ -41,6 +41,50 @@ def test_round_trip_is_byte_identical(request, dataset_name, shuffle, compressio
                for b in batches]
     assert_same_batches(decoded, batches)
     assert decoded[-1].num_valid < decoded[-1].batch_size  # the padded tail survives
+
+
+def _chunk(samples: int, seed: int) -> HostBatch:
+    """A decoded chunk of three weighted features: ids below 300, one raw feature (any
+    int64, negative ones included), bags of 0 to 3 ids."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 4, size=3 * samples).astype(np.int32)
+    values = rng.integers(0, 300, size=int(lengths.sum()))
+    values[int(lengths[: 2 * samples].sum()):] -= 1 << 40  # feature c: raw ids
+    return HostBatch(dense=rng.normal(size=(samples, 2)).astype(np.float32),
+                     labels=rng.integers(0, 2, size=samples).astype(np.float32), keys=("a", "b", "c"),
+                     lengths=lengths, values=values, weights=rng.random(values.size, dtype=np.float32))
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+@pytest.mark.parametrize("id_bounds", [(300, 300, 0), (300, 200, 0)])  # (300, 200): b has ids past its width
+def test_a_batch_packed_from_its_pieces_is_the_assembled_batch_byte_for_byte(compression, id_bounds):
+    first, second = _chunk(5, seed=1), _chunk(4, seed=2)
+    offsets = second.feature_value_offsets()
+    second.values[offsets[1] : offsets[2]] = 299  # past one byte: feature b's width when its bound is 200
+    a = first.pieces([0, 3, 5])
+    b = second.pieces([0, 1, 4])
+    rows = lambda start, stop: RowSpan(WINDOWS[0], start, stop)
+    empty = HostBatch.empty(first.keys, 2)
+    batches = [
+        BatchPieces(0, 0, 3, ((rows(0, 3), a[0]),), empty),  # inside one chunk
+        BatchPieces(0, 1, 3, ((rows(3, 5), a[1]), (rows(5, 6), b[0])), empty),  # across two
+        BatchPieces(0, 2, 5, ((rows(6, 9), b[1]),), empty),  # two padding samples
+        BatchPieces(0, 3, 5, (), empty),  # all padding
+    ]
+    index = {WINDOWS[0]: 0}
+    widths_of_b = []
+    for batch in batches:
+        assembled = batch.assembled()
+        message = serialize_pieces(batch, id_bounds, index, compression)
+        assert message == serialize_batch(assembled, id_bounds, index, compression)
+        assert_same_batches([decode_batch(message, first.keys, WINDOWS[:1])], [assembled])
+        widths = ingest_pb2.Batch.FromString(serialize_pieces(batch, id_bounds, index)).value_bytes
+        offsets = assembled.feature_value_offsets()
+        narrow = 2 if id_bounds[1] == 300 else 1
+        past = assembled.values[offsets[1] : offsets[2]].max(initial=0) >= 1 << 8 * narrow
+        assert widths == [2, 8 if past else narrow, 8]
+        widths_of_b.append(widths[1])
+    assert (8 in widths_of_b) == (id_bounds[1] == 200)
 
 
 def _weighted_batch() -> HostBatch:
