@@ -5,7 +5,7 @@ frame), never as protobuf fields or a loop over rows in Python. Each feature's i
 in the narrowest width that holds its table's rows (the decoder maps every id into its
 table, never negative), its bag lengths in the narrowest that holds its longest bag, or
 not at all when every bag holds one id: a Criteo sample's 26 ids, mostly of small
-tables, take 60 bytes and its bag lengths 5 (208 and 104 as decoded). Numba kernels
+tables, take 52 bytes and its bag lengths 5 (208 and 104 as decoded). Numba kernels
 narrow them into the body in one pass, and widen them back to int64 and int32 on receipt.
 """
 
@@ -167,7 +167,7 @@ def _body(pieces: Sequence[Piece], size: int, counts: np.ndarray, value_widths: 
     return body, spilled != 0
 
 
-VALUE_WIDTHS = (1, 2, 4, 8)
+VALUE_WIDTHS = (1, 2, 3, 4, 8)
 """Bytes of an id on the wire, narrowest first: unsigned, but 8 bytes are a signed int64
 (the width of a decoded id)."""
 LENGTH_WIDTHS = (0, 1, 2, 4)
@@ -222,7 +222,7 @@ def _pack(source, starts, counts, widths, out, out_starts):  # pragma: no cover 
     """For each ``f``: write ``source[starts[f] : starts[f] + counts[f]]`` (int64, int32 or
     uint32), as elements of ``widths[f]`` bytes each (little endian, truncated; 0: nothing),
     into ``out`` (uint8) from ``out_starts[f]``. Returns int64 ``[F]``: per feature, the
-    bits of its elements that did not fit (0: all fit unsigned in 1, 2 or 4 bytes; 8 bytes
+    bits of its elements that did not fit (0: all fit unsigned in 1, 2, 3 or 4 bytes; 8 bytes
     always fit). The ranges must lie inside ``source`` and ``out`` (counts not negative)."""
     spilled = np.zeros(counts.size, dtype=np.int64)
     for f in range(counts.size):
@@ -240,6 +240,12 @@ def _pack(source, starts, counts, widths, out, out_starts):  # pragma: no cover 
                 dst[2 * k] = part[k] & 0xFF
                 dst[2 * k + 1] = (part[k] >> 8) & 0xFF
                 high |= part[k] >> 16
+        elif width == 3:
+            for k in range(n):
+                dst[3 * k] = part[k] & 0xFF
+                dst[3 * k + 1] = (part[k] >> 8) & 0xFF
+                dst[3 * k + 2] = (part[k] >> 16) & 0xFF
+                high |= part[k] >> 24
         elif width == 4:
             for k in range(n):
                 for j in range(4):
@@ -274,6 +280,9 @@ def _unpack(body, start, counts, widths, out):  # pragma: no cover - compiled
         elif width == 2:
             for k in range(n):
                 part[k] = np.int64(src[2 * k]) | np.int64(src[2 * k + 1]) << 8
+        elif width == 3:
+            for k in range(n):
+                part[k] = np.int64(src[3 * k]) | np.int64(src[3 * k + 1]) << 8 | np.int64(src[3 * k + 2]) << 16
         elif width == 4:
             for k in range(n):
                 value = np.uint32(0)

@@ -107,10 +107,10 @@ def test_weights_and_empty_bags_round_trip(compression):
 
 @pytest.mark.parametrize("compression", COMPRESSIONS)
 def test_each_feature_travels_in_its_own_narrowest_widths_and_comes_back_wide(compression):
-    # Features a..e: tables that need 1, 2, 4, 8 and 1 bytes an id (the largest id each
+    # Features a..e: tables that need 1, 2, 4, 8 and 3 bytes an id (the largest id each
     # allows is sent); bags of one id each (no lengths sent), longest 255, 256 and 65,536,
     # and bags of at most one id, not all one (1 byte).
-    bounds = (256, 1 << 16, 1 << 32, (1 << 32) + 1, 3)
+    bounds = (256, 1 << 16, 1 << 32, (1 << 32) + 1, 1 << 24)
     lengths = np.array([[1, 1], [255, 0], [256, 3], [65_536, 2], [1, 0]], dtype=np.int32)
     values = np.concatenate([np.arange(n, dtype=np.int64) % 7 for n in lengths.sum(axis=1)])
     ends = np.cumsum(lengths.sum(axis=1)) - 1
@@ -122,13 +122,13 @@ def test_each_feature_travels_in_its_own_narrowest_widths_and_comes_back_wide(co
     )
     message = _message(batch, compression, id_bounds=bounds)
     header = ingest_pb2.Batch.FromString(message)
-    assert list(header.value_bytes) == [1, 2, 4, 8, 1]
+    assert list(header.value_bytes) == [1, 2, 4, 8, 3]
     assert list(header.length_bytes) == [0, 1, 2, 4, 1]
     decoded = decode_batch(message, batch.keys, WINDOWS)
     assert decoded.values.dtype == np.int64 and decoded.lengths.dtype == np.int32
     assert_same_batches([decoded], [batch])
     if compression == ingest_pb2.COMPRESSION_NONE:
-        ids = 2 + 255 * 2 + 259 * 4 + 65_538 * 8 + 1
+        ids = 2 + 255 * 2 + 259 * 4 + 65_538 * 8 + 3
         assert len(header.body) == ids + 4 * (2 + 2 + values.size) + 2 * (1 + 2 + 4 + 1)
 
 
@@ -166,8 +166,8 @@ def test_a_body_that_does_not_match_its_header_is_refused():
         decode_batch(_message(_weighted_batch()), ("a", "b", "c"), WINDOWS)
     with pytest.raises(WireError, match="not rows of the request's 1 windows"):
         decode_batch(_message(_weighted_batch()), ("a", "b"), WINDOWS[:1])
-    message.value_bytes[0] = 3
-    with pytest.raises(WireError, match=r"step 9: value_bytes is \[3, 1\], expected 2 of \[1, 2, 4, 8\]"):
+    message.value_bytes[0] = 5
+    with pytest.raises(WireError, match=r"step 9: value_bytes is \[5, 1\], expected 2 of \[1, 2, 3, 4, 8\]"):
         decode_batch(message.SerializeToString(), ("a", "b"), WINDOWS)
     message.value_bytes[0] = 1
     del message.length_bytes[1]
@@ -178,14 +178,15 @@ def test_a_body_that_does_not_match_its_header_is_refused():
 def test_the_body_holds_each_width_little_endian_in_the_documented_order():
     batch = HostBatch(
         dense=np.array([[1.5], [2.5]], dtype=np.float32), labels=np.array([1, 0], dtype=np.float32),
-        keys=("a", "b"), lengths=np.array([1, 1, 2, 0], dtype=np.int32),
-        values=np.array([5, 6, 0x0102, 0x0A0B], dtype=np.int64),
+        keys=("a", "b", "c"), lengths=np.array([1, 1, 2, 0, 0, 1], dtype=np.int32),
+        values=np.array([5, 6, 0x0102, 0x0A0B, 0x0C0D0E], dtype=np.int64),
         provenance=Provenance(epoch=0, step=1, rows=(RowSpan(WINDOWS[0], 0, 2),)),
     )
-    header = ingest_pb2.Batch.FromString(_message(batch, id_bounds=(256, 1 << 16)))
-    assert (list(header.value_bytes), list(header.length_bytes)) == ([1, 2], [0, 1])
+    header = ingest_pb2.Batch.FromString(_message(batch, id_bounds=(256, 1 << 16, 1 << 24)))
+    assert (list(header.value_bytes), list(header.length_bytes)) == ([1, 2, 3], [0, 1, 1])
     floats = np.array([1.5, 2.5, 1.0, 0.0], dtype="<f4").tobytes()
-    assert header.body == bytes([5, 6, 0x02, 0x01, 0x0B, 0x0A]) + floats + bytes([2, 0])
+    ids = bytes([5, 6, 0x02, 0x01, 0x0B, 0x0A, 0x0E, 0x0D, 0x0C])
+    assert header.body == ids + floats + bytes([2, 0, 0, 1])
 
 
 def _one_feature(lengths: list[int], largest_id: int) -> HostBatch:
@@ -198,8 +199,9 @@ def _one_feature(lengths: list[int], largest_id: int) -> HostBatch:
     )
 
 
-@pytest.mark.parametrize("bound, width", [(1, 1), (256, 1), (257, 2), (1 << 16, 2), ((1 << 16) + 1, 4),
-                                          (1 << 32, 4), ((1 << 32) + 1, 8), (0, 8)])  # 0: raw ids, any int64
+@pytest.mark.parametrize("bound, width", [(1, 1), (256, 1), (257, 2), (1 << 16, 2), ((1 << 16) + 1, 3), (1 << 24, 3),
+                                          ((1 << 24) + 1, 4), (1 << 32, 4), ((1 << 32) + 1, 8),
+                                          (0, 8)])  # 0: raw ids, any int64
 def test_ids_take_the_narrowest_width_that_holds_their_table(bound, width):
     batch = _one_feature([1, 0, 1], bound - 1)
     message = _message(batch, id_bounds=(bound,))
@@ -215,15 +217,15 @@ def test_lengths_take_the_narrowest_width_that_holds_the_longest_bag(longest, wi
     assert_same_batches([decode_batch(message, batch.keys, WINDOWS)], [batch])
 
 
-@pytest.mark.parametrize("bad_id", [300, 1 << 40, -1])
-def test_an_id_its_width_cannot_hold_travels_whole_for_the_receiver_to_name(bad_id):
+@pytest.mark.parametrize("bound, bad_id", [(200, 300), (200, 1 << 40), (200, -1), (70_000, 1 << 24), (70_000, -1)])
+def test_an_id_its_width_cannot_hold_travels_whole_for_the_receiver_to_name(bound, bad_id):
     batch = _one_feature([1, 1], bad_id)
-    message = _message(batch, id_bounds=(200,))
+    message = _message(batch, id_bounds=(bound,))
     assert list(ingest_pb2.Batch.FromString(message).value_bytes) == [8]
     decoded = decode_batch(message, batch.keys, WINDOWS)
     assert decoded.values.tolist() == [0, bad_id]
     with pytest.raises(ValueError, match=f"feature 'a': id {bad_id} is outside its table's rows"):
-        decoded.check((200,))
+        decoded.check((bound,))
 
 
 def test_a_feature_whose_lengths_add_up_below_zero_is_neither_sent_nor_read():
