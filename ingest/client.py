@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import grpc
-import grpc.experimental
 
 from neorec.common.errors import UserError
 from neorec.ingest.batch import HostBatch
@@ -246,9 +245,6 @@ class _Worker:
         self.channel = client.security.channel(address, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
-            # a stream's messages are received on the thread iterating it, not handed over
-            # from a polling thread (a call is then no grpc.Future, which the fetchers never use)
-            (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
         ])
         # raw responses: decode_batch reads the tensors straight out of the received bytes
         self.read = self.channel.unary_stream(READ_METHOD, request_serializer=ingest_pb2.ReadRequest.SerializeToString)
