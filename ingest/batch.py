@@ -105,8 +105,8 @@ class HostBatch:
         counts = np.add.reduceat(self.lengths.reshape(num_f, self.batch_size), starts, axis=1, dtype=np.int64)
         # first[f, j]: where piece j of feature f starts in values.
         first = np.cumsum(counts.reshape(-1)).reshape(counts.shape) - counts
-        return [Piece(self, lo, hi, first[:, j], counts[:, j])
-                for j, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        first, counts = np.ascontiguousarray(first.T), np.ascontiguousarray(counts.T)  # a piece's row each
+        return [Piece(self, lo, hi, first[j], counts[j]) for j, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
 
     @classmethod
     def empty(cls, keys: tuple[str, ...], num_dense: int) -> "HostBatch":

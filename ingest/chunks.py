@@ -17,19 +17,18 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Executor, Future
-from dataclasses import replace
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
 
-from neorec.ingest.batch import HostBatch, Provenance
+from neorec.ingest.batch import BatchPieces, HostBatch
 from neorec.ingest.decoder import DecodeOptions, decode_table
 from neorec.ingest.errors import DataError
 from neorec.ingest.rows import RowGroupInfo, RowSpan, Window
 from neorec.ingest.schema import DatasetSchema, SparseFeature
 from neorec.ingest.take import WindowTables
-from neorec.ingest.wire import decode_batch, serialize_batch
+from neorec.ingest.wire import decode_batch, serialize_pieces
 
 CHUNK_ROWS = 65_536
 """Most rows decoded at once. Larger chunks allocate arrays beyond what the allocator keeps
@@ -165,13 +164,14 @@ def compile_decoding() -> None:
         decode_table(WindowTables(tables, starts).picked(positions), schema, options)
 
 
-def _check_through_the_wire(batch: HostBatch, table_rows: Sequence[int]) -> None:
-    """Send ``batch`` through the wire format and check it, as a reader service and its
-    client do with every batch."""
-    window = Window((RowGroupInfo(0, 0, batch.batch_size),))
-    message = serialize_batch(replace(batch, provenance=Provenance(0, 0, (RowSpan(window, 0, batch.batch_size),))),
-                              table_rows, {window: 0})
-    decode_batch(message, batch.keys, [window]).check(table_rows)
+def _check_through_the_wire(chunk: HostBatch, table_rows: Sequence[int]) -> None:
+    """Send a batch of two pieces of ``chunk`` and a padding sample through the wire format
+    and check it, as a reader service and its client do with every batch."""
+    size = chunk.batch_size
+    window = Window((RowGroupInfo(0, 0, size),))
+    parts = tuple((RowSpan(window, piece.lo, piece.hi), piece) for piece in chunk.pieces([0, 1, size]))
+    batch = BatchPieces(0, 0, size + 1, parts, HostBatch.empty(chunk.keys, chunk.dense.shape[1]))
+    decode_batch(serialize_pieces(batch, table_rows, {window: 0}), chunk.keys, [window]).check(table_rows)
 
 
 _LIST_TYPES = {"l64": pa.list_(pa.int64()), "l32": pa.list_(pa.int32()), "ll64": pa.large_list(pa.int64())}

@@ -137,6 +137,8 @@ def batch_pieces(
     step = task.first_step
     for span, chunk in chunks:
         rows = chunk.batch_size
+        if rows == 0:
+            continue
         bounds = [0, *range(size - filled, rows, size), rows]
         for piece in chunk.pieces(bounds):
             parts.append((span.sub(piece.lo, piece.hi), piece))

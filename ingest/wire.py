@@ -83,16 +83,22 @@ def _serialized(pieces: Sequence[Piece], size: int, num_valid: int, provenance: 
     num_f = first.num_features
     if len(id_bounds) != num_f:
         raise ValueError(f"{len(id_bounds)} id bounds for a batch of {num_f} features")
+    if sum(piece.num_samples for piece in pieces) > size:
+        raise ValueError(f"pieces of {sum(piece.num_samples for piece in pieces)} samples for a batch of {size}")
     counts = np.zeros(num_f, dtype=np.int64)
     least = np.zeros(num_f, dtype=np.int64)
     largest = np.zeros(num_f, dtype=np.int64)
     for piece in pieces:
+        _check_layout(piece, first)
         totals, lo, hi = _bag_stats(piece.source.lengths, piece.bag_starts(), piece.num_samples)
-        if (totals < 0).any() or (totals != piece.counts).any():
-            f = int(np.argmax((totals < 0) | (totals != piece.counts)))
+        if (totals < 0).any():
+            f = int(np.argmax(totals < 0))
             raise ValueError(f"feature {first.keys[f]!r}: bag lengths add up to {int(totals[f])} ids")
-        if piece.counts.size and (piece.first + piece.counts).max() > piece.source.values.size:
-            raise ValueError(f"a piece's ids reach past the {piece.source.values.size} ids of its batch")
+        if (totals != piece.counts).any() or (piece.first < 0).any() or (
+                piece.first + piece.counts > piece.source.values.size).any():
+            raise ValueError(f"a piece's ids ({piece.counts.tolist()} from {piece.first.tolist()}) are not those "
+                             f"its bag lengths count ({totals.tolist()}) among the {piece.source.values.size} ids "
+                             f"of its batch")
         counts += totals
         np.minimum(least, lo, out=least)
         np.maximum(largest, hi, out=largest)
@@ -126,6 +132,26 @@ def _serialized(pieces: Sequence[Piece], size: int, num_valid: int, provenance: 
     return b"".join([header.SerializeToString(), _BODY_TAG, _varint(view.nbytes), view])
 
 
+def _check_layout(piece: Piece, first: HostBatch) -> None:
+    """Raise ``ValueError`` unless ``piece`` is a run of samples of a batch laid out as
+    ``first`` (features, dense width, weights), so that the packing kernels, which check
+    nothing, stay inside it."""
+    source = piece.source
+    num_f = first.num_features
+    if (source.keys, source.dense.shape[1], source.weights is None) != (
+            first.keys, first.dense.shape[1], first.weights is None):
+        raise ValueError("the pieces of a batch come from batches of other features, dense widths or weights")
+    if not 0 <= piece.lo <= piece.hi <= source.batch_size or source.lengths.size != num_f * source.batch_size or (
+            source.dense.shape[0] != source.batch_size):
+        raise ValueError(f"piece [{piece.lo}, {piece.hi}) is not a run of samples of its batch of "
+                         f"{source.batch_size} ({source.lengths.size} bag lengths, {source.dense.shape[0]} dense rows)")
+    if piece.first.shape != (num_f,) or piece.counts.shape != (num_f,):
+        raise ValueError(f"a piece of a batch of {num_f} features locates {piece.first.shape} and "
+                         f"{piece.counts.shape} ids")
+    if source.weights is not None and source.weights.size != source.values.size:
+        raise ValueError(f"{source.weights.size} id weights for {source.values.size} ids")
+
+
 def _body(pieces: Sequence[Piece], size: int, counts: np.ndarray, value_widths: np.ndarray,
           length_widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The message body (uint8) of a batch of ``size`` samples, ``pieces`` then padding,
@@ -154,9 +180,10 @@ def _body(pieces: Sequence[Piece], size: int, counts: np.ndarray, value_widths: 
         source, n = piece.source, piece.num_samples
         spilled |= _pack(source.values, piece.first, piece.counts, value_widths, body, value_at)
         value_at = value_at + piece.counts * value_widths
-        if has_weights:  # float32 weights travel as their bits
-            _pack(source.weights.view(np.uint32), piece.first, piece.counts, np.full(num_f, 4, dtype=np.int64), body,
-                  weight_at)
+        if has_weights:
+            weights = np.ascontiguousarray(source.weights, dtype="<f4").view(np.uint8)
+            for f, (start, n_ids) in enumerate(zip(piece.first.tolist(), piece.counts.tolist())):
+                body[weight_at[f] : weight_at[f] + 4 * n_ids] = weights[4 * start : 4 * (start + n_ids)]
             weight_at = weight_at + 4 * piece.counts
         _pack(source.lengths, piece.bag_starts(), np.full(num_f, n, dtype=np.int64), length_widths, body,
               length_at + rows * length_widths)
@@ -219,8 +246,8 @@ def _bag_stats(lengths, starts, size):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, nogil=True)
 def _pack(source, starts, counts, widths, out, out_starts):  # pragma: no cover - compiled
-    """For each ``f``: write ``source[starts[f] : starts[f] + counts[f]]`` (int64, int32 or
-    uint32), as elements of ``widths[f]`` bytes each (little endian, truncated; 0: nothing),
+    """For each ``f``: write ``source[starts[f] : starts[f] + counts[f]]`` (int64 or int32),
+    as elements of ``widths[f]`` bytes each (little endian, truncated; 0: nothing),
     into ``out`` (uint8) from ``out_starts[f]``. Returns int64 ``[F]``: per feature, the
     bits of its elements that did not fit (0: all fit unsigned in 1, 2, 3 or 4 bytes; 8 bytes
     always fit). The ranges must lie inside ``source`` and ``out`` (counts not negative)."""

@@ -1,10 +1,15 @@
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import zstandard
 
+from neorec.ingest import batch as batch_module
+from neorec.ingest import wire as wire_module
 from neorec.ingest.batch import BatchPieces, HostBatch, Provenance
+from neorec.ingest.chunks import compile_decoding
 from neorec.ingest.decoder import DecodeOptions
-from neorec.ingest.reader import InProcessReader, ReaderConfig
+from neorec.ingest.reader import InProcessReader, ReaderConfig, batch_pieces
 from neorec.ingest.rows import RowGroupInfo, RowSpan, Window
 from neorec.ingest.wire import WireError, decode_batch, serialize_batch, serialize_pieces
 from neorec.protos import ingest_pb2
@@ -43,36 +48,42 @@ def test_round_trip_is_byte_identical(request, dataset_name, shuffle, compressio
     assert decoded[-1].num_valid < decoded[-1].batch_size  # the padded tail survives
 
 
-def _chunk(samples: int, seed: int) -> HostBatch:
-    """A decoded chunk of three weighted features: ids below 300, one raw feature (any
-    int64, negative ones included), bags of 0 to 3 ids."""
+def _chunk(samples: int, seed: int, weighted: bool) -> HostBatch:
+    """A decoded chunk of four features: ids below 300 (a, b), raw ids (c: any int64,
+    negative ones included), ids below 70,000 (d); bags of 0 to 3 ids."""
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(0, 4, size=3 * samples).astype(np.int32)
-    values = rng.integers(0, 300, size=int(lengths.sum()))
-    values[int(lengths[: 2 * samples].sum()):] -= 1 << 40  # feature c: raw ids
+    lengths = rng.integers(0, 4, size=4 * samples).astype(np.int32)
+    ends = np.cumsum(lengths.reshape(4, samples).sum(axis=1))
+    values = rng.integers(0, 300, size=int(ends[-1]))
+    values[ends[1] : ends[2]] -= 1 << 40
+    values[ends[2] :] *= 200
     return HostBatch(dense=rng.normal(size=(samples, 2)).astype(np.float32),
-                     labels=rng.integers(0, 2, size=samples).astype(np.float32), keys=("a", "b", "c"),
-                     lengths=lengths, values=values, weights=rng.random(values.size, dtype=np.float32))
+                     labels=rng.integers(0, 2, size=samples).astype(np.float32), keys=tuple("abcd"),
+                     lengths=lengths, values=values,
+                     weights=rng.random(values.size, dtype=np.float32) if weighted else None)
 
 
 @pytest.mark.parametrize("compression", COMPRESSIONS)
-@pytest.mark.parametrize("id_bounds", [(300, 300, 0), (300, 200, 0)])  # (300, 200): b has ids past its width
-def test_a_batch_packed_from_its_pieces_is_the_assembled_batch_byte_for_byte(compression, id_bounds):
-    first, second = _chunk(5, seed=1), _chunk(4, seed=2)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("id_bounds", [(300, 300, 0, 70_000), (300, 200, 0, 60_000)])  # the second: b's ids past
+def test_a_batch_packed_from_its_pieces_is_the_assembled_batch_byte_for_byte(compression, weighted, id_bounds):
+    # one byte where its bound is 200, d's past two bytes (and so in 3) or past 3 (and so in 8)
+    first, second, third = _chunk(5, 1, weighted), _chunk(4, 2, weighted), _chunk(3, 3, weighted)
     offsets = second.feature_value_offsets()
-    second.values[offsets[1] : offsets[2]] = 299  # past one byte: feature b's width when its bound is 200
-    a = first.pieces([0, 3, 5])
-    b = second.pieces([0, 1, 4])
+    second.values[offsets[1] : offsets[2]] = 299  # past one byte
+    second.values[offsets[3] :] = 1 << 24  # past three bytes
+    a, b = first.pieces([0, 3, 5]), second.pieces([0, 1, 4])
     rows = lambda start, stop: RowSpan(WINDOWS[0], start, stop)
     empty = HostBatch.empty(first.keys, 2)
     batches = [
         BatchPieces(0, 0, 3, ((rows(0, 3), a[0]),), empty),  # inside one chunk
         BatchPieces(0, 1, 3, ((rows(3, 5), a[1]), (rows(5, 6), b[0])), empty),  # across two
-        BatchPieces(0, 2, 5, ((rows(6, 9), b[1]),), empty),  # two padding samples
-        BatchPieces(0, 3, 5, (), empty),  # all padding
+        BatchPieces(0, 2, 3, ((rows(6, 9), third.pieces([0, 3])[0]),), empty),  # a whole chunk
+        BatchPieces(0, 3, 5, ((rows(9, 12), b[1]),), empty),  # two padding samples
+        BatchPieces(0, 4, 5, (), empty),  # all padding
     ]
     index = {WINDOWS[0]: 0}
-    widths_of_b = []
+    spilled = []
     for batch in batches:
         assembled = batch.assembled()
         message = serialize_pieces(batch, id_bounds, index, compression)
@@ -80,11 +91,72 @@ def test_a_batch_packed_from_its_pieces_is_the_assembled_batch_byte_for_byte(com
         assert_same_batches([decode_batch(message, first.keys, WINDOWS[:1])], [assembled])
         widths = ingest_pb2.Batch.FromString(serialize_pieces(batch, id_bounds, index)).value_bytes
         offsets = assembled.feature_value_offsets()
-        narrow = 2 if id_bounds[1] == 300 else 1
-        past = assembled.values[offsets[1] : offsets[2]].max(initial=0) >= 1 << 8 * narrow
-        assert widths == [2, 8 if past else narrow, 8]
-        widths_of_b.append(widths[1])
-    assert (8 in widths_of_b) == (id_bounds[1] == 200)
+        largest = [assembled.values[i:j].max(initial=0) for i, j in zip(offsets[:-1], offsets[1:])]
+        narrow_b, narrow_d = (2, 3) if id_bounds[1] == 300 else (1, 2)
+        assert widths == [2, 8 if largest[1] >= 1 << 8 * narrow_b else narrow_b, 8,
+                          8 if largest[3] >= 1 << 8 * narrow_d else narrow_d]
+        spilled.append((widths[1], widths[3]))
+    assert spilled[1] == ((2, 8) if id_bounds[1] == 300 else (8, 8))  # the pieces from the second chunk spill
+
+
+@pytest.mark.parametrize("shuffle", ["rows", "row_groups"])
+@pytest.mark.parametrize("dataset_name", ["criteo_dataset", "multihot_dataset"])
+def test_every_batch_of_a_dataset_packed_from_its_pieces_is_the_assembled_one(request, dataset_name, shuffle):
+    dataset = request.getfixturevalue(dataset_name)
+    options = DecodeOptions.for_schema(dataset.schema)
+    reader = InProcessReader(dataset, "train", options, ReaderConfig(batch_size=350, remainder="pad", shuffle=shuffle,
+                                                                     window=2))
+    task = reader.plan(0).whole()
+    chunks = (pair for span in task.spans for pair in reader.decoder.chunks(span))
+    batches = list(batch_pieces(task, chunks, dataset.schema))
+    windows = list(dict.fromkeys(s.window for b in batches for s in b.provenance.rows))
+    index = {w: i for i, w in enumerate(windows)}
+    bounds = options.id_bounds(dataset.schema)
+    assert any(len(b.parts) > 1 for b in batches) and batches[-1].num_valid < batches[-1].size
+    for batch in batches:
+        assert serialize_pieces(batch, bounds, index) == serialize_batch(batch.assembled(), bounds, index)
+
+
+def test_after_compile_decoding_serving_a_dataset_compiles_no_kernel(multihot_dataset):
+    """A reader service compiles its kernels at start (compile_decoding), not in a request."""
+    compile_decoding()
+    kernels = (wire_module._pack, wire_module._unpack, wire_module._bag_stats, batch_module._first_problem)
+    compiled = [len(kernel.signatures) for kernel in kernels]
+    options = DecodeOptions.for_schema(multihot_dataset.schema)
+    reader = InProcessReader(multihot_dataset, "train", options, ReaderConfig(batch_size=300, shuffle="rows", window=2))
+    task = reader.plan(0).whole()
+    chunks = (pair for span in task.spans for pair in reader.decoder.chunks(span))
+    keys, bounds = multihot_dataset.schema.feature_names, options.id_bounds(multihot_dataset.schema)
+    for batch in batch_pieces(task, chunks, multihot_dataset.schema):
+        windows = list(dict.fromkeys(s.window for s in batch.provenance.rows))
+        message = serialize_pieces(batch, bounds, {w: i for i, w in enumerate(windows)})
+        decode_batch(message, keys, windows).check(bounds)
+    assert [len(kernel.signatures) for kernel in kernels] == compiled
+
+
+def test_pieces_that_do_not_fit_their_batch_or_their_chunk_are_refused():
+    chunk = _chunk(4, 1, weighted=True)
+    whole = chunk.pieces([0, 4])[0]
+    empty = HostBatch.empty(chunk.keys, 2)
+    index, bounds = {WINDOWS[0]: 0}, (300, 300, 0, 70_000)
+    rows = RowSpan(WINDOWS[0], 0, 4)
+
+    def refused(piece, match, size=4, other=None):
+        parts = ((rows, piece),) if other is None else ((rows, piece), (RowSpan(WINDOWS[0], 4, 8), other))
+        with pytest.raises(ValueError, match=match):
+            serialize_pieces(BatchPieces(0, 0, size, parts, empty), bounds, index)
+
+    refused(whole, "pieces of 4 samples for a batch of 3", size=3)
+    refused(replace(whole, hi=5), r"piece \[0, 5\) is not a run of samples of its batch of 4", size=5)
+    refused(replace(whole, lo=3, hi=2), r"piece \[3, 2\) is not a run")
+    refused(replace(whole, counts=whole.counts + 1), "a piece's ids .* are not those its bag lengths count")
+    refused(replace(whole, first=whole.first - 1), "a piece's ids .* are not those its bag lengths count")
+    refused(replace(whole, first=whole.first[:3]), r"a piece of a batch of 4 features locates \(3,\)")
+    other = _chunk(4, 2, weighted=False).pieces([0, 4])[0]
+    refused(whole, "other features, dense widths or weights", size=8, other=other)
+    short = replace(chunk, weights=chunk.weights[:-1], provenance=Provenance(0, 0, (rows,)))
+    with pytest.raises(ValueError, match=f"{chunk.values.size - 1} id weights for {chunk.values.size} ids"):
+        serialize_batch(short, bounds, index)
 
 
 def _weighted_batch() -> HostBatch:
