@@ -410,6 +410,7 @@ class _EpochFetch:
             raise IngestError(f"reader service {worker.address} refused batches {task.first_step}.."
                               f"{task.first_step + task.num_batches - 1}: {code.name}: {err.details()}") from err
         finally:
+            call.cancel()  # a no-op once the stream has ended; else the worker stops streaming it now
             with self.cond:
                 self.streams.discard(stream)
         if delivered[0] < task.num_batches:

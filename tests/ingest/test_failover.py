@@ -114,6 +114,28 @@ def test_an_id_outside_its_table_is_refused_by_name_after_every_attempt(criteo_d
                        r"failed 2 times.*malformed batch.*feature 'C26': id \d+ is outside its table's rows")
 
 
+def test_a_stream_whose_batch_is_refused_is_cancelled_at_once(criteo_dataset, monkeypatch):
+    """The worker stops streaming the rest of a task whose batch the client refused (it
+    would otherwise keep a stream open and decoding until the call's deadline)."""
+    def slow_and_bad(original, *args):
+        time.sleep(0.05)  # ~90 batches: a task that takes seconds to stream
+        return _bad_id(original, *args)
+
+    server = _serve_with(monkeypatch, slow_and_bad)
+    try:
+        with RemoteReader(criteo_dataset, "train", DecodeOptions.for_schema(criteo_dataset.schema),
+                          ReaderConfig(batch_size=64), [server.address],
+                          ClientOptions(backoff_s=0.01, max_task_attempts=1)) as reader:
+            with pytest.raises(IngestError, match="malformed batch"):
+                list(reader.epoch(0))
+            deadline = time.monotonic() + 2.0
+            while server.servicer.counters.active and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert server.servicer.counters.active == 0
+    finally:
+        server.stop(grace_s=0.2)
+
+
 def _bad_lengths(original, batch, id_bounds, windows, compression):
     message = ingest_pb2.Batch.FromString(original(batch, id_bounds, windows, compression))
     message.num_values -= 1  # one id fewer than the bag lengths add up to
