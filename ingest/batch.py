@@ -185,8 +185,8 @@ class Piece:
     @classmethod
     def whole(cls, batch: HostBatch) -> "Piece":
         """All of ``batch`` (of any size, none included)."""
-        counts = batch.lengths.reshape(batch.num_features, batch.batch_size).sum(axis=1, dtype=np.int64)
-        return cls(batch, 0, batch.batch_size, np.cumsum(counts) - counts, counts)
+        offsets = batch.feature_value_offsets()
+        return cls(batch, 0, batch.batch_size, offsets[:-1], np.diff(offsets))
 
     @property
     def num_samples(self) -> int:

@@ -3,8 +3,8 @@
 A ``Read`` request names a dataset directory, the rows to read (windows of row groups,
 each read in file order or permuted by a seed, and spans of them) and how to cut them
 into batches; the reply streams one ``Batch`` message per
-batch, cut exactly as :func:`neorec.ingest.reader.batches_from_chunks` cuts them in process
-(packed into the message straight from the decoded chunks).
+batch, cut exactly as the in-process reader cuts them (:func:`neorec.ingest.reader.batch_pieces`)
+and packed into the message straight from the decoded chunks.
 The worker keeps nothing between requests, so any worker can serve any request and a
 client can re-request unfinished work from another worker.
 
