@@ -22,6 +22,7 @@ import numba
 import numpy as np
 
 from neorec.trainer.embedding.kernels.precision import FP32, decode, encode_row
+from neorec.common.borrowed_view import borrowed_view
 from neorec.common.cache_prefetch import prefetch, prefetch_for_write
 from neorec.trainer.embedding.kernels.row_prefetch import prefetch_row
 
@@ -234,16 +235,16 @@ def apply_updates(
                 k = runs[r]
                 if k + PREFETCH_IDS < ids_end:
                     _prefetch_upstream(grad_out, id_upstream[k + PREFETCH_IDS], dim)
-                row_grad = grad_out[id_upstream[k] : id_upstream[k] + dim]
+                row_grad = borrowed_view(grad_out, id_upstream[k], dim)
             else:
-                row_grad = grad[:dim]
+                row_grad = borrowed_view(grad, 0, dim)
                 for d in range(dim):
                     row_grad[d] = 0.0
                 for k in range(runs[r], runs[r + 1]):
                     if k + PREFETCH_IDS < ids_end:  # a later id's row, whatever its run
                         _prefetch_upstream(grad_out, id_upstream[k + PREFETCH_IDS], dim)
                     o = id_upstream[k]
-                    upstream = grad_out[o : o + dim]  # slices indexed by the loop counter vectorize
+                    upstream = borrowed_view(grad_out, o, dim)  # views indexed by the loop counter vectorize
                     if scaled:
                         scale = id_scale[k]
                         for d in range(dim):
@@ -255,14 +256,14 @@ def apply_updates(
             touched[bit >> 3] |= np.uint8(1 << (bit & 7))
             w0 = table_offsets[t] + row * dim
             s0 = state_offsets[t] + row * state_width[t]
-            s1 = state1[s0 : s0 + state_width[t]]
-            s2 = state2[s0 : s0 + state_width[t]] if optimizer == ADAM else state2
+            s1 = borrowed_view(state1, s0, state_width[t])
+            s2 = borrowed_view(state2, s0, state_width[t] if optimizer == ADAM else 0)
             if precision == FP32:
-                _update_row(weights[w0 : w0 + dim], s1, s2, row_grad, dim, optimizer, learning_rates[t],
+                _update_row(borrowed_view(weights, w0, dim), s1, s2, row_grad, dim, optimizer, learning_rates[t],
                             np.float32(eps), beta1, beta2, np.float32(weight_decay), np.float32(adagrad_decay),
                             adam_step_size)
                 continue
-            bits = weights16[w0 : w0 + dim]
+            bits = borrowed_view(weights16, w0, dim)
             for d in range(dim):
                 row_copy[d] = decode(bits[d], precision)
             _update_row(row_copy, s1, s2, row_grad, dim, optimizer, learning_rates[t],

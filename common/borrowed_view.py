@@ -1,0 +1,42 @@
+"""Views of part of an array that Numba kernels can make in their inner loops for free.
+
+A slice such as ``weights[start : start + dim]`` in a Numba kernel is a new array that
+shares the source's memory and so takes a reference to it: an atomic increment of the
+source's reference count when made and an atomic decrement when dropped. LLVM removes
+such pairs when they are close together, but not across the branches of a loop body that
+passes the slice on (an optimizer update choosing its rule per row). There, every row
+pays several locked instructions, each of which also waits for the loads before it, so
+the rows' cache misses no longer overlap. :func:`borrowed_view` makes the same view
+without a reference: it is only valid while the source array is alive, which holds for
+the arrays a kernel was called with, and for its own scratch arrays while they are in
+scope. (Here, beside the prefetches: a kernel of any package may need it.)
+"""
+
+from __future__ import annotations
+
+from numba import types
+from numba.extending import intrinsic
+from numba.np.arrayobj import populate_array
+
+
+@intrinsic
+def borrowed_view(typingctx, array, start, length):
+    """``borrowed_view(array, start, length)``: ``array[start : start + length]`` of a 1-D
+    C-contiguous array, holding no reference to it. Nothing is checked: the range must
+    lie inside ``array`` (or ``length`` be 0, when ``start`` may lie anywhere)."""
+    if not (isinstance(array, types.Array) and array.ndim == 1 and array.layout == "C"
+            and isinstance(start, types.Integer) and isinstance(length, types.Integer)):
+        return None
+    signature = array.copy(layout="C")(array, start, length)
+
+    def codegen(context, builder, sig, args):
+        source = context.make_array(sig.args[0])(context, builder, args[0])
+        view = context.make_array(sig.return_type)(context, builder)
+        first = context.cast(builder, args[1], sig.args[1], types.intp)
+        count = context.cast(builder, args[2], sig.args[2], types.intp)
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(array.dtype)))
+        populate_array(view, data=builder.gep(source.data, [first], inbounds=True), shape=[count],
+                       strides=[itemsize], itemsize=itemsize, meminfo=None)
+        return view._getvalue()
+
+    return signature, codegen
