@@ -25,6 +25,8 @@ import numba
 import numpy as np
 import pyarrow as pa
 
+from neorec.common.borrowed_view import borrowed_view
+
 _NONE = np.zeros(0, dtype=np.int64)
 _NO_BITMAP = np.zeros(0, dtype=np.uint8)
 
@@ -92,12 +94,22 @@ def _valid(bitmap, bit):  # pragma: no cover - compiled
     return (bitmap[bit >> 3] >> (bit & 7)) & 1
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _column(values, offset):  # pragma: no cover - compiled
+    """The array's elements, ``values[offset:]``, indexed from 0: read in order
+    (``column[k]``), LLVM moves them with plain vector loads, where for
+    ``values[offset + k]``, an index it cannot tell from a negative one, it gathered
+    them one by one."""
+    return borrowed_view(values, offset, values.shape[0] - offset)
+
+
 @numba.njit(cache=True, nogil=True)
 def _numbers(values, bitmap, offset, rows, places, picked, missing, out):  # pragma: no cover - compiled
     n = rows.size if picked else out.shape[0]
+    column = _column(values, offset)
     for k in range(n):
         r = rows[k] if picked else k
-        x = np.float32(values[offset + r])
+        x = np.float32(column[r])
         if bitmap.size != 0 and not _valid(bitmap, offset + r):
             x = missing
         out[places[k] if picked else k] = x
@@ -106,16 +118,17 @@ def _numbers(values, bitmap, offset, rows, places, picked, missing, out):  # pra
 @numba.njit(cache=True, nogil=True)
 def _ids_in_order(values, bitmap, offset, lengths, out):  # pragma: no cover - compiled
     n = lengths.size
+    column = _column(values, offset)
     if bitmap.size == 0:
         for k in range(n):
             lengths[k] = 1
-            out[k] = values[offset + k]
+            out[k] = column[k]
         return n
     written = 0
     for k in range(n):
         ok = _valid(bitmap, offset + k)
         lengths[k] = ok
-        out[written] = values[offset + k]  # overwritten by the next id when this one is null
+        out[written] = column[k]  # overwritten by the next id when this one is null
         written += ok
     return written
 
@@ -128,8 +141,9 @@ def _valid_to(bitmap, offset, rows, places, lengths):  # pragma: no cover - comp
 
 @numba.njit(cache=True, nogil=True)
 def _placed(values, offset, rows, places, out):  # pragma: no cover - compiled
+    column = _column(values, offset)
     for k in range(rows.size):
-        out[places[k]] = values[offset + rows[k]]
+        out[places[k]] = column[rows[k]]
 
 
 @numba.njit(cache=True, nogil=True)

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from neorec.common.borrowed_view import borrowed_view
 from neorec.common.cache_prefetch import prefetch, prefetch_to_l2
 from neorec.ingest.decoder import Bags
 from neorec.ingest.flat_columns import Part
@@ -180,7 +181,11 @@ def _copy_bags(offsets, ids, valid, rows, places, out):  # pragma: no cover - co
         r = rows[k]
         if valid.size != 0 and not valid[r]:
             continue
-        start = offsets[r]
-        place = places[k]
-        for t in range(offsets[r + 1] - start):
-            out[place + t] = ids[start + t]
+        length = offsets[r + 1] - offsets[r]
+        # views indexed from 0: the copy is one contiguous run (indexing out[place + t]
+        # and ids[start + t], LLVM cannot tell the indices from negative ones, and it
+        # moved the ids one by one with gather and scatter instructions)
+        source = borrowed_view(ids, offsets[r], length)
+        target = borrowed_view(out, places[k], length)
+        for t in range(length):
+            target[t] = source[t]
