@@ -105,27 +105,40 @@ def _group_by_row(values, upstream_of_id, scale_of_id, bag_offsets, batch_size, 
         i = 0
         for f in range(table_features[t], table_features[t + 1]):
             source = feature_source[f]
-            for p in range(bag_offsets[source * batch_size], bag_offsets[(source + 1) * batch_size]):
-                row = values[p]
-                keys[i] = (row << 32) | i
+            first = bag_offsets[source * batch_size]
+            n = bag_offsets[(source + 1) * batch_size] - first
+            # views indexed from 0, so that LLVM sees contiguous runs (with values[first + q]
+            # it cannot rule out negative indices, and moves elements one by one with gathers)
+            rows = borrowed_view(values, first, n)
+            upstream = borrowed_view(upstream_of_id, first, n)
+            scales = borrowed_view(scale_of_id, first, n if scaled else 0)
+            feature_keys = borrowed_view(keys, i, n)
+            feature_upstream = borrowed_view(table_upstream, i, n)
+            feature_scales = borrowed_view(table_scale, i, n if scaled else 0)
+            for q in range(n):
+                row = rows[q]
+                feature_keys[q] = (row << 32) | (i + q)
                 largest_row = max(largest_row, row)
-                table_upstream[i] = upstream_of_id[p]
+                feature_upstream[q] = upstream[q]
                 if scaled:
-                    table_scale[i] = scale_of_id[p]
-                i += 1
+                    feature_scales[q] = scales[q]
+            i += n
         if hi - lo < RADIX_MIN_IDS:
             keys.sort()
         else:
             keys = _radix_sort_rows(keys, largest_row)
         count = 0
+        table_id_upstream = borrowed_view(id_upstream, lo, hi - lo)
+        table_id_scale = borrowed_view(id_scale, lo, hi - lo if scaled else 0)
+        table_rows = borrowed_view(sorted_rows, lo, hi - lo)
         for i in range(hi - lo):
             row = keys[i] >> 32
             j = keys[i] & 0xFFFFFFFF
-            id_upstream[lo + i] = table_upstream[j]
+            table_id_upstream[i] = table_upstream[j]
             if scaled:
-                id_scale[lo + i] = table_scale[j]
-            sorted_rows[lo + i] = row
-            if i == 0 or row != sorted_rows[lo + i - 1]:
+                table_id_scale[i] = table_scale[j]
+            table_rows[i] = row
+            if i == 0 or row != table_rows[i - 1]:
                 count += 1
         table_runs[t + 1] = count
     for t in range(num_tables):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from neorec.common.borrowed_view import borrowed_view
+
 
 @numba.njit(cache=True, nogil=True)
 def first_out_of_range(
@@ -18,12 +20,14 @@ def first_out_of_range(
     position = 0
     for key in range(limits.size):
         count = 0
-        for bag in range(key * batch_size, (key + 1) * batch_size):
-            count += lengths[bag]
+        bags = borrowed_view(lengths, key * batch_size, batch_size)  # indexed from 0: a contiguous sum
+        for bag in range(batch_size):
+            count += bags[bag]
         end = min(position + count, values.size)
         limit = limits[key]
-        for i in range(position, end):
-            if values[i] < 0 or values[i] >= limit:
-                return i
+        ids = borrowed_view(values, position, end - position)
+        for i in range(end - position):
+            if ids[i] < 0 or ids[i] >= limit:
+                return position + i
         position = end
     return -1
