@@ -1,15 +1,24 @@
 """Views of part of an array that Numba kernels can make in their inner loops for free.
 
-A slice such as ``weights[start : start + dim]`` in a Numba kernel is a new array that
-shares the source's memory and so takes a reference to it: an atomic increment of the
-source's reference count when made and an atomic decrement when dropped. LLVM removes
-such pairs when they are close together, but not across the branches of a loop body that
-passes the slice on (an optimizer update choosing its rule per row). There, every row
-pays several locked instructions, each of which also waits for the loads before it, so
-the rows' cache misses no longer overlap. :func:`borrowed_view` makes the same view
-without a reference: it is only valid while the source array is alive, which holds for
-the arrays a kernel was called with, and for its own scratch arrays while they are in
-scope. (Here, beside the prefetches: a kernel of any package may need it.)
+Two obvious ways of reaching part of an array cost a kernel's loop dearly:
+
+- A slice such as ``weights[start : start + dim]`` is a new array that shares the
+  source's memory and so takes a reference to it: an atomic increment of the source's
+  reference count when made and an atomic decrement when dropped. LLVM removes such pairs
+  when they are close together, but not across the branches of a loop body that passes
+  the slice on (an optimizer update choosing its rule per row). There, every row pays
+  several locked instructions, each of which also waits for the loads before it, so the
+  rows' cache misses no longer overlap.
+- An index such as ``values[offset + k]``: Numba wraps negative indices, and with an
+  offset of unknown sign LLVM cannot prove that the loop reads a contiguous run, so it
+  vectorizes the loop with gather and scatter instructions, an element at a time (several
+  times slower than plain vector loads and stores). A view that starts at ``offset``,
+  indexed by the loop counter from 0, is a contiguous run.
+
+:func:`borrowed_view` makes the view without a reference. It is only valid while the
+source array is alive, which holds for the arrays a kernel was called with, and for its
+own scratch arrays while they are in scope. (Here, beside the prefetches: a kernel of any
+package may need it.)
 """
 
 from __future__ import annotations

@@ -96,10 +96,8 @@ def _valid(bitmap, bit):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _column(values, offset):  # pragma: no cover - compiled
-    """The array's elements, ``values[offset:]``, indexed from 0: read in order
-    (``column[k]``), LLVM moves them with plain vector loads, where for
-    ``values[offset + k]``, an index it cannot tell from a negative one, it gathered
-    them one by one."""
+    """The array's elements from ``offset`` on, indexed from 0: read in order
+    (``column[k]``), they are one contiguous run to LLVM (see common/borrowed_view)."""
     return borrowed_view(values, offset, values.shape[0] - offset)
 
 

@@ -182,9 +182,7 @@ def _copy_bags(offsets, ids, valid, rows, places, out):  # pragma: no cover - co
         if valid.size != 0 and not valid[r]:
             continue
         length = offsets[r + 1] - offsets[r]
-        # views indexed from 0: the copy is one contiguous run (indexing out[place + t]
-        # and ids[start + t], LLVM cannot tell the indices from negative ones, and it
-        # moved the ids one by one with gather and scatter instructions)
+        # views indexed from 0, so that the copy is one contiguous run (common/borrowed_view)
         source = borrowed_view(ids, offsets[r], length)
         target = borrowed_view(out, places[k], length)
         for t in range(length):

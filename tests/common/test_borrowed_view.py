@@ -106,3 +106,23 @@ def test_row_updates_match_slices_and_count_no_references():
     ir = "".join(_row_updates.inspect_llvm().values())
     kernel = ir.split("define ", 2)[1]  # the kernel itself, before its Python wrapper
     assert kernel.count("call void @NRT_incref") == 5
+
+
+@numba.njit
+def _copy_run(values, offset, out):
+    """``out[:] = values[offset : offset + out.size]`` through a view indexed from 0."""
+    column = borrowed_view(values, offset, out.shape[0])
+    for k in range(out.shape[0]):
+        out[k] = column[k]
+
+
+def test_a_run_read_through_a_view_is_copied_without_gathers():
+    """Indexed ``values[offset + k]``, such a loop is vectorized with gather instructions
+    on CPUs that have them (the offset might be negative); through the view it is plain
+    vector loads."""
+    values = np.arange(100, dtype=np.int32)
+    out = np.empty(40, dtype=np.int64)
+    _copy_run(values, 30, out)
+    np.testing.assert_array_equal(out, np.arange(30, 70))
+    asm = "".join(_copy_run.inspect_asm().values())
+    assert "gather" not in asm and "scatter" not in asm

@@ -107,8 +107,7 @@ def _group_by_row(values, upstream_of_id, scale_of_id, bag_offsets, batch_size, 
             source = feature_source[f]
             first = bag_offsets[source * batch_size]
             n = bag_offsets[(source + 1) * batch_size] - first
-            # views indexed from 0, so that LLVM sees contiguous runs (with values[first + q]
-            # it cannot rule out negative indices, and moves elements one by one with gathers)
+            # views indexed from 0, so that LLVM sees contiguous runs (common/borrowed_view)
             rows = borrowed_view(values, first, n)
             upstream = borrowed_view(upstream_of_id, first, n)
             scales = borrowed_view(scale_of_id, first, n if scaled else 0)
@@ -257,7 +256,7 @@ def apply_updates(
                     if k + PREFETCH_IDS < ids_end:  # a later id's row, whatever its run
                         _prefetch_upstream(grad_out, id_upstream[k + PREFETCH_IDS], dim)
                     o = id_upstream[k]
-                    upstream = borrowed_view(grad_out, o, dim)  # views indexed by the loop counter vectorize
+                    upstream = borrowed_view(grad_out, o, dim)
                     if scaled:
                         scale = id_scale[k]
                         for d in range(dim):

@@ -20,7 +20,7 @@ def first_out_of_range(
     position = 0
     for key in range(limits.size):
         count = 0
-        bags = borrowed_view(lengths, key * batch_size, batch_size)  # indexed from 0: a contiguous sum
+        bags = borrowed_view(lengths, key * batch_size, batch_size)  # a contiguous run (common/borrowed_view)
         for bag in range(batch_size):
             count += bags[bag]
         end = min(position + count, values.size)
