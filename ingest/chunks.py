@@ -9,21 +9,23 @@ decoded from the Arrow tables of the window's row groups
 row is still decoded and checked once, an error names the file, row group and row the bad
 value came from, and no copy of the raw rows is written out for a whole window and read
 back.
-With an executor, a permuted window's chunks are gathered and decoded on it, a few ahead
-of the one being delivered (the gathers and numpy's work run without the GIL).
+A permuted window's chunks are decoded up to :data:`LOCKSTEP_CHUNKS` together, column by
+column (:func:`~neorec.ingest.decoder.decode_sources`): every chunk picks rows from every row
+group of the window, so each column is read from memory once for all of them rather than
+once a chunk. With an executor, the columns are spread over its threads (the gathers and
+numpy's work run without the GIL), and the next chunks decode while these are delivered.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 from neorec.ingest.batch import BatchPieces, HostBatch
-from neorec.ingest.decoder import DecodeOptions, decode_table
+from neorec.ingest.decoder import DecodeOptions, Where, decode_sources, decode_table, run_in_order
 from neorec.ingest.errors import DataError
 from neorec.ingest.rows import RowGroupInfo, RowSpan, Window
 from neorec.ingest.schema import DatasetSchema, SparseFeature
@@ -34,6 +36,10 @@ CHUNK_ROWS = 65_536
 """Most rows decoded at once. Larger chunks allocate arrays beyond what the allocator keeps
 for reuse (glibc hands blocks of more than 32 MiB back to the kernel at once), and the
 page faults of fresh memory then cost more than the decoding."""
+LOCKSTEP_CHUNKS = 4
+"""Most chunks of a permuted window decoded together, column by column: each picks from
+every row group of the window, whose columns together outgrow the caches, so a column is
+best read once for several chunks; more chunks at once would hold more memory."""
 CHUNK_ID_BYTES = 24 << 20
 """Most bytes of a chunk's ids (int64) at the rows' mean ids per row, below 32 MiB so that
 a chunk whose rows hold more ids than the mean still fits: multi-hot rows of ~175 ids
@@ -47,7 +53,8 @@ class ChunkDecoder:
     ``load(group)`` returns the Arrow table of one row group (its caller may cache or share
     reads: a permuted window's chunks all read every group of the window);
     ``paths[file_index]`` names the files for errors. With an ``executor`` of ``workers``
-    threads, a permuted window's chunks are gathered and decoded on it, ``workers`` ahead.
+    threads (used by nothing else), a permuted window's chunks are gathered and decoded on
+    them, the chunks after them while they are delivered.
     """
 
     def __init__(self, load: Callable[[RowGroupInfo], pa.Table], paths: Sequence[str], schema: DatasetSchema,
@@ -82,40 +89,63 @@ class ChunkDecoder:
         loaded = [self._load(g) for g in window.groups]
         tables = WindowTables(loaded, window.group_starts())
         pieces = span.pieces(chunk_rows(loaded, self.schema))
+        together = [pieces[at : at + LOCKSTEP_CHUNKS] for at in range(0, len(pieces), LOCKSTEP_CHUNKS)]
         if self.executor is None:
-            for piece in pieces:
-                yield piece, self._gathered(tables, piece)
+            for group in together:
+                yield from zip(group, self._gathered(tables, group))
             return
-        ahead: deque[tuple[RowSpan, Future]] = deque()
+        # one group decodes on the executor while the one before is delivered; only one at a
+        # time, so its helpers always find the executor's other threads free
+        decoding = self.executor.submit(self._gathered, tables, together[0])
         try:
-            for piece in pieces:
-                ahead.append((piece, self.executor.submit(self._gathered, tables, piece)))
-                if len(ahead) > self.workers:
-                    done, future = ahead.popleft()
-                    yield done, future.result()
-            while ahead:
-                done, future = ahead.popleft()
-                yield done, future.result()
+            for at, group in enumerate(together):
+                decoded = decoding.result()
+                if at + 1 < len(together):
+                    decoding = self.executor.submit(self._gathered, tables, together[at + 1])
+                yield from zip(group, decoded)
         finally:
-            for _, future in ahead:
-                future.cancel()
+            decoding.cancel()
 
-    def _gathered(self, tables: WindowTables, piece: RowSpan) -> HostBatch:
-        """The rows of ``piece`` of a permuted window, gathered from ``tables`` (the
-        window's row groups) and decoded."""
-        window = piece.window
-        positions = window.order()[piece.start : piece.stop]
+    def _gathered(self, tables: WindowTables, pieces: Sequence[RowSpan]) -> list[HostBatch]:
+        """The rows of ``pieces`` (of one permuted window), gathered from ``tables`` (the
+        window's row groups) and decoded together, column by column, the columns spread
+        over the executor's threads and this one."""
+        window = pieces[0].window
+        order = window.order()
         starts = tables.starts
-
-        def locate(i: int) -> tuple[str, int, int]:
-            p = int(positions[i])
-            g = int(np.searchsorted(starts, p, side="right")) - 1
-            group = window.groups[g]
-            return self.paths[group.file_index], group.row_group, p - int(starts[g])
-
         first = window.groups[0]
-        return decode_table(tables.picked(positions), self.schema, self.options,
-                            file=self.paths[first.file_index], row_group=first.row_group, locate=locate)
+
+        def where(positions: np.ndarray) -> Where:
+            def locate(i: int) -> tuple[str, int, int]:
+                p = int(positions[i])
+                g = int(np.searchsorted(starts, p, side="right")) - 1
+                group = window.groups[g]
+                return self.paths[group.file_index], group.row_group, p - int(starts[g])
+
+            return Where(self.paths[first.file_index], first.row_group, locate=locate)
+
+        picks = [order[piece.start : piece.stop] for piece in pieces]
+        return decode_sources([tables.picked(positions) for positions in picks], [where(p) for p in picks],
+                              self.schema, self.options, self._run)
+
+    def _run(self, jobs: Sequence[Callable[[], None]]) -> None:
+        """Run ``jobs`` on this thread and ``workers - 1`` more of the executor, each taking
+        the next job not yet taken (a list iterator hands each out once, under the GIL)."""
+        if self.executor is None or self.workers == 1:
+            run_in_order(jobs)
+            return
+        pending = iter(jobs)
+
+        def take_jobs() -> None:
+            for job in pending:
+                job()
+
+        helpers = [self.executor.submit(take_jobs) for _ in range(self.workers - 1)]
+        try:
+            take_jobs()
+        finally:
+            for helper in helpers:
+                helper.result()
 
 
 def chunk_rows(tables: Sequence[pa.Table], schema: DatasetSchema) -> int:

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from neorec.ingest.batch import HostBatch
 from neorec.ingest.errors import DataError
-from neorec.ingest.flat_columns import Part, decodable, ids_into, numbers_into
+from neorec.ingest.flat_columns import Part, decodable, numbers_into, single_ids
 from neorec.ingest.schema import DatasetSchema
 
 DENSE_TRANSFORMS = ("log1p", "identity")
@@ -143,6 +143,15 @@ class TableColumns:
         return None  # the array's bags are read in place
 
 
+Jobs = Callable[[Sequence[Callable[[], None]]], None]
+"""Runs a list of independent jobs (zero-argument callables), in any order or at once."""
+
+
+def run_in_order(jobs: Sequence[Callable[[], None]]) -> None:
+    for job in jobs:
+        job()
+
+
 def decode_table(
     table: pa.Table | ColumnSource,
     schema: DatasetSchema,
@@ -158,61 +167,113 @@ def decode_table(
 
     Errors name row ``first_row + i`` of ``row_group`` of ``file`` for the table's row
     ``i``, or the ``(file, row group, row)`` that ``locate(i)`` gives when the table's rows
-    were gathered from several row groups. Flat columns of integers, float32 and float64
-    are decoded by the kernels of :mod:`neorec.ingest.flat_columns`; a numeric column in
-    which they find a value that is not finite is decoded again from its Arrow array,
-    which names the first bad row."""
+    were gathered from several row groups. See :func:`decode_sources`."""
     source = TableColumns(table) if isinstance(table, pa.Table) else table
-    where = _Where(file, row_group, first_row, locate)
-    n = source.num_rows
-    labels = np.empty(n, dtype=np.float32)
-    _numbers_into(source, schema.label, where, None, labels)
-    if not np.all((labels >= 0) & (labels <= 1)):
-        bad = int(np.flatnonzero((labels < 0) | (labels > 1))[0])
-        raise where.error(f"labels must lie in [0, 1], found {labels[bad]}", schema.label, bad)
-    dense = np.empty((n, len(schema.dense)), dtype=np.float32)
-    for j, column in enumerate(schema.dense):
-        _numbers_into(source, column, where, 0.0, dense[:, j])
-    if options.dense_transform == "log1p":
-        # log(1 + x) rather than np.log1p: numpy vectorizes it in float32, and it is off by at
-        # most one float32 ulp of 1 for tiny x, far below what a model input resolves.
-        np.maximum(dense, 0.0, out=dense)
-        np.log(np.add(dense, np.float32(1.0), out=dense), out=dense)
-    # The list columns' sizes come first (they size the ids); an error in one is raised in
-    # its feature's turn, so that the first bad feature in schema order is the one named.
-    lists: dict[str, Bags | DataError] = {}
-    for feature in schema.sparse:
-        if feature.multi_hot:
+    return decode_sources([source], [Where(file, row_group, first_row, locate)], schema, options)[0]
+
+
+def decode_sources(sources: Sequence[ColumnSource], wheres: Sequence["Where"], schema: DatasetSchema,
+                   options: DecodeOptions, run: Jobs = run_in_order) -> list[HostBatch]:
+    """Decode several sources of ``schema``'s columns into a batch each, column by column:
+    each column of every source before the next column, so that the rows of a column that
+    several sources pick from (the chunks of a permuted window) are read from memory once.
+    The columns are independent jobs that ``run`` may run at once (they release the GIL in
+    their kernels); ``wheres[k]`` locates source ``k``'s rows for errors.
+
+    Flat columns of integers, float32 and float64 are decoded by the kernels of
+    :mod:`neorec.ingest.flat_columns`; a numeric column in which they find a value that is
+    not finite is decoded again from its Arrow array, which names the first bad row. Of
+    several bad columns, the first in schema order (label, dense, sparse) is named: a
+    single id feature's ids are sized from its validity before any is written, so that
+    every feature's ids land at their final place in the batch's ``values``."""
+    sizes = [source.num_rows for source in sources]
+    num_f = len(schema.sparse)
+    labels = [np.empty(n, dtype=np.float32) for n in sizes]
+    dense = [np.empty((n, len(schema.dense)), dtype=np.float32) for n in sizes]
+    lengths = [np.empty(num_f * n, dtype=np.int32) for n in sizes]
+    counts = np.zeros((len(sources), num_f), dtype=np.int64)
+    writers: dict[tuple[int, int], Callable[[np.ndarray], None]] = {}  # by (source, feature): writes its ids
+    errors: dict[int, DataError] = {}  # by the column's place in schema order
+
+    def job(order: int, work: Callable[[], None]) -> Callable[[], None]:
+        def checked() -> None:
             try:
-                lists[feature.name] = _bags(source, feature.name, where)
+                work()
             except DataError as err:
-                lists[feature.name] = err
-    lengths = np.empty(len(schema.sparse) * n, dtype=np.int32)
-    values = np.empty(n * sum(not f.multi_hot for f in schema.sparse)
-                      + sum(b.count for b in lists.values() if isinstance(b, Bags)), dtype=np.int64)
-    written = 0
-    for f, (feature, rows) in enumerate(zip(schema.sparse, options.table_rows)):
-        bag_lengths = lengths[f * n : (f + 1) * n]
-        if feature.multi_hot:
-            bags = lists.pop(feature.name)
-            if isinstance(bags, DataError):
-                raise bags
-            bag_lengths[:] = bags.lengths
-            bags.write(values[written : written + bags.count])
-            count = bags.count
-        else:
-            count = _single_ids(source, feature.name, where, bag_lengths, values[written:])
-        if feature.name not in options.raw_features:
-            _map_ids(values[written : written + count], rows, options.id_mapping, where, feature.name, bag_lengths)
-        written += count
-    return HostBatch(dense=dense, labels=labels, keys=schema.feature_names, lengths=lengths, values=values[:written])
+                errors[order] = err
+        return checked
+
+    def label_column() -> None:
+        for source, where, out in zip(sources, wheres, labels):
+            _numbers_into(source, schema.label, where, None, out)
+            if not np.all((out >= 0) & (out <= 1)):
+                bad = int(np.flatnonzero((out < 0) | (out > 1))[0])
+                raise where.error(f"labels must lie in [0, 1], found {out[bad]}", schema.label, bad)
+
+    def dense_column(j: int) -> Callable[[], None]:
+        def work() -> None:
+            for source, where, out in zip(sources, wheres, dense):
+                _numbers_into(source, schema.dense[j], where, 0.0, out[:, j])
+        return work
+
+    def sizes_of(f: int) -> Callable[[], None]:
+        feature = schema.sparse[f]
+
+        def work() -> None:
+            for k, (source, where, n) in enumerate(zip(sources, wheres, sizes)):
+                flags = lengths[k][f * n : (f + 1) * n]
+                if feature.multi_hot:
+                    found = _bags(source, feature.name, where)
+                    flags[:] = found.lengths
+                    counts[k, f], writers[k, f] = found.count, found.write
+                else:
+                    counts[k, f], writers[k, f] = _single_ids(source, feature.name, where, flags)
+        return work
+
+    first_feature = 1 + len(schema.dense)
+    run([job(0, label_column), *(job(1 + j, dense_column(j)) for j in range(len(schema.dense))),
+         *(job(first_feature + f, sizes_of(f)) for f in range(num_f))])
+    starts = np.zeros((len(sources), num_f + 1), dtype=np.int64)
+    np.cumsum(counts, axis=1, out=starts[:, 1:])
+    values = [np.empty(int(total), dtype=np.int64) for total in starts[:, -1]]
+
+    def ids_of(f: int) -> Callable[[], None]:
+        feature = schema.sparse[f]
+
+        def work() -> None:
+            for k, (source, where, n) in enumerate(zip(sources, wheres, sizes)):
+                flags = lengths[k][f * n : (f + 1) * n]
+                ids = values[k][starts[k, f] : starts[k, f + 1]]
+                writers[k, f](ids)
+                if feature.name not in options.raw_features:
+                    _map_ids(ids, options.table_rows[f], options.id_mapping, where, feature.name, flags)
+        return work
+
+    def transform_dense() -> None:
+        if options.dense_transform == "log1p":
+            # log(1 + x) rather than np.log1p: numpy vectorizes it in float32, and it is off by
+            # at most one float32 ulp of 1 for tiny x, far below what a model input resolves.
+            for out in dense:
+                np.maximum(out, 0.0, out=out)
+                np.log(np.add(out, np.float32(1.0), out=out), out=out)
+
+    run([transform_dense, *(job(first_feature + f, ids_of(f)) for f in range(num_f)
+                            if first_feature + f not in errors)])
+    if errors:
+        raise errors[min(errors)]
+    return [HostBatch(dense=d, labels=y, keys=schema.feature_names, lengths=ln, values=v)
+            for d, y, ln, v in zip(dense, labels, lengths, values)]
 
 
 @dataclass(frozen=True)
-class _Where:
-    file: str
-    row_group: int | None
-    first_row: int
+class Where:
+    """Where a source's rows come from, for errors: row ``first_row + i`` of ``row_group``
+    of ``file`` for row ``i``, or the ``(file, row group, row)`` that ``locate(i)`` gives
+    for rows gathered from several row groups."""
+
+    file: str = "<table>"
+    row_group: int | None = None
+    first_row: int = 0
     locate: Callable[[int], tuple[str, int, int]] | None = None
 
     def error(self, problem: str, column: str, row_in_slice: int | None = None) -> DataError:
@@ -225,14 +286,14 @@ class _Where:
         return DataError(problem, file=self.file, row_group=self.row_group, column=column, row=row)
 
 
-def _field_type(source: ColumnSource, name: str, where: _Where) -> pa.DataType:
+def _field_type(source: ColumnSource, name: str, where: Where) -> pa.DataType:
     indices = source.schema.get_all_field_indices(name)
     if len(indices) != 1:
         raise where.error("column is missing" if not indices else f"{len(indices)} columns have this name", name)
     return source.schema.field(indices[0]).type
 
 
-def _numbers_into(source: ColumnSource, name: str, where: _Where, missing: float | None, out: np.ndarray) -> None:
+def _numbers_into(source: ColumnSource, name: str, where: Where, missing: float | None, out: np.ndarray) -> None:
     """``out`` (float32 ``[n]``, may be strided) ← a numeric column; nulls become
     ``missing`` or, when it is None, an error, as does a value that is not finite."""
     kind = _field_type(source, name, where)
@@ -246,7 +307,7 @@ def _numbers_into(source: ColumnSource, name: str, where: _Where, missing: float
     out[:] = _numeric(source.array(name), name, where, missing)
 
 
-def _numeric(array: pa.Array, name: str, where: _Where, missing: float | None) -> np.ndarray:
+def _numeric(array: pa.Array, name: str, where: Where, missing: float | None) -> np.ndarray:
     """float32 ``[n]``; nulls become ``missing`` or, when it is None, an error."""
     if array.null_count:
         if missing is None:
@@ -260,16 +321,16 @@ def _numeric(array: pa.Array, name: str, where: _Where, missing: float | None) -
     return out
 
 
-def _single_ids(source: ColumnSource, name: str, where: _Where, lengths: np.ndarray, out: np.ndarray) -> int:
-    """A single-id feature: ``lengths`` (int32 ``[n]``) ← 1 or, for a missing id, 0 (an
-    empty bag); ``out`` ← the ids (int64). Returns how many."""
+def _single_ids(source: ColumnSource, name: str, where: Where,
+                flags: np.ndarray) -> tuple[int, Callable[[np.ndarray], None]]:
+    """A single-id feature's ids: see :func:`neorec.ingest.flat_columns.single_ids`."""
     kind = _field_type(source, name, where)
     if not pa.types.is_integer(kind):
         raise where.error(f"expected int64, found {kind}", name)
-    return ids_into(source.parts(name), lengths, out)
+    return single_ids(source.parts(name), flags)
 
 
-def _bags(source: ColumnSource, name: str, where: _Where) -> Bags:
+def _bags(source: ColumnSource, name: str, where: Where) -> Bags:
     """A list column's bags (a null list: an empty bag)."""
     _field_type(source, name, where)
     bags = source.bags(name)
@@ -289,7 +350,7 @@ def _bags(source: ColumnSource, name: str, where: _Where) -> Bags:
     return Bags(lengths, ids.size, lambda out: np.copyto(out, ids, casting="unsafe"))
 
 
-def _map_ids(ids: np.ndarray, rows: int, mapping: str, where: _Where, column: str, lengths: np.ndarray) -> None:
+def _map_ids(ids: np.ndarray, rows: int, mapping: str, where: Where, column: str, lengths: np.ndarray) -> None:
     """Map raw ids into ``[0, rows)`` in place; name the row of the first bad id."""
     if ids.size == 0:
         return

@@ -19,7 +19,7 @@ pass and the errors stay exact.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numba
 import numpy as np
@@ -69,24 +69,34 @@ def numbers_into(parts: Sequence[Part], missing: float, out: np.ndarray) -> None
         _numbers(b.values, b.bitmap, b.offset, rows, places, part.rows is not None, np.float32(missing), out)
 
 
-def ids_into(parts: Sequence[Part], lengths: np.ndarray, out: np.ndarray) -> int:
-    """Single ids: ``lengths`` (int32 ``[n]``) ← 1 for a row with an id, 0 for a null;
-    ``out`` (int64, at least ``n``) ← the ids as int64, in row order, nulls left out.
-    Returns how many ids were written."""
-    if len(parts) == 1 and parts[0].rows is None:
-        b = _Buffers(parts[0].array)
-        return _ids_in_order(b.values, b.bitmap, b.offset, lengths, out)
+def single_ids(parts: Sequence[Part], flags: np.ndarray) -> tuple[int, Callable[[np.ndarray], None]]:
+    """Single ids of ``flags.size`` rows: how many rows hold one, and ``write(out)``, which
+    writes those ids (as int64, in row order, nulls left out) to ``out``, an array of
+    exactly that many. Once ``write`` has run, ``flags`` (int32 ``[n]``) holds 1 for a row
+    with an id and 0 for a null (its bag length).
+
+    The count comes first so that a caller can place every feature's ids before writing
+    any: for rows in order it is Arrow's null count, and the write is one pass; for picked
+    rows the flags are written at once and counted."""
     buffers = [_Buffers(p.array) for p in parts]
+    if len(parts) == 1 and parts[0].rows is None:
+        b = buffers[0]
+        return flags.size - parts[0].array.null_count, lambda out: _ids_in_order(b.values, b.bitmap, b.offset, flags, out)
     nulls = any(b.bitmap.size for b in buffers)
-    placed = np.empty(lengths.size, dtype=np.int64) if nulls else out  # nulls: every row's value, then compacted
-    for b, p in zip(buffers, parts):
-        _placed(b.values, b.offset, p.rows, p.places, placed)
-    if not nulls:
-        lengths[:] = 1
-        return lengths.size
-    for b, p in zip(buffers, parts):
-        _valid_to(b.bitmap, b.offset, p.rows, p.places, lengths)
-    return _compacted(placed, lengths, out)
+    if nulls:
+        for b, p in zip(buffers, parts):
+            _valid_to(b.bitmap, b.offset, p.rows, p.places, flags)
+    else:
+        flags[:] = 1
+
+    def write(out: np.ndarray) -> None:
+        placed = np.empty(flags.size, dtype=np.int64) if nulls else out  # nulls: every row's value, then compacted
+        for b, p in zip(buffers, parts):
+            _placed(b.values, b.offset, p.rows, p.places, placed)
+        if nulls:
+            _compacted(placed, flags, out)
+
+    return int(flags.sum()) if nulls else flags.size, write
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -114,27 +124,27 @@ def _numbers(values, bitmap, offset, rows, places, picked, missing, out):  # pra
 
 
 @numba.njit(cache=True, nogil=True)
-def _ids_in_order(values, bitmap, offset, lengths, out):  # pragma: no cover - compiled
-    n = lengths.size
+def _ids_in_order(values, bitmap, offset, flags, out):  # pragma: no cover - compiled
+    n = flags.size
     column = _column(values, offset)
     if bitmap.size == 0:
         for k in range(n):
-            lengths[k] = 1
+            flags[k] = 1
             out[k] = column[k]
-        return n
+        return
     written = 0
     for k in range(n):
         ok = _valid(bitmap, offset + k)
-        lengths[k] = ok
-        out[written] = column[k]  # overwritten by the next id when this one is null
+        flags[k] = ok
+        if written < out.size:  # past the last id, nothing is written: out ends there
+            out[written] = column[k]  # overwritten by the next id when this one is null
         written += ok
-    return written
 
 
 @numba.njit(cache=True, nogil=True)
-def _valid_to(bitmap, offset, rows, places, lengths):  # pragma: no cover - compiled
+def _valid_to(bitmap, offset, rows, places, flags):  # pragma: no cover - compiled
     for k in range(rows.size):
-        lengths[places[k]] = 1 if bitmap.size == 0 else _valid(bitmap, offset + rows[k])
+        flags[places[k]] = 1 if bitmap.size == 0 else _valid(bitmap, offset + rows[k])
 
 
 @numba.njit(cache=True, nogil=True)
@@ -145,9 +155,9 @@ def _placed(values, offset, rows, places, out):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _compacted(placed, lengths, out):  # pragma: no cover - compiled
+def _compacted(placed, flags, out):  # pragma: no cover - compiled
     written = 0
-    for k in range(lengths.size):
-        out[written] = placed[k]  # overwritten by the next id when this one is null
-        written += lengths[k]
-    return written
+    for k in range(flags.size):
+        if written < out.size:  # past the last id, nothing is written: out ends there
+            out[written] = placed[k]  # overwritten by the next id when this one is null
+        written += flags[k]

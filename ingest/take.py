@@ -80,7 +80,8 @@ class PickedRows:
         bounds = np.searchsorted(rows, window.starts).tolist()
         self._picks = [(rows[lo:hi] - start, places[lo:hi])
                        for lo, hi, start in zip(bounds[:-1], bounds[1:], window.starts[:-1].tolist())]
-        self._sources: _Sources | None = None
+        # made at once, not on a first bags() call: a decode may ask for several list columns at once
+        self._sources = _Sources(window.starts, positions) if window.bags else None
 
     def parts(self, name: str) -> list[Part]:
         return [Part(chunk, rows, places)
@@ -96,8 +97,6 @@ class PickedRows:
     def bags(self, name: str) -> Bags | None:
         if name not in self.window.bags:
             return None
-        if self._sources is None:
-            self._sources = _Sources(self.window.starts, self.positions)
         return _picked_bags(self.window.columns[name], self._sources)
 
 

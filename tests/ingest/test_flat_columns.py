@@ -11,7 +11,7 @@ import pytest
 
 from neorec.ingest.decoder import DecodeOptions, decode_table
 from neorec.ingest.errors import DataError
-from neorec.ingest.flat_columns import Part, decodable, ids_into, numbers_into
+from neorec.ingest.flat_columns import Part, decodable, numbers_into, single_ids
 from neorec.ingest.schema import DatasetSchema, SparseFeature
 
 NUMERIC = [pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(), pa.uint32(), pa.uint64(),
@@ -64,20 +64,21 @@ def test_numbers_read_in_order_and_picked_equal_arrows_values(kind, null_fractio
 @pytest.mark.parametrize("kind", [k for k in NUMERIC if pa.types.is_integer(k)], ids=str)
 @pytest.mark.parametrize("null_fraction", [0.0, 0.4, 1.0])
 def test_ids_read_in_order_and_picked_equal_arrows_values_nulls_left_out(kind, null_fraction):
+    """The count comes before the write, and the write fills exactly that many ids: the
+    array it writes to ends where the ids do (an id more would land in the next feature's)."""
     rng = np.random.default_rng(3)
     array = _array(rng, kind, 200, null_fraction).slice(37, 150)
-    lengths = np.full(150, 9, dtype=np.int32)
-    out = np.full(150, -1, dtype=np.int64)
-    count = ids_into([Part(array)], lengths, out)
     values = array.to_pylist()
-    assert lengths.tolist() == [int(v is not None) for v in values]
-    assert out[:count].tolist() == [v for v in values if v is not None]
     parts, expected = _parts(rng, kind, null_fraction, 80)
-    lengths = np.full(80, 9, dtype=np.int32)
-    out = np.full(80, -1, dtype=np.int64)
-    count = ids_into(parts, lengths, out)
-    assert lengths.tolist() == [int(v is not None) for v in expected]
-    assert out[:count].tolist() == [v for v in expected if v is not None]
+    for parts, rows in (([Part(array)], values), (parts, expected)):
+        flags = np.full(len(rows), 9, dtype=np.int32)
+        count, write = single_ids(parts, flags)
+        assert count == sum(v is not None for v in rows)
+        out = np.full(count + 1, -1, dtype=np.int64)
+        write(out[:count])
+        assert flags.tolist() == [int(v is not None) for v in rows]
+        assert out[:count].tolist() == [v for v in rows if v is not None]
+        assert out[count] == -1
 
 
 def test_only_integer_and_32_and_64_bit_float_columns_are_read_by_the_kernels():

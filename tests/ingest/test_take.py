@@ -1,14 +1,17 @@
 """Row-level shuffling's gather (:mod:`neorec.ingest.take`) against Arrow's own take: the
 same rows decode to the same bytes, nulls, empty bags and bad ids included."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from neorec.ingest.batch import HostBatch
+from neorec.ingest import chunks
 from neorec.ingest.chunks import ChunkDecoder
-from neorec.ingest.decoder import DecodeOptions, decode_table
+from neorec.ingest.decoder import DecodeOptions, Where, decode_sources, decode_table
 from neorec.ingest.errors import DataError
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.rows import RowGroupInfo, RowSpan, Window
@@ -67,9 +70,13 @@ def test_rows_of_several_groups_decode_as_arrows_take_of_them(seed):
         assert got.values.size > 0 or positions.size < 5
 
 
-def test_row_shuffled_batches_equal_a_plain_take_and_decode_of_their_rows(tmp_path):
+@pytest.mark.parametrize("chunk_rows", [65_536, 96])
+def test_row_shuffled_batches_equal_a_plain_take_and_decode_of_their_rows(tmp_path, monkeypatch, chunk_rows):
     """A whole epoch through the reader (chunks gathered on its pool): each batch holds the
-    rows its provenance names, decoded as Arrow's take of them from their row group."""
+    rows its provenance names, decoded as Arrow's take of them from their row group. With
+    chunks of 96 rows, a window of 1,000 rows is 11 chunks: groups of them decoded
+    together, column by column, the next group while one is delivered."""
+    monkeypatch.setattr(chunks, "CHUNK_ROWS", chunk_rows)
     rng = np.random.default_rng(7)
     files = []
     for k in range(2):
@@ -88,6 +95,39 @@ def test_row_shuffled_batches_equal_a_plain_take_and_decode_of_their_rows(tmp_pa
         seen += len(located)
     reader.close()
     assert seen == 2_600
+
+
+def test_chunks_decoded_together_on_threads_equal_each_decoded_alone():
+    rng = np.random.default_rng(9)
+    tables = [_table(rng, 300), _table(rng, 200)]
+    window = WindowTables(tables, np.array([0, 300, 500], dtype=np.int64))
+    order = rng.permutation(500).astype(np.int64)
+    picks = [order[:200], order[200:450], order[450:]]
+    with ThreadPoolExecutor(3) as pool:
+        together = decode_sources([window.picked(p) for p in picks], [Where()] * 3, SCHEMA, OPTIONS,
+                                  lambda jobs: [f.result() for f in [pool.submit(job) for job in jobs]])
+    for got, positions in zip(together, picks):
+        _same(got, decode_table(window.picked(positions), SCHEMA, OPTIONS))
+
+
+def test_of_chunks_decoded_together_the_first_bad_column_in_schema_order_is_named():
+    """A bad id in the first chunk, a bad label in the second: the label comes first in
+    the schema, as it would in one chunk, and the error locates its row."""
+    rng = np.random.default_rng(2)
+    table = _table(rng, 100)
+    labels = table.column("label").to_numpy().copy()
+    labels[70] = 2.0
+    ids = table.column("s0").to_pylist()
+    ids[10] = 999  # beyond the table's 50 rows
+    table = table.set_column(0, "label", pa.array(labels)).set_column(3, "s0", pa.array(ids))
+    strict = DecodeOptions.for_schema(SCHEMA, id_mapping="strict")
+    window = WindowTables([table], np.array([0, 100], dtype=np.int64))
+    first, second = np.arange(0, 50, dtype=np.int64), np.arange(50, 100, dtype=np.int64)
+    wheres = [Where("a.parquet", 0, 0), Where("a.parquet", 0, 50)]
+    with pytest.raises(DataError, match=r"a.parquet, row group 0, column 'label', row 70: labels must lie in"):
+        decode_sources([window.picked(first), window.picked(second)], wheres, SCHEMA, strict)
+    with pytest.raises(DataError, match=r"a.parquet, row group 0, column 's0', row 10: id 999 is out of range"):
+        decode_sources([window.picked(first)], wheres[:1], SCHEMA, strict)
 
 
 def test_a_null_id_inside_a_list_is_named_by_its_row(tmp_path):
