@@ -18,8 +18,9 @@ numpy's work run without the GIL), and the next chunks decode while these are de
 
 from __future__ import annotations
 
-from concurrent.futures import Executor
-from typing import Callable, Iterator, Sequence
+import threading
+from concurrent.futures import Executor, Future
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -31,6 +32,8 @@ from neorec.ingest.rows import RowGroupInfo, RowSpan, Window
 from neorec.ingest.schema import DatasetSchema, SparseFeature
 from neorec.ingest.take import WindowTables
 from neorec.ingest.wire import decode_batch, serialize_pieces
+
+T = TypeVar("T")
 
 CHUNK_ROWS = 65_536
 """Most rows decoded at once. Larger chunks allocate arrays beyond what the allocator keeps
@@ -53,8 +56,9 @@ class ChunkDecoder:
     ``load(group)`` returns the Arrow table of one row group (its caller may cache or share
     reads: a permuted window's chunks all read every group of the window);
     ``paths[file_index]`` names the files for errors. With an ``executor`` of ``workers``
-    threads (used by nothing else), a permuted window's chunks are gathered and decoded on
-    them, the chunks after them while they are delivered.
+    threads (which may run other tasks too, this decoder's callers among them), a permuted
+    window's columns are decoded on up to ``workers`` of them, and its next chunks while
+    these are delivered.
     """
 
     def __init__(self, load: Callable[[RowGroupInfo], pa.Table], paths: Sequence[str], schema: DatasetSchema,
@@ -94,12 +98,11 @@ class ChunkDecoder:
             for group in together:
                 yield from zip(group, self._gathered(tables, group))
             return
-        # one group decodes on the executor while the one before is delivered; only one at a
-        # time, so its helpers always find the executor's other threads free
+        # the next group decodes on the executor while one is delivered
         decoding = self.executor.submit(self._gathered, tables, together[0])
         try:
             for at, group in enumerate(together):
-                decoded = decoding.result()
+                decoded = _outcome(decoding, self._gathered, tables, group)
                 if at + 1 < len(together):
                     decoding = self.executor.submit(self._gathered, tables, together[at + 1])
                 yield from zip(group, decoded)
@@ -129,23 +132,51 @@ class ChunkDecoder:
                               self.schema, self.options, self._run)
 
     def _run(self, jobs: Sequence[Callable[[], None]]) -> None:
-        """Run ``jobs`` on this thread and ``workers - 1`` more of the executor, each taking
-        the next job not yet taken (a list iterator hands each out once, under the GIL)."""
+        """Run ``jobs`` on this thread, helped by up to ``workers - 1`` of the executor's."""
         if self.executor is None or self.workers == 1:
             run_in_order(jobs)
             return
-        pending = iter(jobs)
+        shared = _SharedJobs(jobs)
+        for _ in range(self.workers - 1):
+            self.executor.submit(shared.take)
+        shared.take()
+        shared.wait()
 
-        def take_jobs() -> None:
-            for job in pending:
+
+class _SharedJobs:
+    """Jobs that several threads take, each the next not yet taken. ``wait`` waits for the
+    jobs taken, not for the helpers: a helper queued behind busy threads finds none left
+    when it starts, so a thread of the executor may wait without holding up the queue."""
+
+    def __init__(self, jobs: Sequence[Callable[[], None]]) -> None:
+        self._pending = iter(jobs)  # a list iterator hands each job out once, under the GIL
+        self._left = len(jobs)
+        self._done = threading.Condition()
+        self._error: BaseException | None = None
+
+    def take(self) -> None:
+        for job in self._pending:
+            try:
                 job()
+            except BaseException as err:  # raised by wait, in the thread that waits
+                self._error = self._error or err
+            finally:
+                with self._done:
+                    self._left -= 1
+                    self._done.notify_all()
 
-        helpers = [self.executor.submit(take_jobs) for _ in range(self.workers - 1)]
-        try:
-            take_jobs()
-        finally:
-            for helper in helpers:
-                helper.result()
+    def wait(self) -> None:
+        with self._done:
+            self._done.wait_for(lambda: self._left == 0)
+        if self._error is not None:
+            raise self._error
+
+
+def _outcome(future: Future, function: Callable[..., T], *args: Any) -> T:
+    """``future``'s result, which is ``function(*args)``: computed in this thread if the
+    future has not started, so that a thread of the executor never waits for a task
+    queued behind it."""
+    return function(*args) if future.cancel() else future.result()
 
 
 def chunk_rows(tables: Sequence[pa.Table], schema: DatasetSchema) -> int:

@@ -110,6 +110,26 @@ def test_chunks_decoded_together_on_threads_equal_each_decoded_alone():
         _same(got, decode_table(window.picked(positions), SCHEMA, OPTIONS))
 
 
+def test_a_decoder_read_by_every_thread_of_its_own_executor_does_not_wait_on_itself(monkeypatch):
+    """Both threads of the decoder's executor read windows of many chunks through it: the
+    decodes and helpers they queue can find no free thread, and each read still ends."""
+    monkeypatch.setattr(chunks, "CHUNK_ROWS", 32)
+    rng = np.random.default_rng(4)
+    tables = {g: _table(rng, 150) for g in range(4)}
+    with ThreadPoolExecutor(2) as pool:
+        decoder = ChunkDecoder(lambda g: tables[g.row_group], ["part-0.parquet"], SCHEMA, OPTIONS, pool, 2)
+        windows = [Window((RowGroupInfo(0, 2 * w, 150), RowGroupInfo(0, 2 * w + 1, 150)), seed=w) for w in range(2)]
+        reads = [pool.submit(lambda w: list(decoder.chunks(RowSpan(w, 0, w.num_rows))), w) for w in windows]
+        for window, read in zip(windows, reads):
+            got = read.result(timeout=60)
+            assert [piece for piece, _ in got] == RowSpan(window, 0, window.num_rows).pieces(32)
+            positions = window.order()
+            tables_of = [tables[g.row_group] for g in window.groups]
+            alone = WindowTables(tables_of, window.group_starts())
+            for piece, chunk in got:
+                _same(chunk, decode_table(alone.picked(positions[piece.start : piece.stop]), SCHEMA, OPTIONS))
+
+
 def test_of_chunks_decoded_together_the_first_bad_column_in_schema_order_is_named():
     """A bad id in the first chunk, a bad label in the second: the label comes first in
     the schema, as it would in one chunk, and the error locates its row."""
