@@ -81,7 +81,11 @@ def single_ids(parts: Sequence[Part], flags: np.ndarray) -> tuple[int, Callable[
     buffers = [_Buffers(p.array) for p in parts]
     if len(parts) == 1 and parts[0].rows is None:
         b = buffers[0]
-        return flags.size - parts[0].array.null_count, lambda out: _ids_in_order(b.values, b.bitmap, b.offset, flags, out)
+
+        def in_order(out: np.ndarray) -> None:
+            _ids_in_order(b.values, b.bitmap, b.offset, flags, out)
+
+        return flags.size - parts[0].array.null_count, in_order
     nulls = any(b.bitmap.size for b in buffers)
     if nulls:
         for b, p in zip(buffers, parts):
