@@ -102,6 +102,21 @@ def test_row_encoder_equals_encoding_each_element(precision, seed):
     assert (ours.ravel() == each).all()
 
 
+def _flat_runs(id_upstream, id_scale, run_ends, run_rows, table_starts, table_runs):
+    """group_by_row's runs, each table's at its ids' place, as one list of all tables':
+    (id_upstream, id_scale, runs [R + 1] (run r is ids [runs[r], runs[r + 1])), run_table
+    [R], run_rows [R])."""
+    runs, run_table, rows = [0], [], []
+    for t in range(table_starts.shape[0] - 1):
+        count = table_runs[t + 1] - table_runs[t]
+        assert count <= table_starts[t + 1] - table_starts[t]
+        runs += run_ends[table_starts[t] : table_starts[t] + count].tolist()
+        run_table += [t] * count
+        rows += run_rows[table_starts[t] : table_starts[t] + count].tolist()
+    assert table_runs[0] == 0 and table_runs[-1] == len(rows)
+    return id_upstream, id_scale, np.array(runs), np.array(run_table), np.array(rows)
+
+
 def test_group_by_row_sorts_stably_by_row_with_either_sort():
     """Tables below and above the radix sort's threshold, rows needing one to three digits,
     a table of two features, a batch key no table looks up, features in another order than
@@ -123,8 +138,8 @@ def test_group_by_row_sorts_stably_by_row_with_either_sort():
     # tables 0..6; table 6 has the features of keys 7 and 6, in that order; key 8 is not looked up
     feature_source = np.array([1, 0, 2, 4, 3, 5, 7, 6], dtype=np.int64)
     table_features = np.array([0, 1, 2, 3, 4, 5, 6, 8], dtype=np.int64)
-    id_upstream, id_scale, runs, run_table, run_rows = group_by_row(
-        values, upstream_of_id, scale_of_id, bag_offsets, batch_size, feature_source, table_features)
+    id_upstream, id_scale, runs, run_table, run_rows = _flat_runs(*group_by_row(
+        values, upstream_of_id, scale_of_id, bag_offsets, batch_size, feature_source, table_features))
     expected_runs, expected_tables, expected_rows = [], [], []
     lo = 0
     for t in range(len(table_features) - 1):
@@ -148,8 +163,8 @@ def test_group_by_row_sorts_stably_by_row_with_either_sort():
 
 def test_group_by_row_without_scales_gives_none():
     values = np.array([3, 1, 3], dtype=np.int64)
-    id_upstream, id_scale, runs, _, run_rows = group_by_row(
+    id_upstream, id_scale, runs, _, run_rows = _flat_runs(*group_by_row(
         values, np.array([0, 64, 128], dtype=np.int64), np.zeros(0, dtype=np.float32),
-        np.array([0, 2, 3], dtype=np.int64), 1, np.array([0, 1], dtype=np.int64), np.array([0, 2], dtype=np.int64))
+        np.array([0, 2, 3], dtype=np.int64), 1, np.array([0, 1], dtype=np.int64), np.array([0, 2], dtype=np.int64)))
     assert id_scale.shape == (0,)
     assert id_upstream.tolist() == [64, 0, 128] and runs.tolist() == [0, 1, 3] and run_rows.tolist() == [1, 3]

@@ -102,14 +102,20 @@ def test_update_work_is_cut_between_bytes():
     """No two chunks of the update's work hold rows whose bits share a byte (two threads
     would then write it at once)."""
     rng = np.random.default_rng(7)
-    offsets = bitmap_offsets(np.array([13, 1003, 5]))
-    rows = [np.unique(rng.integers(0, n, k)) for n, k in ((13, 9), (1003, 700), (5, 5))]
+    offsets = bitmap_offsets(np.array([13, 7, 1003, 5]))
+    rows = [np.unique(rng.integers(0, n, k)) for n, k in ((13, 9), (7, 0), (1003, 700), (5, 5))]  # one empty
     run_table = np.concatenate([np.full(r.size, t) for t, r in enumerate(rows)]).astype(np.int64)
-    run_rows = np.concatenate(rows).astype(np.int64)
-    byte = (offsets[run_table] + run_rows) >> 3
-    for chunks in (1, 2, 7, 32, run_rows.size):
-        starts = [backward._chunk_start(c, chunks, run_rows.size, run_table, run_rows, offsets)
+    table_runs = np.concatenate([[0], np.cumsum([r.size for r in rows])]).astype(np.int64)
+    # each table's runs at its ids' place (group_by_row's layout), here 3 ids more than runs
+    table_starts = table_runs + 3 * np.arange(len(rows) + 1)
+    run_rows = np.full(table_starts[-1], -1, dtype=np.int64)
+    for t, r in enumerate(rows):
+        run_rows[table_starts[t] : table_starts[t] + r.size] = r
+    num_runs = run_table.size
+    byte = (offsets[run_table] + np.concatenate(rows)) >> 3
+    for chunks in (1, 2, 7, 32, num_runs):
+        starts = [backward._chunk_start(c, chunks, num_runs, table_starts, table_runs, run_rows, offsets)
                   for c in range(chunks + 1)]
-        assert starts[0] == 0 and starts[-1] == run_rows.size and starts == sorted(starts)
-        inner = [s for s in starts[1:-1] if 0 < s < run_rows.size]
+        assert starts[0] == 0 and starts[-1] == num_runs and starts == sorted(starts)
+        inner = [s for s in starts[1:-1] if 0 < s < num_runs]
         assert all(byte[s - 1] != byte[s] for s in inner), chunks

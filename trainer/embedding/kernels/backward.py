@@ -52,43 +52,46 @@ def group_by_row(
     batch_size: int,             # B
     feature_source: np.ndarray,  # int64 [F]: the batch key of each module feature
     table_features: np.ndarray,  # int64 [T + 1]: table t's features are [table_features[t], table_features[t + 1])
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The ids of the module's features in row order, table by table (a table's ids in its
     features' order first, each feature's ids in batch order): returns
 
     - ``id_upstream`` int64 [M] and ``id_scale`` float32 [M] (or [0] if ``scale_of_id`` is):
       each id's upstream gradient offset and scale, in that order;
-    - ``runs`` int64 [R + 1]: run r (the ids of one row) is ``[runs[r], runs[r + 1])``;
-    - ``run_table`` int64 [R] and ``run_rows`` int64 [R]: each run's table and row.
+    - ``run_ends`` and ``run_rows`` int64 [M]: the runs of ids of one row, each table's at
+      its ids' place: table t's run k (of ``table_runs[t + 1] - table_runs[t]``) is row
+      ``run_rows[table_starts[t] + k]``, and its ids end at ``run_ends[table_starts[t] + k]``
+      and start where run k - 1's ends (at ``table_starts[t]`` for k = 0); the entries past
+      a table's last run are not written;
+    - ``table_starts`` int64 [T + 1]: table t's ids are ``[table_starts[t], table_starts[t + 1])``;
+    - ``table_runs`` int64 [T + 1]: numbering the runs of all tables in order, table t's
+      are ``[table_runs[t], table_runs[t + 1])`` (see :func:`_run_place`).
 
-    The arrays are allocated here, not in the kernel: a kernel that returns arrays calls
-    back into Python to build them, and a Ctrl-C landing in that call surfaces as a
-    ``SystemError`` instead of ``KeyboardInterrupt``.
+    Each table's runs are written where its ids are, as its sorted ids are laid out, so
+    that no second pass over the batch's ids places them (the update maps a run's number to
+    its place, :func:`_run_place`). The arrays are allocated here, not in the kernel: a
+    kernel that returns arrays calls back into Python to build them, and a Ctrl-C landing
+    in that call surfaces as a ``SystemError`` instead of ``KeyboardInterrupt``.
     """
     feature_ids = bag_offsets[(feature_source + 1) * batch_size] - bag_offsets[feature_source * batch_size]
     table_starts = np.concatenate(([0], np.cumsum(feature_ids)))[table_features]
     num_ids = int(table_starts[-1])
     id_upstream = np.empty(num_ids, dtype=np.int64)
     id_scale = np.empty(num_ids if scale_of_id.shape[0] > 0 else 0, dtype=np.float32)
-    runs = np.empty(num_ids + 1, dtype=np.int64)
-    run_table = np.empty(num_ids, dtype=np.int64)
+    run_ends = np.empty(num_ids, dtype=np.int64)
     run_rows = np.empty(num_ids, dtype=np.int64)
-    num_runs = _group_by_row(values, upstream_of_id, scale_of_id, bag_offsets, batch_size, feature_source,
-                             table_features, table_starts, id_upstream, id_scale, runs, run_table, run_rows)
-    return id_upstream, id_scale, runs[: num_runs + 1], run_table[:num_runs], run_rows[:num_runs]
+    table_runs = np.zeros(table_starts.shape[0], dtype=np.int64)
+    _group_by_row(values, upstream_of_id, scale_of_id, bag_offsets, batch_size, feature_source, table_features,
+                  table_starts, id_upstream, id_scale, run_ends, run_rows, table_runs)
+    return id_upstream, id_scale, run_ends, run_rows, table_starts, table_runs
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _group_by_row(values, upstream_of_id, scale_of_id, bag_offsets, batch_size, feature_source, table_features,
-                  table_starts, id_upstream, id_scale, runs, run_table, run_rows) -> int:
-    """:func:`group_by_row` into its arrays (``table_starts`` int64 [T + 1]: where each
-    table's ids start in them; ``runs``, ``run_table`` and ``run_rows`` sized for one run
-    per id); returns the number of runs."""
-    num_ids = table_starts[-1]
+                  table_starts, id_upstream, id_scale, run_ends, run_rows, table_runs) -> None:
+    """:func:`group_by_row` into its arrays (``table_runs`` zeros)."""
     num_tables = table_starts.shape[0] - 1
     scaled = scale_of_id.shape[0] > 0
-    sorted_rows = np.empty(num_ids, dtype=np.int64)
-    table_runs = np.zeros(num_tables + 1, dtype=np.int64)
     for t in numba.prange(num_tables):
         lo = table_starts[t]
         hi = table_starts[t + 1]
@@ -126,32 +129,27 @@ def _group_by_row(values, upstream_of_id, scale_of_id, bag_offsets, batch_size, 
             keys.sort()
         else:
             keys = _radix_sort_rows(keys, largest_row)
-        count = 0
         table_id_upstream = borrowed_view(id_upstream, lo, hi - lo)
         table_id_scale = borrowed_view(id_scale, lo, hi - lo if scaled else 0)
-        table_rows = borrowed_view(sorted_rows, lo, hi - lo)
+        table_run_ends = borrowed_view(run_ends, lo, hi - lo)
+        table_run_rows = borrowed_view(run_rows, lo, hi - lo)
+        # without a branch: every id writes its run's row and, as the run's end so far,
+        # its own end; a run's last id writes last
+        runs = 0
+        previous = -1
         for i in range(hi - lo):
             row = keys[i] >> 32
             j = keys[i] & 0xFFFFFFFF
             table_id_upstream[i] = table_upstream[j]
             if scaled:
                 table_id_scale[i] = table_scale[j]
-            table_rows[i] = row
-            if i == 0 or row != table_rows[i - 1]:
-                count += 1
-        table_runs[t + 1] = count
+            runs += row != previous
+            previous = row
+            table_run_rows[runs - 1] = row
+            table_run_ends[runs - 1] = lo + i + 1
+        table_runs[t + 1] = runs
     for t in range(num_tables):
         table_runs[t + 1] += table_runs[t]
-    runs[table_runs[num_tables]] = num_ids
-    for t in numba.prange(num_tables):
-        r = table_runs[t]
-        for i in range(table_starts[t], table_starts[t + 1]):
-            if i == table_starts[t] or sorted_rows[i] != sorted_rows[i - 1]:
-                runs[r] = i
-                run_table[r] = t
-                run_rows[r] = sorted_rows[i]
-                r += 1
-    return table_runs[num_tables]
 
 
 @numba.njit(inline="always")
@@ -198,9 +196,10 @@ def apply_updates(
     dims: np.ndarray,           # int64 [T]
     id_upstream: np.ndarray,    # int64 [M]: upstream gradient offset of each id, in row order
     id_scale: np.ndarray,       # float32 [M] or [0] (all ones): each id's scale, same order
-    runs: np.ndarray,           # int64 [R + 1]: run r (one row's ids) is [runs[r], runs[r + 1])
-    run_table: np.ndarray,      # int64 [R]
-    run_rows: np.ndarray,       # int64 [R]
+    run_ends: np.ndarray,       # int64 [M]: where each run's ids end  } each table's runs at its ids' place
+    run_rows: np.ndarray,       # int64 [M]: each run's row            } (see group_by_row)
+    table_starts: np.ndarray,   # int64 [T + 1]: table t's ids are [table_starts[t], table_starts[t + 1])
+    table_runs: np.ndarray,     # int64 [T + 1]: table t's runs are runs [table_runs[t], table_runs[t + 1])
     grad_out: np.ndarray,       # float32 [B * sum(dims of features)] (row-major [B, C])
     optimizer: int,
     learning_rates: np.ndarray,  # float32 [T]
@@ -213,7 +212,7 @@ def apply_updates(
     touched: np.ndarray,        # uint8 bitmap (neorec.trainer.embedding.touched): every updated row's bit is set
     max_chunks: int,            # work is split into at most this many chunks (a few per thread)
 ) -> None:
-    """One optimizer step on every row of ``runs`` (the layout of :func:`group_by_row`).
+    """One optimizer step on the row of every run (the layout of :func:`group_by_row`).
 
     The runs are cut into chunks where two neighbouring runs' rows have their touched bits
     in different bytes, so that no two threads write one byte."""
@@ -223,28 +222,41 @@ def apply_updates(
     for t in range(dims.shape[0]):
         max_dim = max(max_dim, dims[t])
     adam_step_size = np.float32(np.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step))
-    num_runs = runs.shape[0] - 1
+    num_runs = table_runs[-1]
     chunks = min(num_runs, max_chunks)
     for c in numba.prange(chunks):
         grad = np.empty(max_dim, dtype=np.float32)
         row_copy = np.empty(max_dim, dtype=np.float32)  # a half-precision row, in float32
         noise_bits = np.empty(max_dim, dtype=np.uint64)  # its stochastic rounding's noise
-        first = _chunk_start(c, chunks, num_runs, run_table, run_rows, touched_offsets)
-        last = _chunk_start(c + 1, chunks, num_runs, run_table, run_rows, touched_offsets)
-        ids_end = runs[last]
-        for k in range(runs[first], min(runs[first] + PREFETCH_IDS, ids_end)):
-            _prefetch_upstream(grad_out, id_upstream[k], dims[run_table[first]])
+        first = _chunk_start(c, chunks, num_runs, table_starts, table_runs, run_rows, touched_offsets)
+        last = _chunk_start(c + 1, chunks, num_runs, table_starts, table_runs, run_rows, touched_offsets)
+        if first == last:
+            continue
+        t = _table_of(first, table_runs)  # the table of run r, and of the run whose row is prefetched
+        t_ahead = t
+        # the chunk's ids, [next_id, ids_end): its runs' ids follow one another, across tables too
+        next_id = table_starts[t] if first == table_runs[t] else run_ends[_run_place(first - 1, t, table_starts,
+                                                                                      table_runs)]
+        ids_end = run_ends[_run_place(last - 1, _table_of(last - 1, table_runs), table_starts, table_runs)]
+        for k in range(next_id, min(next_id + PREFETCH_IDS, ids_end)):
+            _prefetch_upstream(grad_out, id_upstream[k], dims[t])
         for r in range(first, last):
-            if r + PREFETCH_ROWS < last:
+            ahead = r + PREFETCH_ROWS
+            if ahead < last:
+                while ahead >= table_runs[t_ahead + 1]:
+                    t_ahead += 1
                 _prefetch_row_and_state(weights, weights16, precision, state1, touched, table_offsets, state_offsets,
-                                        state_width, touched_offsets, dims, run_table[r + PREFETCH_ROWS],
-                                        run_rows[r + PREFETCH_ROWS])
-            t = run_table[r]
+                                        state_width, touched_offsets, dims, t_ahead,
+                                        run_rows[_run_place(ahead, t_ahead, table_starts, table_runs)])
+            while r >= table_runs[t + 1]:
+                t += 1
+            place = _run_place(r, t, table_starts, table_runs)
+            first_id, next_id = next_id, run_ends[place]
             dim = dims[t]
-            row = run_rows[r]
-            if runs[r + 1] - runs[r] == 1 and not scaled and not decays:
+            row = run_rows[place]
+            if next_id - first_id == 1 and not scaled and not decays:
                 # the row's one id, unscaled: its upstream row is the gradient (read, not copied)
-                k = runs[r]
+                k = first_id
                 if k + PREFETCH_IDS < ids_end:
                     _prefetch_upstream(grad_out, id_upstream[k + PREFETCH_IDS], dim)
                 row_grad = borrowed_view(grad_out, id_upstream[k], dim)
@@ -252,7 +264,7 @@ def apply_updates(
                 row_grad = borrowed_view(grad, 0, dim)
                 for d in range(dim):
                     row_grad[d] = 0.0
-                for k in range(runs[r], runs[r + 1]):
+                for k in range(first_id, next_id):
                     if k + PREFETCH_IDS < ids_end:  # a later id's row, whatever its run
                         _prefetch_upstream(grad_out, id_upstream[k + PREFETCH_IDS], dim)
                     o = id_upstream[k]
@@ -299,15 +311,34 @@ def _prefetch_row_and_state(weights, weights16, precision, state1, touched, tabl
 
 
 @numba.njit(inline="always")
-def _chunk_start(c, chunks, num_runs, run_table, run_rows, touched_offsets):
+def _chunk_start(c, chunks, num_runs, table_starts, table_runs, run_rows, touched_offsets):
     """The first run of chunk ``c`` of ``chunks``: run ``c * num_runs // chunks``, or the
     first after it whose touched bit is in another byte than its predecessor's (at most 7
     runs on); ``num_runs`` for ``c == chunks``."""
     r = c * num_runs // chunks
-    while 0 < r < num_runs and ((touched_offsets[run_table[r]] + run_rows[r]) >> 3
-                                == (touched_offsets[run_table[r - 1]] + run_rows[r - 1]) >> 3):
+    while 0 < r < num_runs and (_touched_byte(r, table_starts, table_runs, run_rows, touched_offsets)
+                                == _touched_byte(r - 1, table_starts, table_runs, run_rows, touched_offsets)):
         r += 1
     return r
+
+
+@numba.njit(inline="always")
+def _touched_byte(r, table_starts, table_runs, run_rows, touched_offsets):
+    """The byte of ``touched`` that holds run ``r``'s row's bit."""
+    t = _table_of(r, table_runs)
+    return (touched_offsets[t] + run_rows[_run_place(r, t, table_starts, table_runs)]) >> 3
+
+
+@numba.njit(inline="always")
+def _table_of(r, table_runs):
+    """The table of run ``r`` (``table_runs`` as :func:`group_by_row` returns it)."""
+    return np.searchsorted(table_runs, r, side="right") - 1
+
+
+@numba.njit(inline="always")
+def _run_place(r, t, table_starts, table_runs):
+    """Where run ``r``, of table ``t``, lies in ``run_ends`` and ``run_rows``."""
+    return table_starts[t] + r - table_runs[t]
 
 
 @numba.njit(inline="always")
