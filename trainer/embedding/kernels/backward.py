@@ -235,8 +235,7 @@ def apply_updates(
         t = _table_of(first, table_runs)  # the table of run r, and of the run whose row is prefetched
         t_ahead = t
         # the chunk's ids, [next_id, ids_end): its runs' ids follow one another, across tables too
-        next_id = table_starts[t] if first == table_runs[t] else run_ends[_run_place(first - 1, t, table_starts,
-                                                                                      table_runs)]
+        next_id = _run_start(first, t, table_starts, table_runs, run_ends)
         ids_end = run_ends[_run_place(last - 1, _table_of(last - 1, table_runs), table_starts, table_runs)]
         for k in range(next_id, min(next_id + PREFETCH_IDS, ids_end)):
             _prefetch_upstream(grad_out, id_upstream[k], dims[t])
@@ -333,6 +332,15 @@ def _touched_byte(r, table_starts, table_runs, run_rows, touched_offsets):
 def _table_of(r, table_runs):
     """The table of run ``r`` (``table_runs`` as :func:`group_by_row` returns it)."""
     return np.searchsorted(table_runs, r, side="right") - 1
+
+
+@numba.njit(inline="always")
+def _run_start(r, t, table_starts, table_runs, run_ends):
+    """Where the ids of run ``r``, of table ``t``, start: at the table's first id, or where
+    the run before it ends."""
+    if r == table_runs[t]:
+        return table_starts[t]
+    return run_ends[_run_place(r - 1, t, table_starts, table_runs)]
 
 
 @numba.njit(inline="always")
