@@ -88,7 +88,7 @@ class FbgemmTableBatched(nn.Module):
     Its weights and optimizer state are moved onto transparent huge pages, as the fused
     module's are: FBGEMM does not ask for them, so on a host whose huge pages are
     ``madvise`` only its random row reads would also miss the TLB, and a comparison would
-    measure page sizes rather than kernels (FBGEMM on such a host runs 13–27% slower)."""
+    measure page sizes rather than kernels (FBGEMM ran 13–27% slower so here: BENCHMARKS.md)."""
 
     def __init__(self, tables: Sequence[TableConfig], weights: Sequence[torch.Tensor], optimizer: str,
                  learning_rate: float, eps: float, weight_dtype: str = "fp32") -> None:
@@ -111,8 +111,9 @@ class FbgemmTableBatched(nn.Module):
             for target, source in zip(self.tbe.split_embedding_weights(), weights):
                 target.copy_(source)
             for name in ("weights_host", "momentum1_host", "momentum2_host"):
-                if getattr(self.tbe, name, None) is not None:
-                    _onto_huge_pages(getattr(self.tbe, name))
+                tensor = getattr(self.tbe, name, None)
+                if tensor is not None:
+                    _onto_huge_pages(tensor)
 
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         return self.tbe(sparse.values, sparse.offsets())
