@@ -100,12 +100,7 @@ class HostBatch:
         afresh for every chunk). ``bounds`` must rise strictly from 0 to ``B``. Costs one
         pass over the lengths: the ids of every piece are counted per feature at once (no
         prefix sum over bags)."""
-        starts = np.asarray(bounds[:-1], dtype=np.int64)
-        num_f = self.num_features
-        counts = np.add.reduceat(self.lengths.reshape(num_f, self.batch_size), starts, axis=1, dtype=np.int64)
-        # first[f, j]: where piece j of feature f starts in values.
-        first = np.cumsum(counts.reshape(-1)).reshape(counts.shape) - counts
-        first, counts = np.ascontiguousarray(first.T), np.ascontiguousarray(counts.T)  # a piece's row each
+        first, counts = _piece_ids(self.lengths, self.num_features, self.batch_size, np.asarray(bounds, dtype=np.int64))
         return [Piece(self, lo, hi, first[j], counts[j]) for j, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
 
     @classmethod
@@ -244,6 +239,30 @@ class BatchPieces:
         batch = HostBatch.concat([piece.copied() for piece in self.pieces()]).padded_to(self.size)
         batch.provenance = self.provenance
         return batch
+
+
+@numba.njit(cache=True, nogil=True)
+def _piece_ids(lengths, num_f, size, bounds):  # pragma: no cover - compiled
+    """Where each piece's ids lie, for the pieces ``[bounds[j], bounds[j + 1])`` of a
+    batch of ``num_f`` features and ``size`` samples whose bag lengths are ``lengths``
+    (int32 ``[F * B]``, feature-major; ``bounds`` int64, rising from 0 to ``B``): ``(first, counts)``, int64
+    ``[pieces, F]`` each, piece ``j`` of feature ``f`` being ``values[first[j, f] :
+    first[j, f] + counts[j, f]]``. One pass over the lengths, in memory order (a
+    feature's bags, piece after piece)."""
+    pieces = bounds.size - 1
+    first = np.empty((pieces, num_f), dtype=np.int64)
+    counts = np.empty((pieces, num_f), dtype=np.int64)
+    start = 0
+    for f in range(num_f):
+        for j in range(pieces):
+            bags = lengths[f * size + bounds[j] : f * size + bounds[j + 1]]  # from 0: the loop vectorizes
+            total = 0
+            for b in range(bags.size):
+                total += bags[b]
+            first[j, f] = start
+            counts[j, f] = total
+            start += total
+    return first, counts
 
 
 _WELL_FORMED, _NEGATIVE_LENGTH, _LENGTHS_MISMATCH, _ID_OUTSIDE = range(4)
