@@ -245,10 +245,10 @@ class BatchPieces:
 def _piece_ids(lengths, num_f, size, bounds):  # pragma: no cover - compiled
     """Where each piece's ids lie, for the pieces ``[bounds[j], bounds[j + 1])`` of a
     batch of ``num_f`` features and ``size`` samples whose bag lengths are ``lengths``
-    (int32 ``[F * B]``, feature-major; ``bounds`` int64, rising from 0 to ``B``): ``(first, counts)``, int64
-    ``[pieces, F]`` each, piece ``j`` of feature ``f`` being ``values[first[j, f] :
-    first[j, f] + counts[j, f]]``. One pass over the lengths, in memory order (a
-    feature's bags, piece after piece)."""
+    (int32 ``[F * B]``, feature-major; ``bounds`` int64, rising from 0 to ``B``):
+    ``(first, counts)``, int64 ``[pieces, F]`` each, piece ``j`` of feature ``f`` being
+    ``values[first[j, f] : first[j, f] + counts[j, f]]``. One pass over the lengths, in
+    memory order (a feature's bags, piece after piece)."""
     pieces = bounds.size - 1
     first = np.empty((pieces, num_f), dtype=np.int64)
     counts = np.empty((pieces, num_f), dtype=np.int64)

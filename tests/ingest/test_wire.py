@@ -120,7 +120,8 @@ def test_every_batch_of_a_dataset_packed_from_its_pieces_is_the_assembled_one(re
 def test_after_compile_decoding_serving_a_dataset_compiles_no_kernel(multihot_dataset):
     """A reader service compiles its kernels at start (compile_decoding), not in a request."""
     compile_decoding()
-    kernels = (wire_module._pack, wire_module._unpack, wire_module._bag_stats, batch_module._first_problem)
+    kernels = (wire_module._pack, wire_module._unpack, wire_module._bag_stats, batch_module._first_problem,
+               batch_module._piece_ids)
     compiled = [len(kernel.signatures) for kernel in kernels]
     options = DecodeOptions.for_schema(multihot_dataset.schema)
     reader = InProcessReader(multihot_dataset, "train", options, ReaderConfig(batch_size=300, shuffle="rows", window=2))
