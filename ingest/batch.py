@@ -97,9 +97,9 @@ class HostBatch:
         """Samples ``[bounds[j], bounds[j+1])`` as uncopied :class:`Piece` s, each copied into
         a batch of its own only when taken (:meth:`Piece.copied`): a chunk cut into batches
         never holds a second copy of all its ids at once (memory the allocator would map
-        afresh for every chunk). ``bounds`` must rise strictly from 0 to ``B``. Costs one
-        pass over the lengths: the ids of every piece are counted per feature at once (no
-        prefix sum over bags)."""
+        afresh for every chunk). ``bounds`` must rise strictly from 0 to ``B`` (or be
+        ``[0, 0]`` for a batch of no samples). Costs one pass over the lengths: the ids of
+        every piece are counted per feature at once (no prefix sum over bags)."""
         first, counts = _piece_ids(self.lengths, self.num_features, self.batch_size, np.asarray(bounds, dtype=np.int64))
         return [Piece(self, lo, hi, first[j], counts[j]) for j, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
 
@@ -180,8 +180,7 @@ class Piece:
     @classmethod
     def whole(cls, batch: HostBatch) -> "Piece":
         """All of ``batch`` (of any size, none included)."""
-        offsets = batch.feature_value_offsets()
-        return cls(batch, 0, batch.batch_size, offsets[:-1], np.diff(offsets))
+        return batch.pieces([0, batch.batch_size])[0]
 
     @property
     def num_samples(self) -> int:
