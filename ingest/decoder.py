@@ -189,7 +189,13 @@ def decode_sources(sources: Sequence[ColumnSource], wheres: Sequence["Where"], s
     sizes = [source.num_rows for source in sources]
     num_f = len(schema.sparse)
     labels = [np.empty(n, dtype=np.float32) for n in sizes]
-    dense = [np.empty((n, len(schema.dense)), dtype=np.float32) for n in sizes]
+    # each dense column is decoded into a row of its own, so that threads decoding different
+    # columns never write to one cache line (a row of a batch's ``dense`` holds every column)
+    columns = [np.empty((len(schema.dense), n), dtype=np.float32) for n in sizes]
+    # log1p: the kernels store max(x, 0) + 1, whose log is taken once the columns are whole
+    # (log(1 + x) rather than np.log1p: numpy vectorizes it in float32, and it is off by at
+    # most one float32 ulp of 1 for tiny x, far below what a model input resolves)
+    log1p = options.dense_transform == "log1p"
     lengths = [np.empty(num_f * n, dtype=np.int32) for n in sizes]
     counts = np.zeros((len(sources), num_f), dtype=np.int64)
     writers: dict[tuple[int, int], Callable[[np.ndarray], None]] = {}  # by (source, feature): writes its ids
@@ -212,8 +218,8 @@ def decode_sources(sources: Sequence[ColumnSource], wheres: Sequence["Where"], s
 
     def dense_column(j: int) -> Callable[[], None]:
         def work() -> None:
-            for source, where, out in zip(sources, wheres, dense):
-                _numbers_into(source, schema.dense[j], where, 0.0, out[:, j])
+            for source, where, out in zip(sources, wheres, columns):
+                _numbers_into(source, schema.dense[j], where, 0.0, out[j], clip_add_one=log1p)
         return work
 
     def sizes_of(f: int) -> Callable[[], None]:
@@ -249,16 +255,17 @@ def decode_sources(sources: Sequence[ColumnSource], wheres: Sequence["Where"], s
                     _map_ids(ids, options.table_rows[f], options.id_mapping, where, feature.name, flags)
         return work
 
-    def transform_dense() -> None:
-        if options.dense_transform == "log1p":
-            # log(1 + x) rather than np.log1p: numpy vectorizes it in float32, and it is off by
-            # at most one float32 ulp of 1 for tiny x, far below what a model input resolves.
-            for out in dense:
-                np.maximum(out, 0.0, out=out)
-                np.log(np.add(out, np.float32(1.0), out=out), out=out)
+    dense = [np.empty((n, len(schema.dense)), dtype=np.float32) for n in sizes]
 
-    run([transform_dense, *(job(first_feature + f, ids_of(f)) for f in range(num_f)
-                            if first_feature + f not in errors)])
+    def dense_rows(k: int) -> Callable[[], None]:
+        def work() -> None:
+            if log1p:
+                np.log(columns[k], out=columns[k])
+            np.copyto(dense[k], columns[k].T)
+        return work
+
+    run([*(dense_rows(k) for k in range(len(sources)) if not errors),  # with an error, the batch is not made
+         *(job(first_feature + f, ids_of(f)) for f in range(num_f) if first_feature + f not in errors)])
     if errors:
         raise errors[min(errors)]
     return [HostBatch(dense=d, labels=y, keys=schema.feature_names, lengths=ln, values=v)
@@ -293,18 +300,21 @@ def _field_type(source: ColumnSource, name: str, where: Where) -> pa.DataType:
     return source.schema.field(indices[0]).type
 
 
-def _numbers_into(source: ColumnSource, name: str, where: Where, missing: float | None, out: np.ndarray) -> None:
+def _numbers_into(source: ColumnSource, name: str, where: Where, missing: float | None, out: np.ndarray,
+                  clip_add_one: bool = False) -> None:
     """``out`` (float32 ``[n]``, may be strided) ← a numeric column; nulls become
-    ``missing`` or, when it is None, an error, as does a value that is not finite."""
+    ``missing`` or, when it is None, an error, as does a value that is not finite. With
+    ``clip_add_one``, each value ``x`` is stored as ``max(x, 0) + 1`` (float32)."""
     kind = _field_type(source, name, where)
     if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
         raise where.error(f"expected a numeric column, found {kind}", name)
     parts = source.parts(name)
     if all(decodable(p.array.type) for p in parts):
-        numbers_into(parts, np.nan if missing is None else missing, out)
-        if np.isfinite(out).all():
+        if numbers_into(parts, np.nan if missing is None else missing, out, clip_add_one):
             return
     out[:] = _numeric(source.array(name), name, where, missing)
+    if clip_add_one:
+        np.add(np.maximum(out, 0.0, out=out), np.float32(1.0), out=out)
 
 
 def _numeric(array: pa.Array, name: str, where: Where, missing: float | None) -> np.ndarray:

@@ -60,13 +60,19 @@ def decodable(kind: pa.DataType) -> bool:
     return pa.types.is_integer(kind) or pa.types.is_float32(kind) or pa.types.is_float64(kind)
 
 
-def numbers_into(parts: Sequence[Part], missing: float, out: np.ndarray) -> None:
+def numbers_into(parts: Sequence[Part], missing: float, out: np.ndarray, clip_add_one: bool = False) -> bool:
     """``out`` (float32 ``[n]``, may be strided) ← the parts' numbers as float32 (numpy's
-    rounding), ``missing`` for a null."""
+    rounding), ``missing`` for a null; with ``clip_add_one``, ``max(x, 0) + 1`` of each
+    (in float32, what ``log(1 + x)`` of the clipped value takes the log of). Returns
+    whether every number, before clipping, is finite (when not, what ``out`` holds is
+    unspecified)."""
+    finite = True
     for part in parts:
         b = _Buffers(part.array)
         rows, places = (_NONE, _NONE) if part.rows is None else (part.rows, part.places)
-        _numbers(b.values, b.bitmap, b.offset, rows, places, part.rows is not None, np.float32(missing), out)
+        finite &= _numbers(b.values, b.bitmap, b.offset, rows, places, part.rows is not None, np.float32(missing),
+                           clip_add_one, out)
+    return finite
 
 
 def single_ids(parts: Sequence[Part], flags: np.ndarray) -> tuple[int, Callable[[np.ndarray], None]]:
@@ -116,15 +122,20 @@ def _column(values, offset):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _numbers(values, bitmap, offset, rows, places, picked, missing, out):  # pragma: no cover - compiled
+def _numbers(values, bitmap, offset, rows, places, picked, missing, clip_add_one, out):  # pragma: no cover - compiled
     n = rows.size if picked else out.shape[0]
     column = _column(values, offset)
+    finite = True
     for k in range(n):
         r = rows[k] if picked else k
         x = np.float32(column[r])
         if bitmap.size != 0 and not _valid(bitmap, offset + r):
             x = missing
+        finite &= np.isfinite(x)
+        if clip_add_one:
+            x = (x if x > 0 else np.float32(0.0)) + np.float32(1.0)
         out[places[k] if picked else k] = x
+    return finite
 
 
 @numba.njit(cache=True, nogil=True)

@@ -53,12 +53,28 @@ def test_numbers_read_in_order_and_picked_equal_arrows_values(kind, null_fractio
     rng = np.random.default_rng(len(str(kind)))
     array = _array(rng, kind, 300, null_fraction).slice(17, 233)  # an offset into its buffers
     out = np.full((250, 3), 7.0, dtype=np.float32)[:233, 1]  # strided
-    numbers_into([Part(array)], -2.5, out)
+    assert numbers_into([Part(array)], -2.5, out)
     assert out.tolist() == [-2.5 if v is None else _float32(v) for v in array.to_pylist()]
     parts, expected = _parts(rng, kind, null_fraction, 120)
     picked = np.zeros(120, dtype=np.float32)
-    numbers_into(parts, -2.5, picked)
+    assert numbers_into(parts, -2.5, picked)
     assert picked.tolist() == [-2.5 if v is None else _float32(v) for v in expected]
+    # clipped and shifted as numpy does it in float32, for log(1 + x) of the clipped value
+    assert numbers_into(parts, -2.5, picked, clip_add_one=True)
+    plain = np.array([-2.5 if v is None else _float32(v) for v in expected], dtype=np.float32)
+    assert picked.tobytes() == np.add(np.maximum(plain, 0.0), np.float32(1.0)).tobytes()
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan, 1e39])
+@pytest.mark.parametrize("clip_add_one", [False, True])
+def test_numbers_report_a_value_that_is_not_finite_before_clipping(bad, clip_add_one):
+    """-inf clips to 0 and NaN compares false, so finiteness is judged before the clip;
+    a float64 beyond float32's range is infinite once narrowed."""
+    values = pa.array([1.0, -3.0, bad, 2.0], type=pa.float64())
+    rows, places = np.array([3, 2, 0], dtype=np.int64), np.array([0, 1, 2], dtype=np.int64)
+    assert not numbers_into([Part(values)], 0.0, np.zeros(4, dtype=np.float32), clip_add_one)
+    assert not numbers_into([Part(values, rows, places)], 0.0, np.zeros(3, dtype=np.float32), clip_add_one)
+    assert numbers_into([Part(values, rows[[0]], places[[0]])], 0.0, np.zeros(1, dtype=np.float32), clip_add_one)
 
 
 @pytest.mark.parametrize("kind", [k for k in NUMERIC if pa.types.is_integer(k)], ids=str)
