@@ -18,7 +18,8 @@ Two obvious ways of reaching part of an array cost a kernel's loop dearly:
 :func:`borrowed_view` makes the view without a reference. It is only valid while the
 source array is alive, which holds for the arrays a kernel was called with, and for its
 own scratch arrays while they are in scope. (Here, beside the prefetches: a kernel of any
-package may need it.)
+package may need it.) :func:`view_at` makes one at an address, for a kernel that writes
+to one of several arrays chosen per element.
 """
 
 from __future__ import annotations
@@ -46,6 +47,31 @@ def borrowed_view(typingctx, array, start, length):
         itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(array.dtype)))
         populate_array(view, data=builder.gep(source.data, [first], inbounds=True), shape=[count],
                        strides=[itemsize], itemsize=itemsize, meminfo=None)
+        return view._getvalue()
+
+    return signature, codegen
+
+
+@intrinsic
+def view_at(typingctx, address, length, like):
+    """``view_at(address, length, like)``: a 1-D C-contiguous array of ``length`` elements of
+    ``like``'s dtype that starts at the integer ``address``, holding no reference to
+    anything: so that a kernel can write to one of several arrays picked at run time by
+    their addresses (``array.ctypes.data``), which a tuple indexed in the loop would
+    make several times slower. Nothing is checked: the memory must be alive (its arrays
+    held by the caller) and large enough."""
+    if not (isinstance(address, types.Integer) and isinstance(length, types.Integer)
+            and isinstance(like, types.Array)):
+        return None
+    signature = types.Array(like.dtype, 1, "C")(address, length, like)
+
+    def codegen(context, builder, sig, args):
+        view = context.make_array(sig.return_type)(context, builder)
+        element = context.get_data_type(like.dtype)
+        data = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.intp), element.as_pointer())
+        count = context.cast(builder, args[1], sig.args[1], types.intp)
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(element))
+        populate_array(view, data=data, shape=[count], strides=[itemsize], itemsize=itemsize, meminfo=None)
         return view._getvalue()
 
     return signature, codegen

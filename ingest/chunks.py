@@ -12,8 +12,10 @@ back.
 A permuted window's chunks are decoded up to :data:`LOCKSTEP_CHUNKS` together, column by
 column (:func:`~neorec.ingest.decoder.decode_sources`): every chunk picks rows from every row
 group of the window, so each column is read from memory once for all of them rather than
-once a chunk. With an executor, the columns are spread over its threads (the gathers and
-numpy's work run without the GIL), and the next chunks decode while these are delivered.
+once a chunk; when they take a good share of the window's rows, each flat column is read
+in one pass that routes every row to its chunk (:class:`~neorec.ingest.take.PickedTogether`).
+With an executor, the columns are spread over its threads (the gathers and numpy's work
+run without the GIL), and the next chunks decode while these are delivered.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from neorec.ingest.decoder import DecodeOptions, Where, decode_sources, decode_t
 from neorec.ingest.errors import DataError
 from neorec.ingest.rows import RowGroupInfo, RowSpan, Window
 from neorec.ingest.schema import DatasetSchema, SparseFeature
-from neorec.ingest.take import WindowTables
+from neorec.ingest.take import PickedTogether, WindowTables
 from neorec.ingest.wire import decode_batch, serialize_pieces
 
 T = TypeVar("T")
@@ -128,8 +130,10 @@ class ChunkDecoder:
             return Where(self.paths[first.file_index], first.row_group, locate=locate)
 
         picks = [order[piece.start : piece.stop] for piece in pieces]
+        picked = sum(p.size for p in picks)
+        together = PickedTogether(tables, picks) if PickedTogether.worth_it(picked, window.num_rows) else None
         return decode_sources([tables.picked(positions) for positions in picks], [where(p) for p in picks],
-                              self.schema, self.options, self._run)
+                              self.schema, self.options, self._run, together)
 
     def _run(self, jobs: Sequence[Callable[[], None]]) -> None:
         """Run ``jobs`` on this thread, helped by up to ``workers - 1`` of the executor's."""
@@ -199,9 +203,9 @@ def _values_in(column: pa.ChunkedArray) -> int:
 def compile_decoding() -> None:
     """Decode small tables of the usual column types (float32 and float64 numbers, int64
     and int32 ids, lists of int64 and int32 ids with 32- and 64-bit offsets), with nulls,
-    in order and picked from a window, and send a batch through the wire format and check
-    it as a reader service and its client do, so that this process compiles (or loads from
-    Numba's cache) the decoding kernels a run calls. Launchers call it before starting
+    in order, picked from a window and routed from it, and send a batch through the wire
+    format and check it as a reader service and its client do, so that this process
+    compiles (or loads from Numba's cache) the decoding kernels a run calls. Launchers call it before starting
     processes that decode at once (see :mod:`neorec.trainer.run.warmup`); columns of other
     types compile on first use."""
     schema = DatasetSchema(label="y", dense=("f32", "f64", "i64", "i32"),
@@ -222,7 +226,10 @@ def compile_decoding() -> None:
         starts = np.arange(len(tables) + 1, dtype=np.int64) * 3
         positions = np.arange(starts[-1], dtype=np.int64)[::-1].copy()
         positions.flags.writeable = False  # as a window's read order is (Window.order)
-        decode_table(WindowTables(tables, starts).picked(positions), schema, options)
+        window = WindowTables(tables, starts)
+        decode_table(window.picked(positions), schema, options)
+        decode_sources([window.picked(positions)], [Where()], schema, options,
+                       together=PickedTogether(window, [positions]))
 
 
 def _check_through_the_wire(chunk: HostBatch, table_rows: Sequence[int]) -> None:

@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 
 from neorec.ingest.batch import HostBatch
 from neorec.ingest.errors import DataError
-from neorec.ingest.flat_columns import Part, decodable, numbers_into, single_ids
+from neorec.ingest.flat_columns import (Outputs, Part, RoutedPart, decodable, numbers_into, numbers_routed,
+                                        single_ids, single_ids_routed)
 from neorec.ingest.schema import DatasetSchema
 
 DENSE_TRANSFORMS = ("log1p", "identity")
@@ -173,12 +174,15 @@ def decode_table(
 
 
 def decode_sources(sources: Sequence[ColumnSource], wheres: Sequence["Where"], schema: DatasetSchema,
-                   options: DecodeOptions, run: Jobs = run_in_order) -> list[HostBatch]:
+                   options: DecodeOptions, run: Jobs = run_in_order,
+                   together: "RoutedColumns | None" = None) -> list[HostBatch]:
     """Decode several sources of ``schema``'s columns into a batch each, column by column:
     each column of every source before the next column, so that the rows of a column that
     several sources pick from (the chunks of a permuted window) are read from memory once.
     The columns are independent jobs that ``run`` may run at once (they release the GIL in
-    their kernels); ``wheres[k]`` locates source ``k``'s rows for errors.
+    their kernels); ``wheres[k]`` locates source ``k``'s rows for errors. With
+    ``together`` (the sources' flat columns routed from the row groups they pick from),
+    each flat column is decoded for every source in one pass over those row groups.
 
     Flat columns of integers, float32 and float64 are decoded by the kernels of
     :mod:`neorec.ingest.flat_columns`; a numeric column in which they find a value that is
@@ -198,7 +202,7 @@ def decode_sources(sources: Sequence[ColumnSource], wheres: Sequence["Where"], s
     log1p = options.dense_transform == "log1p"
     lengths = [np.empty(num_f * n, dtype=np.int32) for n in sizes]
     counts = np.zeros((len(sources), num_f), dtype=np.int64)
-    writers: dict[tuple[int, int], Callable[[np.ndarray], None]] = {}  # by (source, feature): writes its ids
+    writers: dict[int, Callable[[Sequence[np.ndarray]], None]] = {}  # by feature: writes each source's ids
     errors: dict[int, DataError] = {}  # by the column's place in schema order
 
     def job(order: int, work: Callable[[], None]) -> Callable[[], None]:
@@ -209,31 +213,46 @@ def decode_sources(sources: Sequence[ColumnSource], wheres: Sequence["Where"], s
                 errors[order] = err
         return checked
 
+    def numbers(name: str, missing: float | None, outs: Sequence[np.ndarray], clip_add_one: bool = False) -> None:
+        if together is not None and decodable(_field_type(sources[0], name, wheres[0])):
+            parts = together.routed(name)
+            if all(decodable(p.array.type) for p in parts) and numbers_routed(
+                    parts, np.nan if missing is None else missing, Outputs(outs, together.shift), clip_add_one):
+                return
+        for source, where, out in zip(sources, wheres, outs):  # one by one, to name a bad value
+            _numbers_into(source, name, where, missing, out, clip_add_one)
+
     def label_column() -> None:
-        for source, where, out in zip(sources, wheres, labels):
-            _numbers_into(source, schema.label, where, None, out)
+        numbers(schema.label, None, labels)
+        for where, out in zip(wheres, labels):
             if not np.all((out >= 0) & (out <= 1)):
                 bad = int(np.flatnonzero((out < 0) | (out > 1))[0])
                 raise where.error(f"labels must lie in [0, 1], found {out[bad]}", schema.label, bad)
 
     def dense_column(j: int) -> Callable[[], None]:
         def work() -> None:
-            for source, where, out in zip(sources, wheres, columns):
-                _numbers_into(source, schema.dense[j], where, 0.0, out[j], clip_add_one=log1p)
+            numbers(schema.dense[j], 0.0, [out[j] for out in columns], clip_add_one=log1p)
         return work
 
     def sizes_of(f: int) -> Callable[[], None]:
         feature = schema.sparse[f]
 
         def work() -> None:
-            for k, (source, where, n) in enumerate(zip(sources, wheres, sizes)):
-                flags = lengths[k][f * n : (f + 1) * n]
+            flags = [ln[f * n : (f + 1) * n] for ln, n in zip(lengths, sizes)]
+            if (not feature.multi_hot and together is not None
+                    and pa.types.is_integer(_field_type(sources[0], feature.name, wheres[0]))):
+                counts[:, f], writers[f] = single_ids_routed(together.routed(feature.name), flags, together.shift)
+                return
+            each = []
+            for k, (source, where) in enumerate(zip(sources, wheres)):
                 if feature.multi_hot:
                     found = _bags(source, feature.name, where)
-                    flags[:] = found.lengths
-                    counts[k, f], writers[k, f] = found.count, found.write
+                    flags[k][:] = found.lengths
+                    counts[k, f], write = found.count, found.write
                 else:
-                    counts[k, f], writers[k, f] = _single_ids(source, feature.name, where, flags)
+                    counts[k, f], write = _single_ids(source, feature.name, where, flags[k])
+                each.append(write)
+            writers[f] = lambda outs: [write(out) for write, out in zip(each, outs)]
         return work
 
     first_feature = 1 + len(schema.dense)
@@ -247,12 +266,13 @@ def decode_sources(sources: Sequence[ColumnSource], wheres: Sequence["Where"], s
         feature = schema.sparse[f]
 
         def work() -> None:
-            for k, (source, where, n) in enumerate(zip(sources, wheres, sizes)):
-                flags = lengths[k][f * n : (f + 1) * n]
-                ids = values[k][starts[k, f] : starts[k, f + 1]]
-                writers[k, f](ids)
-                if feature.name not in options.raw_features:
-                    _map_ids(ids, options.table_rows[f], options.id_mapping, where, feature.name, flags)
+            ids = [v[s[f] : s[f + 1]] for v, s in zip(values, starts)]
+            writers[f](ids)
+            if feature.name in options.raw_features:
+                return
+            for k, (where, n) in enumerate(zip(wheres, sizes)):
+                _map_ids(ids[k], options.table_rows[f], options.id_mapping, where, feature.name,
+                         lengths[k][f * n : (f + 1) * n])
         return work
 
     dense = [np.empty((n, len(schema.dense)), dtype=np.float32) for n in sizes]
@@ -270,6 +290,17 @@ def decode_sources(sources: Sequence[ColumnSource], wheres: Sequence["Where"], s
         raise errors[min(errors)]
     return [HostBatch(dense=d, labels=y, keys=schema.feature_names, lengths=ln, values=v)
             for d, y, ln, v in zip(dense, labels, lengths, values)]
+
+
+class RoutedColumns(Protocol):
+    """The flat columns of several sources at once, whose rows are picked from the same
+    arrays (:class:`neorec.ingest.take.PickedTogether`): each array as a
+    :class:`~neorec.ingest.flat_columns.RoutedPart` whose routes lead row ``i`` of source
+    ``k`` to ``k << shift | i``."""
+
+    shift: int
+
+    def routed(self, name: str) -> list[RoutedPart]: ...
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,13 @@ output, which the caches hold; reading in the chunk's order instead (Arrow's tak
 for a random read of a column larger than the caches at every value, and then decodes the
 taken copy once more.
 
+Several chunks that together take a good share of their row groups' rows are decoded
+faster as *routed parts* (:class:`RoutedPart`): one pass over every row of a row group,
+each row sent to its place in one of the chunks' outputs (:class:`Outputs`) or dropped.
+The pass reads the column and one int32 route per row in order, where a pass per chunk
+reads a row index and a place (int64 each) per value and the group's column once per
+chunk (``neorec bench ingest`` has the figures).
+
 The kernels check nothing: a caller checks the decoded values (finite, in range) and,
 on a failure, finds the first bad row again the slow way, so that the fast path stays one
 pass and the errors stay exact.
@@ -25,7 +32,7 @@ import numba
 import numpy as np
 import pyarrow as pa
 
-from neorec.common.borrowed_view import borrowed_view
+from neorec.common.borrowed_view import borrowed_view, view_at
 
 _NONE = np.zeros(0, dtype=np.int64)
 _NO_BITMAP = np.zeros(0, dtype=np.uint8)
@@ -176,3 +183,105 @@ def _compacted(placed, flags, out):  # pragma: no cover - compiled
         if written < out.size:  # past the last id, nothing is written: out ends there
             out[written] = placed[k]  # overwritten by the next id when this one is null
         written += flags[k]
+
+
+@dataclass(frozen=True)
+class RoutedPart:
+    """Every row of a flat array, row ``r`` to destination ``routes[r]`` (int32) of an
+    :class:`Outputs`."""
+
+    array: pa.Array
+    routes: np.ndarray
+
+
+class Outputs:
+    """Arrays that routed rows land in (1-D, C-contiguous, of one dtype; held here, so
+    alive while the kernels write them): destination ``q`` is element
+    ``q & (2**shift - 1)`` of ``arrays[q >> shift]``, and a ``q >> shift`` of
+    ``len(arrays)`` drops the row (it is written to a scratch element)."""
+
+    def __init__(self, arrays: Sequence[np.ndarray], shift: int) -> None:
+        if any(a.ndim != 1 or not a.flags.c_contiguous or a.dtype != arrays[0].dtype for a in arrays):
+            raise ValueError("routed rows land in 1-D C-contiguous arrays of one dtype")
+        self.arrays = list(arrays)
+        self._scratch = np.empty(1, dtype=np.int64)  # a dropped row's element (of any dtype up to 8 bytes)
+        self.addresses = np.array([a.ctypes.data for a in self.arrays] + [self._scratch.ctypes.data],
+                                  dtype=np.int64)
+        self.shift = shift
+        self.like = arrays[0][:0]  # the arrays' dtype, for the kernels' views
+
+
+def numbers_routed(parts: Sequence[RoutedPart], missing: float, outputs: Outputs, clip_add_one: bool = False) -> bool:
+    """:func:`numbers_into` for routed parts (float32 outputs); returns whether every
+    number that lands (dropped rows aside) is finite before clipping."""
+    finite = True
+    for part in parts:
+        b = _Buffers(part.array)
+        finite &= _numbers_routed(b.values, b.bitmap, b.offset, part.routes, outputs.addresses, outputs.shift,
+                                  np.float32(missing), clip_add_one, outputs.like)
+    return finite
+
+
+def single_ids_routed(parts: Sequence[RoutedPart], flags: Sequence[np.ndarray],
+                      shift: int) -> tuple[list[int], Callable[[Sequence[np.ndarray]], None]]:
+    """:func:`single_ids` for routed parts: ``flags[k]`` (int32 ``[n_k]``) are output ``k``'s
+    flags; returns each output's count of ids, and ``write(outs)``, which writes output
+    ``k``'s ids to ``outs[k]``. The flags are written at once."""
+    buffers = [_Buffers(p.array) for p in parts]
+    nulls = any(b.bitmap.size for b in buffers)
+    if nulls:
+        targets = Outputs(flags, shift)
+        for b, p in zip(buffers, parts):
+            _valid_routed(b.bitmap, b.offset, p.routes, targets.addresses, shift, targets.like)
+    else:
+        for f in flags:
+            f[:] = 1
+
+    def write(outs: Sequence[np.ndarray]) -> None:
+        # nulls: every row's value, then compacted
+        placed = [np.empty(f.size, dtype=np.int64) for f in flags] if nulls else outs
+        targets = Outputs(placed, shift)
+        for b, p in zip(buffers, parts):
+            _placed_routed(b.values, b.offset, p.routes, targets.addresses, shift, targets.like)
+        if nulls:
+            for values, f, out in zip(placed, flags, outs):
+                _compacted(values, f, out)
+
+    return [int(f.sum()) if nulls else f.size for f in flags], write
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _route(addresses, shift, like, q):  # pragma: no cover - compiled
+    """A one-element view of where destination ``q`` lands."""
+    return view_at(addresses[q >> shift] + (q & ((1 << shift) - 1)) * like.itemsize, 1, like)
+
+
+@numba.njit(cache=True, nogil=True)
+def _numbers_routed(values, bitmap, offset, routes, addresses, shift, missing, clip_add_one,
+                    like):  # pragma: no cover - compiled
+    column = _column(values, offset)
+    dropped = addresses.size - 1
+    finite = True
+    for r in range(routes.size):
+        x = np.float32(column[r])
+        if bitmap.size != 0 and not _valid(bitmap, offset + r):
+            x = missing
+        q = routes[r]
+        finite &= np.isfinite(x) | ((q >> shift) == dropped)
+        if clip_add_one:
+            x = (x if x > 0 else np.float32(0.0)) + np.float32(1.0)
+        _route(addresses, shift, like, q)[0] = x
+    return finite
+
+
+@numba.njit(cache=True, nogil=True)
+def _valid_routed(bitmap, offset, routes, addresses, shift, like):  # pragma: no cover - compiled
+    for r in range(routes.size):
+        _route(addresses, shift, like, routes[r])[0] = 1 if bitmap.size == 0 else _valid(bitmap, offset + r)
+
+
+@numba.njit(cache=True, nogil=True)
+def _placed_routed(values, offset, routes, addresses, shift, like):  # pragma: no cover - compiled
+    column = _column(values, offset)
+    for r in range(routes.size):
+        _route(addresses, shift, like, routes[r])[0] = column[r]

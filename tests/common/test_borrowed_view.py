@@ -7,7 +7,7 @@ import numba
 import numpy as np
 import pytest
 
-from neorec.common.borrowed_view import borrowed_view
+from neorec.common.borrowed_view import borrowed_view, view_at
 
 
 @numba.njit
@@ -126,3 +126,36 @@ def test_a_run_read_through_a_view_is_copied_without_gathers():
     np.testing.assert_array_equal(out, np.arange(30, 70))
     asm = "".join(_copy_run.inspect_asm().values())
     assert "gather" not in asm and "scatter" not in asm
+
+
+@numba.njit
+def _write_by_address(addresses, targets, places, values, like):
+    """``values[k]`` to element ``places[k]`` of the array at ``addresses[targets[k]]``."""
+    for k in range(values.shape[0]):
+        view_at(addresses[targets[k]], places[k] + 1, like)[places[k]] = values[k]
+
+
+@numba.njit
+def _sum_at(address, length, like):
+    view = view_at(address, length, like)
+    total = like.dtype.type(0)
+    for i in range(view.shape[0]):
+        total += view[i]
+    return total
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.int32, np.uint8])
+def test_view_at_an_address_reads_and_writes_the_array_there(dtype):
+    arrays = [np.zeros(n, dtype=dtype) for n in (5, 3, 8)]
+    addresses = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
+    targets = np.array([2, 0, 1, 2, 0], dtype=np.int64)
+    places = np.array([7, 4, 0, 1, 0], dtype=np.int64)
+    values = np.array([1, 2, 3, 4, 5], dtype=dtype)
+    _write_by_address(addresses, targets, places, values, arrays[0][:0])
+    expected = [np.zeros(n, dtype=dtype) for n in (5, 3, 8)]
+    for t, p, v in zip(targets, places, values):
+        expected[t][p] = v
+    for got, want in zip(arrays, expected):
+        np.testing.assert_array_equal(got, want)
+    view = arrays[2][1:]  # a view's address is its first element's
+    assert _sum_at(view.ctypes.data, view.size, view[:0]) == view.sum()

@@ -11,7 +11,8 @@ import pytest
 
 from neorec.ingest.decoder import DecodeOptions, decode_table
 from neorec.ingest.errors import DataError
-from neorec.ingest.flat_columns import Part, decodable, numbers_into, single_ids
+from neorec.ingest.flat_columns import (Outputs, Part, RoutedPart, decodable, numbers_into, numbers_routed,
+                                        single_ids, single_ids_routed)
 from neorec.ingest.schema import DatasetSchema, SparseFeature
 
 NUMERIC = [pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(), pa.uint32(), pa.uint64(),
@@ -95,6 +96,72 @@ def test_ids_read_in_order_and_picked_equal_arrows_values_nulls_left_out(kind, n
         assert flags.tolist() == [int(v is not None) for v in rows]
         assert out[:count].tolist() == [v for v in rows if v is not None]
         assert out[count] == -1
+
+
+def _routed(rng: np.random.Generator, kind: pa.DataType, null_fraction: float, sizes: tuple[int, ...]):
+    """Three arrays (one sliced, one without nulls) whose rows are routed to outputs of
+    ``sizes`` rows (the rest dropped): the routed parts, the shift, and each output's
+    Python values in order."""
+    arrays = [_array(rng, kind, 40, null_fraction), _array(rng, kind, 90, null_fraction).slice(13, 50),
+              _array(rng, kind, 30, 0.0)]
+    flat = [v for a in arrays for v in a.to_pylist()]
+    order = rng.permutation(len(flat))
+    shift = max(sizes).bit_length()
+    routes = np.full(len(flat), len(sizes) << shift, dtype=np.int32)
+    picks, at = [], 0
+    for k, size in enumerate(sizes):
+        picks.append(order[at : at + size])
+        routes[order[at : at + size]] = (k << shift) + np.arange(size)
+        at += size
+    bounds = np.cumsum([0] + [len(a) for a in arrays])
+    parts = [RoutedPart(a, routes[lo:hi]) for a, lo, hi in zip(arrays, bounds[:-1], bounds[1:])]
+    return parts, shift, [[flat[p] for p in pick] for pick in picks]
+
+
+@pytest.mark.parametrize("kind", NUMERIC, ids=str)
+@pytest.mark.parametrize("null_fraction", [0.0, 0.3])
+def test_routed_numbers_land_in_their_outputs_as_arrows_values(kind, null_fraction):
+    rng = np.random.default_rng(len(str(kind)) + 7)
+    parts, shift, expected = _routed(rng, kind, null_fraction, (50, 33, 9))  # 28 of 120 rows dropped
+    outs = [np.full(len(e), 7.0, dtype=np.float32) for e in expected]
+    assert numbers_routed(parts, -2.5, Outputs(outs, shift))
+    for out, values in zip(outs, expected):
+        assert out.tolist() == [-2.5 if v is None else _float32(v) for v in values]
+    assert numbers_routed(parts, -2.5, Outputs(outs, shift), clip_add_one=True)
+    for out, values in zip(outs, expected):
+        plain = np.array([-2.5 if v is None else _float32(v) for v in values], dtype=np.float32)
+        assert out.tobytes() == np.add(np.maximum(plain, 0.0), np.float32(1.0)).tobytes()
+
+
+def test_routed_numbers_judge_finiteness_only_of_the_rows_that_land():
+    values = pa.array([1.0, np.nan, 2.0, -np.inf], type=pa.float64())
+    out = np.zeros(2, dtype=np.float32)
+    landing = np.array([1, 2, 0, 2], dtype=np.int32)  # shift 1: output 0 or dropped (2)
+    assert numbers_routed([RoutedPart(values, landing)], 0.0, Outputs([out], 1))
+    assert out.tolist() == [2.0, 1.0]
+    assert not numbers_routed([RoutedPart(values, np.array([0, 1, 2, 2], dtype=np.int32))], 0.0, Outputs([out], 1))
+
+
+@pytest.mark.parametrize("kind", [k for k in NUMERIC if pa.types.is_integer(k)], ids=str)
+@pytest.mark.parametrize("null_fraction", [0.0, 0.4, 1.0])
+def test_routed_ids_land_in_their_outputs_as_arrows_values_nulls_left_out(kind, null_fraction):
+    rng = np.random.default_rng(5)
+    parts, shift, expected = _routed(rng, kind, null_fraction, (40, 61))
+    flags = [np.full(len(e), 9, dtype=np.int32) for e in expected]
+    counts, write = single_ids_routed(parts, flags, shift)
+    assert counts == [sum(v is not None for v in e) for e in expected]
+    outs = [np.full(c + 1, -1, dtype=np.int64) for c in counts]
+    write([out[:c] for out, c in zip(outs, counts)])
+    for f, out, c, values in zip(flags, outs, counts, expected):
+        assert f.tolist() == [int(v is not None) for v in values]
+        assert out[:c].tolist() == [v for v in values if v is not None] and out[c] == -1
+
+
+def test_outputs_are_contiguous_arrays_of_one_dtype():
+    with pytest.raises(ValueError, match="1-D C-contiguous arrays of one dtype"):
+        Outputs([np.zeros(4, dtype=np.float32), np.zeros(8, dtype=np.float32)[::2]], 2)
+    with pytest.raises(ValueError, match="1-D C-contiguous arrays of one dtype"):
+        Outputs([np.zeros(4, dtype=np.float32), np.zeros(4, dtype=np.int32)], 2)
 
 
 def test_only_integer_and_32_and_64_bit_float_columns_are_read_by_the_kernels():

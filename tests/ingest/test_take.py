@@ -16,7 +16,7 @@ from neorec.ingest.errors import DataError
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.rows import RowGroupInfo, RowSpan, Window
 from neorec.ingest.schema import Dataset, DatasetSchema, SparseFeature
-from neorec.ingest.take import WindowTables
+from neorec.ingest.take import PickedTogether, WindowTables
 
 SCHEMA = DatasetSchema(
     label="label",
@@ -110,6 +110,49 @@ def test_chunks_decoded_together_on_threads_equal_each_decoded_alone():
         _same(got, decode_table(window.picked(positions), SCHEMA, OPTIONS))
 
 
+@pytest.mark.parametrize("share", [1.0, 0.45])
+def test_picks_routed_together_equal_each_decoded_alone(share):
+    """The flat columns of all picks in one pass over each row group (nulls, a sliced
+    group, rows no pick takes) give each pick's batch, byte for byte."""
+    rng = np.random.default_rng(11)
+    tables = [_table(rng, 300), _table(rng, 260).slice(13, 200), _table(rng, 7)]
+    starts = np.concatenate([[0], np.cumsum([t.num_rows for t in tables])]).astype(np.int64)
+    window = WindowTables(tables, starts)
+    order = rng.permutation(int(starts[-1]))[: int(share * starts[-1])].astype(np.int64)
+    picks = [order[:100], order[100:200], order[200:]]
+    together = PickedTogether(window, picks)
+    assert together.shift == {1.0: 9, 0.45: 7}[share]  # the largest pick: 307 or 100 rows
+    with ThreadPoolExecutor(3) as pool:
+        got = decode_sources([window.picked(p) for p in picks], [Where()] * 3, SCHEMA, OPTIONS,
+                             lambda jobs: [f.result() for f in [pool.submit(job) for job in jobs]], together)
+    for batch, positions in zip(got, picks):
+        _same(batch, decode_table(window.picked(positions), SCHEMA, OPTIONS))
+
+
+def test_picks_are_routed_together_from_two_fifths_of_the_window_on():
+    assert PickedTogether.worth_it(400, 1000) and PickedTogether.worth_it(1000, 1000)
+    assert not PickedTogether.worth_it(399, 1000)
+
+
+def test_picks_routed_together_name_a_bad_value_by_its_row_and_pass_over_rows_not_picked():
+    """A non-finite value in a row no pick takes is no error; in a picked row, the decode
+    names that row, as each pick decoded alone would."""
+    rng = np.random.default_rng(5)
+    table = _table(rng, 100)
+    d1 = table.column("d1").to_numpy().copy()
+    d1[[20, 90]] = [np.inf, np.nan]
+    table = table.set_column(2, "d1", pa.array(d1))
+    window = WindowTables([table], np.array([0, 100], dtype=np.int64))
+    picks = [np.arange(0, 40, dtype=np.int64)[::-1].copy(), np.arange(40, 80, dtype=np.int64)]
+    wheres = [Where("a.parquet", 0, 0, locate=lambda i: ("a.parquet", 0, 39 - i)), Where("a.parquet", 0, 40)]
+    with pytest.raises(DataError, match=r"a.parquet, row group 0, column 'd1', row 20: non-finite value inf"):
+        decode_sources([window.picked(p) for p in picks], wheres, SCHEMA, OPTIONS,
+                       together=PickedTogether(window, picks))
+    got = decode_sources([window.picked(picks[1])], wheres[1:], SCHEMA, OPTIONS,
+                         together=PickedTogether(window, picks[1:]))  # rows 20 and 90 not picked
+    _same(got[0], decode_table(window.picked(picks[1]), SCHEMA, OPTIONS))
+
+
 def test_a_decoder_read_by_every_thread_of_its_own_executor_does_not_wait_on_itself(monkeypatch):
     """Both threads of the decoder's executor read windows of many chunks through it: the
     decodes and helpers they queue can find no free thread, and each read still ends."""
@@ -130,9 +173,11 @@ def test_a_decoder_read_by_every_thread_of_its_own_executor_does_not_wait_on_its
                 _same(chunk, decode_table(alone.picked(positions[piece.start : piece.stop]), SCHEMA, OPTIONS))
 
 
-def test_of_chunks_decoded_together_the_first_bad_column_in_schema_order_is_named():
+@pytest.mark.parametrize("routed", [False, True])
+def test_of_chunks_decoded_together_the_first_bad_column_in_schema_order_is_named(routed):
     """A bad id in the first chunk, a bad label in the second: the label comes first in
-    the schema, as it would in one chunk, and the error locates its row."""
+    the schema, as it would in one chunk, and the error locates its row (the flat columns
+    read per chunk or routed to every chunk in one pass)."""
     rng = np.random.default_rng(2)
     table = _table(rng, 100)
     labels = table.column("label").to_numpy().copy()
@@ -145,9 +190,11 @@ def test_of_chunks_decoded_together_the_first_bad_column_in_schema_order_is_name
     first, second = np.arange(0, 50, dtype=np.int64), np.arange(50, 100, dtype=np.int64)
     wheres = [Where("a.parquet", 0, 0), Where("a.parquet", 0, 50)]
     with pytest.raises(DataError, match=r"a.parquet, row group 0, column 'label', row 70: labels must lie in"):
-        decode_sources([window.picked(first), window.picked(second)], wheres, SCHEMA, strict)
+        decode_sources([window.picked(first), window.picked(second)], wheres, SCHEMA, strict,
+                       together=PickedTogether(window, [first, second]) if routed else None)
     with pytest.raises(DataError, match=r"a.parquet, row group 0, column 's0', row 10: id 999 is out of range"):
-        decode_sources([window.picked(first)], wheres[:1], SCHEMA, strict)
+        decode_sources([window.picked(first)], wheres[:1], SCHEMA, strict,
+                       together=PickedTogether(window, [first]) if routed else None)
 
 
 def test_a_null_id_inside_a_list_is_named_by_its_row(tmp_path):
@@ -196,5 +243,9 @@ def test_a_window_of_files_that_store_a_column_in_other_widths_decodes_as_their_
     starts = np.array([0, 120, 200], dtype=np.int64)
     unified = pa.concat_tables([first, second.cast(first.schema)])
     positions = rng.permutation(200)[:150].astype(np.int64)
-    got = decode_table(WindowTables(tables, starts).picked(positions), SCHEMA, OPTIONS)
-    _same(got, decode_table(unified.take(pa.array(positions)), SCHEMA, OPTIONS))
+    window = WindowTables(tables, starts)
+    expected = decode_table(unified.take(pa.array(positions)), SCHEMA, OPTIONS)
+    _same(decode_table(window.picked(positions), SCHEMA, OPTIONS), expected)
+    routed = decode_sources([window.picked(positions)], [Where()], SCHEMA, OPTIONS,
+                            together=PickedTogether(window, [positions]))
+    _same(routed[0], expected)

@@ -5,6 +5,7 @@ import pytest
 import zstandard
 
 from neorec.ingest import batch as batch_module
+from neorec.ingest import flat_columns, take
 from neorec.ingest import wire as wire_module
 from neorec.ingest.batch import BatchPieces, HostBatch, Provenance
 from neorec.ingest.chunks import compile_decoding
@@ -121,7 +122,7 @@ def test_after_compile_decoding_serving_a_dataset_compiles_no_kernel(multihot_da
     """A reader service compiles its kernels at start (compile_decoding), not in a request."""
     compile_decoding()
     kernels = (wire_module._pack, wire_module._unpack, wire_module._bag_stats, batch_module._first_problem,
-               batch_module._piece_ids)
+               batch_module._piece_ids, flat_columns._numbers_routed, flat_columns._numbers, take._copy_bags)
     compiled = [len(kernel.signatures) for kernel in kernels]
     options = DecodeOptions.for_schema(multihot_dataset.schema)
     reader = InProcessReader(multihot_dataset, "train", options, ReaderConfig(batch_size=300, shuffle="rows", window=2))
