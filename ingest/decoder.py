@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from neorec.ingest import recycled
 from neorec.ingest.batch import HostBatch
 from neorec.ingest.errors import DataError
 from neorec.ingest.flat_columns import (Outputs, Part, RoutedPart, decodable, numbers_into, numbers_routed,
@@ -192,15 +193,15 @@ def decode_sources(sources: Sequence[ColumnSource], wheres: Sequence["Where"], s
     every feature's ids land at their final place in the batch's ``values``."""
     sizes = [source.num_rows for source in sources]
     num_f = len(schema.sparse)
-    labels = [np.empty(n, dtype=np.float32) for n in sizes]
+    labels = [recycled.empty(n, np.float32) for n in sizes]
     # each dense column is decoded into a row of its own, so that threads decoding different
     # columns never write to one cache line (a row of a batch's ``dense`` holds every column)
-    columns = [np.empty((len(schema.dense), n), dtype=np.float32) for n in sizes]
+    columns = [recycled.empty((len(schema.dense), n), np.float32) for n in sizes]
     # log1p: the kernels store max(x, 0) + 1, whose log is taken once the columns are whole
     # (log(1 + x) rather than np.log1p: numpy vectorizes it in float32, and it is off by at
     # most one float32 ulp of 1 for tiny x, far below what a model input resolves)
     log1p = options.dense_transform == "log1p"
-    lengths = [np.empty(num_f * n, dtype=np.int32) for n in sizes]
+    lengths = [recycled.empty(num_f * n, np.int32) for n in sizes]
     counts = np.zeros((len(sources), num_f), dtype=np.int64)
     writers: dict[int, Callable[[Sequence[np.ndarray]], None]] = {}  # by feature: writes each source's ids
     errors: dict[int, DataError] = {}  # by the column's place in schema order
@@ -260,7 +261,7 @@ def decode_sources(sources: Sequence[ColumnSource], wheres: Sequence["Where"], s
          *(job(first_feature + f, sizes_of(f)) for f in range(num_f))])
     starts = np.zeros((len(sources), num_f + 1), dtype=np.int64)
     np.cumsum(counts, axis=1, out=starts[:, 1:])
-    values = [np.empty(int(total), dtype=np.int64) for total in starts[:, -1]]
+    values = [recycled.empty(int(total), np.int64) for total in starts[:, -1]]
 
     def ids_of(f: int) -> Callable[[], None]:
         feature = schema.sparse[f]
@@ -275,7 +276,7 @@ def decode_sources(sources: Sequence[ColumnSource], wheres: Sequence["Where"], s
                          lengths[k][f * n : (f + 1) * n])
         return work
 
-    dense = [np.empty((n, len(schema.dense)), dtype=np.float32) for n in sizes]
+    dense = [recycled.empty((n, len(schema.dense)), np.float32) for n in sizes]
 
     def dense_rows(k: int) -> Callable[[], None]:
         def work() -> None:

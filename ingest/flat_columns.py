@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from neorec.common.borrowed_view import borrowed_view, view_at
+from neorec.ingest import recycled
 
 _NONE = np.zeros(0, dtype=np.int64)
 _NO_BITMAP = np.zeros(0, dtype=np.uint8)
@@ -107,7 +108,7 @@ def single_ids(parts: Sequence[Part], flags: np.ndarray) -> tuple[int, Callable[
         flags[:] = 1
 
     def write(out: np.ndarray) -> None:
-        placed = np.empty(flags.size, dtype=np.int64) if nulls else out  # nulls: every row's value, then compacted
+        placed = recycled.empty(flags.size, np.int64) if nulls else out  # nulls: every row's value, then compacted
         for b, p in zip(buffers, parts):
             _placed(b.values, b.offset, p.rows, p.places, placed)
         if nulls:
@@ -239,7 +240,7 @@ def single_ids_routed(parts: Sequence[RoutedPart], flags: Sequence[np.ndarray],
 
     def write(outs: Sequence[np.ndarray]) -> None:
         # nulls: every row's value, then compacted
-        placed = [np.empty(f.size, dtype=np.int64) for f in flags] if nulls else outs
+        placed = [recycled.empty(f.size, np.int64) for f in flags] if nulls else outs
         targets = Outputs(placed, shift)
         for b, p in zip(buffers, parts):
             _placed_routed(b.values, b.offset, p.routes, targets.addresses, shift, targets.like)
