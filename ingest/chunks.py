@@ -205,9 +205,9 @@ def compile_decoding() -> None:
     and int32 ids, lists of int64 and int32 ids with 32- and 64-bit offsets), with nulls,
     in order, picked from a window and routed from it, and send a batch through the wire
     format and check it as a reader service and its client do, so that this process
-    compiles (or loads from Numba's cache) the decoding kernels a run calls. Launchers call it before starting
-    processes that decode at once (see :mod:`neorec.trainer.run.warmup`); columns of other
-    types compile on first use."""
+    compiles (or loads from Numba's cache) the decoding kernels a run calls. Launchers
+    call it before starting processes that decode at once (see
+    :mod:`neorec.trainer.run.warmup`); columns of other types compile on first use."""
     schema = DatasetSchema(label="y", dense=("f32", "f64", "i64", "i32"),
                            sparse=(SparseFeature("s64", 4), SparseFeature("s32", 4),
                                    *(SparseFeature(name, 4, multi_hot=True) for name in _LIST_TYPES)))

@@ -253,7 +253,12 @@ def decode_sources(sources: Sequence[ColumnSource], wheres: Sequence["Where"], s
                 else:
                     counts[k, f], write = _single_ids(source, feature.name, where, flags[k])
                 each.append(write)
-            writers[f] = lambda outs: [write(out) for write, out in zip(each, outs)]
+
+            def write_each(outs: Sequence[np.ndarray]) -> None:
+                for write_one, out in zip(each, outs):
+                    write_one(out)
+
+            writers[f] = write_each
         return work
 
     first_feature = 1 + len(schema.dense)

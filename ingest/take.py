@@ -86,7 +86,7 @@ class PickedTogether:
     def worth_it(picked: int, window_rows: int) -> bool:
         """Whether decoding picks of ``picked`` rows of a window of ``window_rows`` in one
         pass over its groups beats a pass per pick: from two fifths of the rows on, where
-        a routed row costs less than a picked one (``neorec bench ingest``)."""
+        a routed row costs less than a picked one (BENCHMARKS.md, ``neorec bench ingest``)."""
         return 5 * picked >= 2 * window_rows
 
     def routed(self, name: str) -> list[RoutedPart]:
