@@ -16,7 +16,7 @@ faster as *routed parts* (:class:`RoutedPart`): one pass over every row of a row
 each row sent to its place in one of the chunks' outputs (:class:`Outputs`) or dropped.
 The pass reads the column and one int32 route per row in order, where a pass per chunk
 reads a row index and a place (int64 each) per value and the group's column once per
-chunk (``neorec bench ingest`` has the figures).
+chunk (BENCHMARKS.md, row-level shuffling, has the figures).
 
 The kernels check nothing: a caller checks the decoded values (finite, in range) and,
 on a failure, finds the first bad row again the slow way, so that the fast path stays one
