@@ -343,12 +343,16 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
         ``decode_threads`` spans ahead.
 
         A task of fewer spans than decode threads is cut into that many pieces at batch
-        boundaries (so no batch's provenance changes), which its threads decode at once.
+        boundaries (so no batch's provenance changes), which its threads decode at once;
+        unless a span is of a permuted window: whole, its chunks take a share of the window
+        large enough to be decoded in one routed pass (:class:`~neorec.ingest.take.PickedTogether`),
+        which costs less than each piece's own pass while a client's other stream keeps the
+        other threads busy.
         """
         schema = job.dataset.schema
         task = job.task
         pieces = task.spans
-        if 0 < len(pieces) < self._decode_threads:
+        if 0 < len(pieces) < self._decode_threads and not any(s.window.permuted for s in pieces):
             per_piece = -(-task.num_batches // self._decode_threads)
             pieces = tuple(s for part in task.split(per_piece) for s in part.spans)
 
