@@ -41,13 +41,9 @@ def borrowed_view(typingctx, array, start, length):
 
     def codegen(context, builder, sig, args):
         source = context.make_array(sig.args[0])(context, builder, args[0])
-        view = context.make_array(sig.return_type)(context, builder)
         first = context.cast(builder, args[1], sig.args[1], types.intp)
-        count = context.cast(builder, args[2], sig.args[2], types.intp)
-        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(array.dtype)))
-        populate_array(view, data=builder.gep(source.data, [first], inbounds=True), shape=[count],
-                       strides=[itemsize], itemsize=itemsize, meminfo=None)
-        return view._getvalue()
+        data = builder.gep(source.data, [first], inbounds=True)
+        return _view(context, builder, sig.return_type, data, args[2], sig.args[2])
 
     return signature, codegen
 
@@ -66,12 +62,18 @@ def view_at(typingctx, address, length, like):
     signature = types.Array(like.dtype, 1, "C")(address, length, like)
 
     def codegen(context, builder, sig, args):
-        view = context.make_array(sig.return_type)(context, builder)
         element = context.get_data_type(like.dtype)
         data = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.intp), element.as_pointer())
-        count = context.cast(builder, args[1], sig.args[1], types.intp)
-        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(element))
-        populate_array(view, data=data, shape=[count], strides=[itemsize], itemsize=itemsize, meminfo=None)
-        return view._getvalue()
+        return _view(context, builder, sig.return_type, data, args[1], sig.args[1])
 
     return signature, codegen
+
+
+def _view(context, builder, array_type, data, length, length_type):
+    """The LLVM value of a 1-D C-contiguous ``array_type`` of ``length`` elements at the
+    pointer ``data``, with no meminfo (so no reference counting)."""
+    view = context.make_array(array_type)(context, builder)
+    count = context.cast(builder, length, length_type, types.intp)
+    itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(array_type.dtype)))
+    populate_array(view, data=data, shape=[count], strides=[itemsize], itemsize=itemsize, meminfo=None)
+    return view._getvalue()

@@ -107,14 +107,12 @@ def single_ids(parts: Sequence[Part], flags: np.ndarray) -> tuple[int, Callable[
     else:
         flags[:] = 1
 
-    def write(out: np.ndarray) -> None:
-        placed = recycled.empty(flags.size, np.int64) if nulls else out  # nulls: every row's value, then compacted
+    def place(targets: Sequence[np.ndarray]) -> None:
         for b, p in zip(buffers, parts):
-            _placed(b.values, b.offset, p.rows, p.places, placed)
-        if nulls:
-            _compacted(placed, flags, out)
+            _placed(b.values, b.offset, p.rows, p.places, targets[0])
 
-    return int(flags.sum()) if nulls else flags.size, write
+    write = _written_compacted([flags], nulls, place)
+    return int(flags.sum()) if nulls else flags.size, lambda out: write([out])
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -238,17 +236,30 @@ def single_ids_routed(parts: Sequence[RoutedPart], flags: Sequence[np.ndarray],
         for f in flags:
             f[:] = 1
 
-    def write(outs: Sequence[np.ndarray]) -> None:
-        # nulls: every row's value, then compacted
-        placed = [recycled.empty(f.size, np.int64) for f in flags] if nulls else outs
-        targets = Outputs(placed, shift)
+    def place(targets: Sequence[np.ndarray]) -> None:
+        outputs = Outputs(targets, shift)
         for b, p in zip(buffers, parts):
-            _placed_routed(b.values, b.offset, p.routes, targets.addresses, shift, targets.like)
-        if nulls:
-            for values, f, out in zip(placed, flags, outs):
-                _compacted(values, f, out)
+            _placed_routed(b.values, b.offset, p.routes, outputs.addresses, shift, outputs.like)
 
-    return [int(f.sum()) if nulls else f.size for f in flags], write
+    return [int(f.sum()) if nulls else f.size for f in flags], _written_compacted(flags, nulls, place)
+
+
+def _written_compacted(flags: Sequence[np.ndarray], nulls: bool,
+                       place: Callable[[Sequence[np.ndarray]], None]) -> Callable[[Sequence[np.ndarray]], None]:
+    """``write(outs)``: ``outs[k]`` ← output ``k``'s ids in row order, nulls left out (its
+    ``flags[k]``: 1 for a row with an id). ``place(targets)`` writes every row's value, a
+    null row's too, at its row of ``targets[k]``: the outputs themselves when no row is
+    null, else int64 scratch arrays that are then compacted into them."""
+    def write(outs: Sequence[np.ndarray]) -> None:
+        if not nulls:
+            place(outs)
+            return
+        placed = [recycled.empty(f.size, np.int64) for f in flags]
+        place(placed)
+        for values, f, out in zip(placed, flags, outs):
+            _compacted(values, f, out)
+
+    return write
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
