@@ -35,6 +35,7 @@ import grpc
 
 from neorec.common.errors import UserError
 from neorec.ingest.batch import HostBatch
+from neorec.ingest.chunks import CHUNK_ROWS, LOCKSTEP_CHUNKS
 from neorec.ingest.decoder import DecodeOptions
 from neorec.ingest.fingerprint import fingerprint
 from neorec.ingest.plan import RankPlan, ReadTask
@@ -68,15 +69,25 @@ class IngestError(UserError, RuntimeError):
     """The reader services cannot deliver the planned batches."""
 
 
+TASK_ROWS = 131_072
+"""Rows of a task that reads row groups whole: two of the usual 64k-row groups, so that a
+worker decodes a task's second group while it sends the first one's batches (with one
+group per task, both of a worker's streams decode at once, then both send)."""
+ROW_SHUFFLE_TASK_ROWS = LOCKSTEP_CHUNKS * CHUNK_ROWS
+"""Rows of a task that reads shuffled rows: the chunks a worker decodes together in one
+pass over their window's row groups (:mod:`neorec.ingest.chunks`). A smaller task takes a
+smaller share of its window, and the window's columns are read once per task instead
+(BENCHMARKS.md, ``neorec bench ingest``, row-level shuffling)."""
+
+
 @dataclass(frozen=True)
 class ClientOptions:
     """How the client uses the services.
 
     Attributes:
-        task_rows: rows per task (a task is a whole number of batches, at least one). Two of
-            the usual 64k-row groups: a worker decodes a task's second group while it sends
-            the first one's batches (with one group per task, both of a worker's streams
-            decode at once, then both send).
+        task_rows: rows per task (a task is a whole number of batches, at least one); None
+            picks them by the plan's shuffle: :data:`TASK_ROWS` when row groups are read
+            whole, :data:`ROW_SHUFFLE_TASK_ROWS` when rows are shuffled.
         streams_per_worker: concurrent streams to each worker.
         compression: ``none`` or ``zstd`` (the batch bodies).
         call_timeout_s: deadline of one task's stream.
@@ -91,7 +102,7 @@ class ClientOptions:
         security: TLS and token for the channels.
     """
 
-    task_rows: int = 131_072
+    task_rows: int | None = None
     streams_per_worker: int = 2
     compression: str = "none"
     call_timeout_s: float = 120.0
@@ -107,7 +118,7 @@ class ClientOptions:
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)}, got {self.compression!r}")
-        if not 0 < self.task_rows <= MAX_REQUEST_ROWS or self.streams_per_worker <= 0:
+        if self.task_rows is not None and not 0 < self.task_rows <= MAX_REQUEST_ROWS or self.streams_per_worker <= 0:
             raise ValueError(f"task_rows must lie in [1, {MAX_REQUEST_ROWS}] and streams_per_worker be positive")
         for name in ("call_timeout_s", "stall_timeout_s", "progress_timeout_s", "probe_interval_s", "backoff_s",
                      "max_backoff_s"):
@@ -172,9 +183,16 @@ class RemoteReader:
     def plan(self, epoch: int) -> RankPlan:
         return self.planner.plan(epoch)
 
+    @property
+    def task_rows(self) -> int:
+        """Rows per task (see :attr:`ClientOptions.task_rows`)."""
+        if self.client.task_rows is not None:
+            return self.client.task_rows
+        return ROW_SHUFFLE_TASK_ROWS if self.planner.config.shuffle == "rows" else TASK_ROWS
+
     def epoch(self, epoch: int, first_step: int = 0) -> Iterator[HostBatch]:
         plan = self.plan(epoch)
-        batches_per_task = max(1, self.client.task_rows // plan.batch_size)
+        batches_per_task = max(1, self.task_rows // plan.batch_size)
         with self._lock:
             fetch = _EpochFetch(self, plan.tasks(batches_per_task, first_step), first_step, plan.num_batches)
             self._fetches.add(fetch)

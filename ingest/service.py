@@ -346,8 +346,9 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
         boundaries (so no batch's provenance changes), which its threads decode at once;
         unless a span is of a permuted window: whole, its chunks take a share of the window
         large enough to be decoded in one routed pass (:class:`~neorec.ingest.take.PickedTogether`),
-        which costs less than each piece's own pass while a client's other stream keeps the
-        other threads busy.
+        which costs less than each piece's own pass, and its columns are spread over the
+        decode threads (those the client's other streams leave free), its next chunks
+        decoding while these are sent.
         """
         schema = job.dataset.schema
         task = job.task
@@ -369,7 +370,7 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
             except OSError as err:  # the file went away or became unreadable since the request
                 raise DataError(f"cannot read row group: {err}", file=path, row_group=group.row_group) from err
 
-        decoder = ChunkDecoder(load, job.paths, schema, job.options)
+        decoder = ChunkDecoder(load, job.paths, schema, job.options, self._pool, self._decode_threads)
 
         def decode(span: RowSpan) -> list[tuple[RowSpan, HostBatch]]:
             chunks = list(decoder.chunks(span))

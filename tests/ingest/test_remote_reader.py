@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from neorec.ingest.client import ClientOptions, IngestError, RemoteReader
+from neorec.ingest.client import ROW_SHUFFLE_TASK_ROWS, TASK_ROWS, ClientOptions, IngestError, RemoteReader
 from neorec.ingest.decoder import DecodeOptions
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.schema import Dataset
@@ -40,6 +40,36 @@ def test_batches_equal_the_in_process_reader(criteo_dataset, workers, num_worker
         got, expected = _both(criteo_dataset, config, addresses)
         assert len(expected) > 10
         assert_same_batches(got, expected)
+
+
+@pytest.mark.parametrize("dataset_name,shuffle", [("criteo_dataset", "rows"), ("multihot_dataset", "rows"),
+                                                  ("criteo_dataset", "row_groups")])
+def test_a_worker_of_two_decode_threads_with_the_default_tasks(request, dataset_name, shuffle):
+    """Each task whole (one per epoch at the default task sizes), a permuted window's
+    columns spread over both decode threads, the same batches over three epochs."""
+    dataset = request.getfixturevalue(dataset_name)
+    worker = start_worker("--worker-threads", "2")
+    try:
+        for epoch in range(3):
+            config = ReaderConfig(batch_size=64, seed=epoch, shuffle=shuffle, window=3)
+            got, expected = _both(dataset, config, [worker.address], ClientOptions(), epoch)
+            assert_same_batches(got, expected)
+    finally:
+        stop_all([worker])
+
+
+@pytest.mark.parametrize("shuffle,client,rows", [
+    ("rows", ClientOptions(), ROW_SHUFFLE_TASK_ROWS),
+    ("row_groups", ClientOptions(), TASK_ROWS),
+    ("none", ClientOptions(), TASK_ROWS),
+    ("rows", ClientOptions(task_rows=200), 200),
+    ("row_groups", ClientOptions(task_rows=200), 200),
+])
+def test_task_rows_follow_the_shuffle_unless_set(criteo_dataset, shuffle, client, rows):
+    reader = RemoteReader(criteo_dataset, "train", DecodeOptions.for_schema(criteo_dataset.schema),
+                          ReaderConfig(batch_size=64, shuffle=shuffle), ["127.0.0.1:1"], client)
+    with reader:
+        assert reader.task_rows == rows
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
