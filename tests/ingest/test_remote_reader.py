@@ -4,13 +4,16 @@ exactly once, whatever the workers do."""
 import shutil
 import threading
 
+import grpc
 import pytest
 
-from neorec.ingest.client import ROW_SHUFFLE_TASK_ROWS, TASK_ROWS, ClientOptions, IngestError, RemoteReader
+from neorec.ingest import client as client_module
+from neorec.ingest.client import ClientOptions, IngestError, RemoteReader
 from neorec.ingest.decoder import DecodeOptions
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.schema import Dataset
 from neorec.ingest.synth import SynthSpec, generate
+from neorec.protos import ingest_pb2, ingest_pb2_grpc
 from tests.ingest.workers import assert_same_batches, scramble_data_pages, stop_all, start_worker
 
 SMALL_TASKS = ClientOptions(task_rows=200)  # a few batches per task: many tasks per epoch
@@ -58,18 +61,24 @@ def test_a_worker_of_two_decode_threads_with_the_default_tasks(request, dataset_
         stop_all([worker])
 
 
-@pytest.mark.parametrize("shuffle,client,rows", [
-    ("rows", ClientOptions(), ROW_SHUFFLE_TASK_ROWS),
-    ("row_groups", ClientOptions(), TASK_ROWS),
-    ("none", ClientOptions(), TASK_ROWS),
-    ("rows", ClientOptions(task_rows=200), 200),
-    ("row_groups", ClientOptions(task_rows=200), 200),
-])
-def test_task_rows_follow_the_shuffle_unless_set(criteo_dataset, shuffle, client, rows):
-    reader = RemoteReader(criteo_dataset, "train", DecodeOptions.for_schema(criteo_dataset.schema),
-                          ReaderConfig(batch_size=64, shuffle=shuffle), ["127.0.0.1:1"], client)
-    with reader:
-        assert reader.task_rows == rows
+@pytest.mark.parametrize("shuffle,task_rows,rows", [("rows", None, 640), ("row_groups", None, 320),
+                                                   ("none", None, 320), ("rows", 192, 192),
+                                                   ("row_groups", 192, 192)])
+def test_an_epoch_is_cut_into_tasks_by_its_shuffle_unless_told(criteo_dataset, monkeypatch, shuffle, task_rows,
+                                                               rows):
+    """The worker's count of Read calls: one per task of ``rows`` rows (64-row batches)."""
+    monkeypatch.setattr(client_module, "ROW_SHUFFLE_TASK_ROWS", 640)
+    monkeypatch.setattr(client_module, "TASK_ROWS", 320)
+    worker = start_worker("--worker-threads", "1")
+    try:
+        config = ReaderConfig(batch_size=64, seed=1, shuffle=shuffle, window=3)
+        got, expected = _both(criteo_dataset, config, [worker.address], ClientOptions(task_rows=task_rows))
+        assert_same_batches(got, expected)
+        with grpc.insecure_channel(worker.address) as channel:
+            status = ingest_pb2_grpc.ReaderStub(channel).Status(ingest_pb2.StatusRequest(), timeout=10)
+        assert status.requests == -(-len(expected) // (rows // 64)) > 1
+    finally:
+        stop_all([worker])
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
