@@ -73,7 +73,7 @@ def read_blocks(file: SourceFile, format: str, *, header: bool = True, column_na
             yield from _parquet_blocks(file, columns)
             return
         yield from _csv_blocks(file, header, column_names, delimiter, columns, string_columns)
-    except (pa.ArrowInvalid, OSError) as err:
+    except (pa.ArrowInvalid, pa.ArrowKeyError, OSError) as err:  # KeyError: a named column the file lacks
         raise DataError(f"cannot read it as {format}: {_first_line(err)}", file=file.name) from None
 
 

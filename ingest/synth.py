@@ -52,6 +52,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from neorec.common.errors import UserError
 from neorec.common.hashing import SALT, combine, splitmix64
 from neorec.ingest.metrics import binary_metrics
 from neorec.ingest.partitions import MARKER, PARTITION_FILE, partitions_dir
@@ -81,6 +82,10 @@ DRIFT_SALT = 0x5EED_D21F
 ProgressFn = Callable[[int], None]
 
 
+class SynthSpecError(UserError, ValueError):
+    """A :class:`SynthSpec` that cannot be generated (a ``neorec data synth`` argument)."""
+
+
 @dataclass(frozen=True)
 class SynthSpec:
     """What to generate. ``rows`` counts train and eval rows together."""
@@ -104,19 +109,21 @@ class SynthSpec:
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
-            raise ValueError(f"profile must be one of {PROFILES}, got {self.profile!r}")
+            raise SynthSpecError(f"profile must be one of {PROFILES}, got {self.profile!r}")
         if self.rows < 2:
-            raise ValueError("rows must be at least 2")
+            raise SynthSpecError(f"rows must be at least 2, got {self.rows}")
         if not 0 < self.eval_fraction < 1:
-            raise ValueError("eval_fraction must lie in (0, 1)")
-        if self.zipf_alpha <= 1.0:
-            raise ValueError("zipf_alpha must be > 1")
-        if self.partitions < 0 or self.drift < 0:
-            raise ValueError("partitions and drift must be >= 0")
+            raise SynthSpecError(f"eval_fraction must lie in (0, 1), got {self.eval_fraction}")
+        if self.seed < 0:
+            raise SynthSpecError(f"seed must be >= 0, got {self.seed}")
+        if not self.zipf_alpha > 1.0:
+            raise SynthSpecError(f"zipf_alpha must be > 1, got {self.zipf_alpha}")
+        if not (self.partitions >= 0 and 0 <= self.drift < math.inf):
+            raise SynthSpecError(f"partitions and drift must be >= 0, got {self.partitions} and {self.drift}")
         if self.partitions and self.rows < self.partitions:
-            raise ValueError(f"{self.rows} rows cannot fill {self.partitions} partitions")
+            raise SynthSpecError(f"{self.rows} rows cannot fill {self.partitions} partitions")
         if self.id_space < 0 or self.id_space >= 2**62:
-            raise ValueError("id_space must lie in [0, 2**62)")
+            raise SynthSpecError(f"id_space must lie in [0, 2**62), got {self.id_space}")
 
 
 def profile_schema(profile: str, id_space: int = 0) -> DatasetSchema:

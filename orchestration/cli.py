@@ -142,7 +142,8 @@ def _parser() -> argparse.ArgumentParser:
     launch = commands.add_parser("launch", help="run a whole job on this host: reader services, trainers, supervised")
     launch.add_argument("config", help="a training config with a [launch] section")
     launch.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    launch.add_argument("--overwrite", action="store_true", help="replace the run already in run.dir")
+    launch.add_argument("--overwrite", action="store_true",
+                        help="replace the run already in run.dir (with --emit: the manifests already in DIR)")
     launch.add_argument("--resume", action="store_true", help="continue the run in run.dir from its checkpoint")
     launch.add_argument("--emit", nargs=2, metavar=("k8s", "DIR"),
                         help="write Kubernetes manifests for the job's roles into DIR instead of running it")
@@ -161,8 +162,8 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="print the sharding plan for a config, without training")
     plan.add_argument("config")
-    plan.add_argument("--world-size", type=int, required=True)
-    plan.add_argument("--ranks-per-node", type=int, help="default: the config's sharding.ranks_per_node")
+    plan.add_argument("--world-size", type=at_least(1), required=True)
+    plan.add_argument("--ranks-per-node", type=at_least(1), help="default: the config's sharding.ranks_per_node")
     plan.add_argument("--memory-per-rank", help="e.g. 16GiB (default: the config's sharding.memory_per_rank)")
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     plan.add_argument("--json", help="also write the plan to this file")
@@ -458,10 +459,13 @@ def _launch(args: argparse.Namespace) -> int:
         if kind != "k8s":
             raise ConfigError(f"--emit: only k8s is supported, got {kind!r}")
         with user_paths():
-            written = write_manifests(config, args.config, directory, args.image)
+            written = write_manifests(config, args.config, directory, args.image, overwrite=args.overwrite)
         for path in written:
             print(path)
         return 0
+    from neorec.trainer.run.run_dir import check_claim
+
+    check_claim(config.run.dir, overwrite=args.overwrite, resume=args.resume)  # before any service starts
     try:
         return Job(args.config, config, args.set, overwrite=args.overwrite, resume=args.resume).run()
     except JobFailed as err:

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from neorec.common.errors import UserError
+from neorec.common.errors import UserError, user_paths
 from neorec.ingest.arrow_memory import MEMORY_POOLS, SERVICE_MEMORY_POOL, use_memory_pool
 from neorec.ingest.row_group_cache import DEFAULT_CAPACITY_BYTES
 from neorec.ingest.service import DEFAULT_MAX_STREAMS
@@ -110,8 +110,10 @@ def _store_serve(args: argparse.Namespace) -> int:
     from neorec.embedding_store.service import StoreServer
     from neorec.common.transport import serve_until_signal
 
-    server = StoreServer(args.dir, host=args.host, port=args.port, direct_io=args.direct_io, threads=args.threads,
-                         security=server_security(args), data_roots=[args.dir, *(args.data_roots or [])])
+    with user_paths():  # --dir: a path under a file, or a file
+        server = StoreServer(args.dir, host=args.host, port=args.port, direct_io=args.direct_io,
+                             threads=args.threads, security=server_security(args),
+                             data_roots=[args.dir, *(args.data_roots or [])])
 
     def ready(address: str) -> None:
         print(f"neorec store: serving {args.dir} on {address}", flush=True)

@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from neorec.common.durable import write_durably
+from neorec.common.errors import PathError
 from neorec.trainer.config import TrainConfig
 
 READER_PORT = 50051
@@ -104,14 +106,22 @@ def manifests(config: TrainConfig, config_path: str, image: str) -> dict[str, li
     return {"ingest.yaml": [reader, reader_service], "trainer.yaml": [trainer, trainer_service]}
 
 
-def write_manifests(config: TrainConfig, config_path: str, directory: str | Path, image: str) -> list[Path]:
-    """Write :func:`manifests` into ``directory``; returns the files written."""
+def write_manifests(config: TrainConfig, config_path: str, directory: str | Path, image: str,
+                    overwrite: bool = False) -> list[Path]:
+    """Write :func:`manifests` into ``directory``, each file atomically; returns the files
+    written. Manifests already there are replaced only with ``overwrite`` (a
+    :class:`PathError` names them otherwise, and nothing is written)."""
     directory = Path(directory)
+    files = manifests(config, config_path, image)
+    present = [name for name in files if (directory / name).exists()]
+    if present and not overwrite:
+        raise PathError(f"{directory} already holds {', '.join(present)}: pass --overwrite to replace them, or "
+                        f"choose another directory")
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, objects in manifests(config, config_path, image).items():
+    for name, objects in files.items():
         path = directory / name
-        path.write_text("---\n".join(to_yaml(o) for o in objects))
+        write_durably(path, "---\n".join(to_yaml(o) for o in objects).encode())
         written.append(path)
     return written
 

@@ -41,6 +41,7 @@ from typing import IO, Sequence
 
 import grpc
 
+from neorec.common.errors import user_paths
 from neorec.common.health import HealthProbe
 from neorec.common.transport import ClientSecurity, bracketed
 from neorec.orchestration.status import SERVICES_FILE
@@ -136,7 +137,8 @@ class Job:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         started_cpu, started = time.process_time(), time.monotonic()
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with user_paths():  # run.dir under a file
+                self.run_dir.mkdir(parents=True, exist_ok=True)
             if self.launch.ingest_workers:
                 from neorec.ingest.chunks import compile_decoding
 

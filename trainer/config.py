@@ -237,6 +237,8 @@ class TrainLoopConfig:
         for key in ("max_steps", "eval_every", "threads", "background_batches"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key}: must be >= 0, got {getattr(self, key)}")
+        if not 0 <= self.seed < 2**63:  # it seeds torch and numpy and enters the 64-bit hashes
+            raise ConfigError(f"train.seed: must lie in [0, 2**63), got {self.seed}")
 
 
 @dataclass

@@ -162,6 +162,14 @@ def test_bad_rows_are_named(tmp_path, line, where):
         import_dataset(spec(path), tmp_path / "out")
 
 
+def test_a_named_column_the_file_lacks_is_named(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text("user,item,count,genres,ts,rating\nu0,1,2,a,5,4\nu1,1,2,a,6,3\n")
+    with pytest.raises(DataError, match="log.csv.*'nosuch'"):
+        import_dataset(spec(path, label={"column": "nosuch"}), tmp_path / "out")
+    assert not (tmp_path / "out" / "dataset.json").exists()
+
+
 def test_bad_labels_missing_files_and_bad_specs_are_named(tmp_path):
     path = tmp_path / "log.csv"
     path.write_text("user,item,count,genres,ts,rating\nu0,1,2,a,5,1\nu1,1,2,a,6,3\n")

@@ -1,6 +1,8 @@
 import hashlib
+import re
 
 import numpy as np
+import pytest
 import pyarrow.parquet as pq
 
 from neorec.ingest.schema import Dataset
@@ -55,3 +57,17 @@ def test_multihot_profile_has_variable_length_lists(multihot_dataset):
     assert 18 < lengths.mean() < 22
     assert lengths.std() > 2
     assert all(f.multi_hot for f in multihot_dataset.schema.sparse)
+
+
+@pytest.mark.parametrize("changes,expected", [
+    ({"eval_fraction": 0.0}, "eval_fraction must lie in (0, 1), got 0.0"),
+    ({"eval_fraction": float("nan")}, "eval_fraction must lie in (0, 1), got nan"),
+    ({"seed": -1}, "seed must be >= 0, got -1"),
+    ({"rows": 3, "partitions": 5}, "3 rows cannot fill 5 partitions"),
+    ({"partitions": 2, "drift": float("inf")}, "partitions and drift must be >= 0"),
+])
+def test_a_spec_that_cannot_be_generated_is_a_user_error(changes, expected):
+    from neorec.common.errors import UserError
+
+    with pytest.raises(UserError, match=re.escape(expected)):
+        SynthSpec(**{"rows": 100, **changes})

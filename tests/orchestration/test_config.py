@@ -70,3 +70,18 @@ def test_the_shipped_configs_load():
         config = load_config(path)
         assert config.model.bottom_mlp[-1] == config.model.embedding_dim
     assert load_config("configs/job.toml").launch.ingest_workers == 2
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**63), "99999999999999999999"])
+def test_a_seed_torch_and_numpy_cannot_take_is_refused(seed):
+    with pytest.raises(ConfigError, match=r"train.seed: must lie in \[0, 2\*\*63\)"):
+        load_config("configs/demo.toml", [f"train.seed={seed}"])
+
+
+def test_ranks_per_node_must_divide_the_ranks():
+    from neorec.trainer.planner.from_config import topology
+
+    config = load_config("configs/demo.toml", ["sharding.ranks_per_node=3"])
+    assert topology(config, 6).ranks_per_node == 3
+    with pytest.raises(ConfigError, match="sharding.ranks_per_node: 2 ranks do not split into nodes of 3 ranks"):
+        topology(config, 2)

@@ -274,6 +274,28 @@ def test_kubernetes_manifests_have_probes_and_an_indexed_trainer_job(criteo_data
     assert result.returncode == 0, result.stderr
     text = (tmp_path / "k8s" / "ingest.yaml").read_text()
     assert "kind: \"StatefulSet\"" in text and "---" in text
+    (tmp_path / "k8s" / "trainer.yaml").write_text("# edited by hand")
+    again = ("launch", str(tmp_path / "job.toml"), "--emit", "k8s", str(tmp_path / "k8s"))
+    result = _neorec(*again)
+    assert result.returncode == 2 and "already holds ingest.yaml, trainer.yaml" in result.stderr, result.stderr
+    assert (tmp_path / "k8s" / "trainer.yaml").read_text() == "# edited by hand"
+    assert _neorec(*again, "--overwrite").returncode == 0
+    assert "kind: \"Job\"" in (tmp_path / "k8s" / "trainer.yaml").read_text()
+
+
+def test_a_launch_the_run_directory_refuses_starts_nothing(criteo_dataset, tmp_path):
+    """``--resume`` of no run, or a run directory holding a run without ``--overwrite``
+    or ``--resume``, is refused before any service starts (exit 2, nothing written)."""
+    job = job_file(tmp_path, criteo_dataset)
+    run = tmp_path / "run"
+    result = _neorec("launch", str(job), "--resume", timeout=120)
+    assert result.returncode == 2 and "holds no run to resume" in result.stderr, result.stderr
+    assert not run.exists()
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    result = _neorec("launch", str(job), timeout=120)
+    assert result.returncode == 2 and "already holds a run" in result.stderr, result.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
 
 
 @pytest.mark.slow

@@ -80,7 +80,11 @@ def test_bad_command_line_values_are_refused():
     for args in (["data", "synth", "--rows", "-5", "--out", "x"], ["ingest", "serve", "--grace", "-1"],
                  ["ingest", "serve", "--grace", "nan"], ["ingest", "serve", "--worker-threads", "0"],
                  ["ingest", "serve", "--row-group-cache-mib", "-1"], ["ingest", "serve", "--max-streams", "0"],
-                 ["train", "configs/demo.toml", "--nproc", "0"]):
+                 ["train", "configs/demo.toml", "--nproc", "0"],
+                 ["data", "synth", "--rows", "3", "--partitions", "5", "--out", "x"],
+                 ["data", "synth", "--rows", "100", "--eval-fraction", "0", "--out", "x"],
+                 ["plan", "configs/demo.toml", "--world-size", "0"],
+                 ["store", "serve", "--dir", "README.md/store"]):
         result = _neorec(*args)
         assert result.returncode == ERROR and "Traceback" not in result.stderr, (args, result.stderr)
 
@@ -92,11 +96,35 @@ def test_a_run_directory_holds_one_run(criteo_dataset, tmp_path):
     first = (run / METRICS).read_text()
     _refused(_train(criteo_dataset.root, run), "already holds a run", "--overwrite")
     assert (run / METRICS).read_text() == first  # nothing lost
+    _refused(_train(criteo_dataset.root, run, "--overwrite", "--set", "embedding_store.tables={t_nope=0.5}"),
+             "t_nope")  # the planner refuses the new run: the old one is not removed for it
+    assert (run / METRICS).read_text() == first
     (run / "notes.txt").write_text("mine")
     result = _train(criteo_dataset.root, run, "--set", "train.seed=1", "--overwrite")
     assert result.returncode == 0, result.stderr
     assert json.loads((run / "config.json").read_text())["train"]["seed"] == 1
     assert (run / "notes.txt").read_text() == "mine"  # only the run's own files are replaced
+
+
+def test_overwrite_removes_a_linked_run_file_as_a_link_and_nothing_it_points_to(tmp_path):
+    """A run's checkpoints may live elsewhere behind a symbolic link: ``--overwrite``
+    removes the link, not the files outside the run directory it points to."""
+    from neorec.trainer.run.run_dir import CHECKPOINTS, CONFIG, RunDirError, claim
+
+    elsewhere = tmp_path / "big-disk" / "checkpoints"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "kept").write_text("not the run's to remove")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / CHECKPOINTS).symlink_to(elsewhere)
+    (run / CONFIG).write_text("{}")
+    assert claim(run, overwrite=True) == run
+    assert not (run / CHECKPOINTS).exists() and not (run / CHECKPOINTS).is_symlink()
+    assert not (run / CONFIG).exists()
+    assert (elsewhere / "kept").read_text() == "not the run's to remove"
+    (run / CHECKPOINTS).symlink_to(tmp_path / "nowhere")  # a dangling link is a run file too
+    with pytest.raises(RunDirError, match="already holds a run"):
+        claim(run)
 
 
 def test_an_unwritable_run_directory_is_found_before_training(criteo_dataset, tmp_path):

@@ -147,8 +147,7 @@ class TrainingRun:
                 self.total_steps = min(self.total_steps, loop.max_steps)
         self.run_dir = Path(config.run.dir)
         if context.is_main:
-            run_directory.claim(self.run_dir, overwrite=overwrite, resume=resume)
-            mark_claimed(self.run_dir)
+            run_directory.check_claim(self.run_dir, overwrite=overwrite, resume=resume)
         self.early: BackgroundIterator | None = None
         """The first epoch's batches, read from before the model exists (a fresh run's)."""
         if loop.background_batches and not context.distributed and not resume and self.follower is None:
@@ -157,6 +156,11 @@ class TrainingRun:
         if self.follower is not None:
             self.follower.wait_for_first_partition()  # the planner samples lookups from it
         self.plan = job_plan(self.dataset, config, context)
+        if context.is_main:  # an old run is replaced only once the plan is judged too
+            run_directory.claim(self.run_dir, overwrite=overwrite, resume=resume)
+            mark_claimed(self.run_dir)
+        if context.distributed:
+            dist.barrier()  # no rank opens its store tiers in the run directory while the old run is removed
         store_dir = Path(config.embedding_store.dir or self.run_dir / run_directory.STORE)
         self.dlrm = build_model(self.dataset, config, self.plan, store=store_settings(config, store_dir, not resume))
         self.dlrm = self.dlrm.to(context.device)

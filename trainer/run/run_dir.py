@@ -37,26 +37,40 @@ class RunDirError(UserError, OSError):
     """The run directory cannot be used as asked."""
 
 
-def claim(directory: str | Path, overwrite: bool = False, resume: bool = False) -> Path:
-    """Make ``directory`` ready for a run and return it.
+def check_claim(directory: str | Path, overwrite: bool = False, resume: bool = False) -> list[str]:
+    """The run files ``directory`` holds (names from :data:`RUN_FILES`), once it is known
+    that :func:`claim` may take it; changes nothing, so a run checks this first and claims
+    the directory only when the rest of its set-up has been judged too.
 
-    Raises :class:`RunDirError` when it holds another run and neither ``overwrite`` nor
-    ``resume`` says what to do with it, when ``resume`` finds no run, or when it cannot be
-    created or written.
+    Raises :class:`RunDirError` when it is a file, when it holds another run and neither
+    ``overwrite`` nor ``resume`` says what to do with it, or when ``resume`` finds no run.
     """
     path = Path(directory)
     if path.exists() and not path.is_dir():
         raise RunDirError(f"run directory {path} is a file")
-    held = [name for name in RUN_FILES if (path / name).exists()]
+    held = [name for name in RUN_FILES if (path / name).exists() or (path / name).is_symlink()]
     if resume and not held:
         raise RunDirError(f"run directory {path} holds no run to resume")
     if held and not (overwrite or resume):
         raise RunDirError(f"run directory {path} already holds a run ({', '.join(held)}): pass --overwrite to "
                           f"replace it, --resume to continue it, or choose another run.dir")
+    return held
+
+
+def claim(directory: str | Path, overwrite: bool = False, resume: bool = False) -> Path:
+    """Make ``directory`` ready for a run and return it: :func:`check_claim`, then, with
+    ``overwrite``, the old run's files removed (a symbolic link among them is removed
+    itself, not what it points to, which lies outside the run), then a write tried.
+
+    Raises :class:`RunDirError` as :func:`check_claim` does, or when the directory cannot
+    be created or written.
+    """
+    path = Path(directory)
+    held = check_claim(path, overwrite, resume)
     if overwrite and not resume:
         for name in held:
             target = path / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
+            shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".neorec-write-check"
