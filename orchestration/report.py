@@ -48,11 +48,12 @@ def read_run(run_dir: str | Path) -> RunCurves:
     if not metrics.is_file():
         raise RunDirError(f"{path} is not a run directory (no {METRICS})")
     run = RunCurves(path.resolve().name)
-    for number, line in enumerate(metrics.read_text().splitlines(), 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise RunDirError(f"{metrics}: line {number} is not JSON") from None
+    for number, line in enumerate(_text(metrics).splitlines(), 1):
+        record = _object(line, f"{metrics}: line {number}")
+        if "split" not in record:
+            continue  # an event (a skipped checkpoint, say), not metrics
+        if not _is_number(record.get("step")):
+            raise RunDirError(f"{metrics}: line {number} has no step number")
         if record.get("partition") and record["split"] in ("progressive", "partition"):
             run.partitions.setdefault(record["partition"], {}).update(
                 {k: float(v) for k, v in record.items() if k not in ("step", "epoch") and _is_number(v)})
@@ -63,8 +64,26 @@ def read_run(run_dir: str | Path) -> RunCurves:
             steps.append(record["step"])
             values.append(float(value))
     if (path / SUMMARY).is_file():
-        run.summary = json.loads((path / SUMMARY).read_text())
+        run.summary = _object(_text(path / SUMMARY), str(path / SUMMARY))
     return run
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode()
+    except UnicodeDecodeError:
+        raise RunDirError(f"{path} is not UTF-8 text") from None
+
+
+def _object(text: str, where: str) -> dict[str, Any]:
+    """The JSON object ``text`` holds; a :class:`RunDirError` naming ``where`` otherwise."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise RunDirError(f"{where} is not JSON") from None
+    if not isinstance(value, dict):
+        raise RunDirError(f"{where} is not a JSON object")
+    return value
 
 
 def text_summary(runs: list[RunCurves]) -> str:

@@ -83,3 +83,35 @@ def test_a_following_run_gets_its_progressive_auc_and_lag_per_partition(tmp_path
     assert lag_ax.lines[0].get_ydata().tolist() == lags
     table = partition_table([run]).splitlines()
     assert len(table) == 4 and table[1].split()[:2] == [progressive[0]["partition"], f"{progressive[0]['auc']:.4f}"]
+
+
+@pytest.mark.parametrize("file,content,expected", [
+    ("summary.json", b"{bad", "summary.json is not JSON"),
+    ("summary.json", b"[1, 2]", "summary.json is not a JSON object"),
+    ("metrics.jsonl", b'{"split": "eval", "step": 5, "auc": 0.7}\n[1, 2]\n', "metrics.jsonl: line 2 is not a JSON object"),
+    ("metrics.jsonl", b'{"split": "eval", "auc": 0.7}\n', "metrics.jsonl: line 1 has no step number"),
+    ("metrics.jsonl", b'{"split": "eval", "step": 5, "auc": 0.7}\n\xff\xfe\n', "metrics.jsonl is not UTF-8 text"),
+])
+def test_damaged_run_files_are_named(tmp_path, file, content, expected):
+    from neorec.trainer.run.run_dir import RunDirError
+
+    (tmp_path / "metrics.jsonl").write_text('{"split": "eval", "step": 5, "auc": 0.7}\n'
+                                            '{"event": "resume_skipped", "step": 5, "reason": "torn"}\n')
+    assert read_run(tmp_path).series[("eval", "auc")] == ([5], [0.7])  # an event line is not metrics
+    (tmp_path / file).write_bytes(content)
+    with pytest.raises(RunDirError, match=expected):
+        read_run(tmp_path)
+
+
+def test_a_config_that_evaluates_a_checkpoint_must_hold_its_model(runs):
+    """``neorec eval CONFIG --checkpoint RUN``: a config whose model differs from the
+    checkpoint's is refused by name (its weights would not fit, or its ids would mean other
+    rows); one that differs elsewhere evaluates the same model."""
+    from neorec.trainer.checkpoint.layout import CheckpointError
+
+    saved = json.loads((runs[0] / "config.json").read_text())
+    other_rows = TrainConfig.from_dict({**saved, "model": {**saved["model"], "max_table_rows": 500}})
+    with pytest.raises(CheckpointError, match="eval: model.max_table_rows is 500, the checkpoint was made with 2000"):
+        evaluate_checkpoint(runs[0], other_rows)
+    one_thread = TrainConfig.from_dict({**saved, "train": {**saved["train"], "threads": 1}})
+    assert evaluate_checkpoint(runs[0], one_thread) == evaluate_checkpoint(runs[0])

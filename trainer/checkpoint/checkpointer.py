@@ -163,6 +163,13 @@ optimizers, the data and its order. The rest (epochs, logging, threads, devices,
 services, sharding, checkpoints) may."""
 
 
+EVALUABLE_KEYS = {"model": ("embedding_dim", "bottom_mlp", "top_mlp", "max_table_rows", "pooling", "dynamic"),
+                  "data": ("dense_transform", "id_mapping")}
+"""What a config that evaluates a checkpoint must share with the run that saved it: the
+model's shapes and what its inputs mean. The data it evaluates on, its devices and the
+rest may differ."""
+
+
 def check_resumable(saved: dict[str, Any], config: TrainConfig) -> None:
     """Raise :class:`~neorec.trainer.checkpoint.layout.CheckpointError` naming the first setting of
     ``config`` that differs from the checkpoint's ``saved`` config where a resumed run must
@@ -170,8 +177,21 @@ def check_resumable(saved: dict[str, Any], config: TrainConfig) -> None:
     current = config.to_dict()
     keys = [(section, key) for section in RESUMABLE_SECTIONS for key in current[section]]
     keys += [(section, key) for section, names in RESUMABLE_KEYS.items() for key in names]
+    _check_same(saved, current, keys, "--resume", "a resumed run keeps the model, optimizers and data of the run it "
+                                                  "continues")
+
+
+def check_evaluable(saved: dict[str, Any], config: TrainConfig) -> None:
+    """Raise :class:`~neorec.trainer.checkpoint.layout.CheckpointError` naming the first of
+    :data:`EVALUABLE_KEYS` where ``config`` differs from the checkpoint's ``saved`` config."""
+    keys = [(section, key) for section, names in EVALUABLE_KEYS.items() for key in names]
+    _check_same(saved, config.to_dict(), keys, "eval", "the model evaluated is the model the checkpoint holds")
+
+
+def _check_same(saved: dict[str, Any], current: dict[str, Any], keys: list[tuple[str, str]], command: str,
+                why: str) -> None:
     for section, key in keys:
         before, now = saved.get(section, {}).get(key), current[section][key]
         if before != now:
-            raise CheckpointError(f"--resume: {section}.{key} is {now!r}, the checkpoint was made with {before!r}; "
-                                  f"a resumed run keeps the model, optimizers and data of the run it continues")
+            raise CheckpointError(f"{command}: {section}.{key} is {now!r}, the checkpoint was made with {before!r}; "
+                                  f"{why}")

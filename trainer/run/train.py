@@ -10,6 +10,7 @@ from typing import Any, Sequence
 from neorec.ingest.partitions import with_partition_split
 from neorec.ingest.schema import Dataset
 from neorec.trainer import checkpoint
+from neorec.trainer.checkpoint.checkpointer import check_evaluable
 from neorec.trainer.checkpoint.layout import best_checkpoint
 from neorec.trainer.config import DEFAULT_CACHE_FRACTION, TrainConfig
 from neorec.trainer.device import resolve_device
@@ -70,6 +71,8 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None =
     restorable = checkpoint.open_checkpoint(root, name)
     if config is None:
         config = TrainConfig.from_dict(restorable.manifest.config)
+    else:
+        check_evaluable(restorable.manifest.config, config)
     config = replace(config, data=replace(config.data, ingest=list(ingest)))
     config.data.validate()
     set_threads(config.train.threads)
