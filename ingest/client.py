@@ -118,7 +118,8 @@ class ClientOptions:
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)}, got {self.compression!r}")
-        if self.task_rows is not None and not 0 < self.task_rows <= MAX_REQUEST_ROWS or self.streams_per_worker <= 0:
+        task_rows_bad = self.task_rows is not None and not 0 < self.task_rows <= MAX_REQUEST_ROWS
+        if task_rows_bad or self.streams_per_worker <= 0:
             raise ValueError(f"task_rows must lie in [1, {MAX_REQUEST_ROWS}] and streams_per_worker be positive")
         for name in ("call_timeout_s", "stall_timeout_s", "progress_timeout_s", "probe_interval_s", "backoff_s",
                      "max_backoff_s"):
