@@ -16,6 +16,10 @@ class UserError(Exception):
     with a message that names what is wrong and where."""
 
 
+class ConfigError(UserError, ValueError):
+    """A configuration value is missing, unknown or invalid; the message names the key."""
+
+
 class PathError(UserError):
     """A file or directory the user named cannot be read or written (missing, a directory
     where a file was expected, no permission, a full disk)."""

@@ -10,15 +10,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from neorec.common.errors import UserError, user_paths
+from neorec.common.errors import ConfigError, UserError, user_paths
 from neorec.ingest.staging import staged_output
-from neorec.ingest.presets import PRESETS
 from neorec.orchestration.cli_args import add_client_security, at_least, client_security, port, seconds
-from neorec.orchestration.cli_services import add_service_commands
 from neorec.orchestration.progress import LazyBar
 from neorec.orchestration.nodes import add_node_arguments, nodes_from_args, uses_torchrun
 from neorec.orchestration.supervisor import die_with_parent
-from neorec.trainer.config import ConfigError
 
 if TYPE_CHECKING:
     from neorec.orchestration.trainer_status import TrainerStatusServer
@@ -39,12 +36,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run a ``neorec`` command. A user error (:class:`~neorec.common.errors.UserError`: bad
     configuration, data, arguments, a file the user named that cannot be read or written, a
     service that refuses) is one line on stderr and exit status 2; Ctrl-C is one line and
-    130; anything else is a bug: it keeps its traceback and exits 1."""
-    die_with_parent()
-    parser = _parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    130, from the first moment (this module imports nothing heavy: the commands' modules are
+    imported inside); anything else is a bug: it keeps its traceback and exits 1."""
     try:
+        die_with_parent()
+        args = _parser().parse_args(argv)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         return args.run(args)
     except KeyboardInterrupt:
         print("neorec: interrupted", file=sys.stderr)
@@ -59,6 +56,9 @@ def _one_line(err: UserError) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from neorec.ingest.presets import PRESETS
+    from neorec.orchestration.cli_services import add_service_commands
+
     parser = argparse.ArgumentParser(prog="neorec", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 

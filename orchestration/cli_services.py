@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from neorec.common.errors import UserError, user_paths
@@ -100,8 +99,7 @@ def _ingest_status(args: argparse.Namespace) -> int:
         try:
             reply = ingest_pb2_grpc.ReaderStub(channel).Status(ingest_pb2.StatusRequest(), timeout=args.timeout)
         except grpc.RpcError as err:
-            print(f"neorec: error: {args.address}: {err.code().name}: {err.details()}", file=sys.stderr)
-            return 1
+            raise UserError(f"{args.address}: {err.code().name}: {err.details()}") from None
     print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True), indent=2))
     return 0
 
@@ -125,14 +123,11 @@ def _store_serve(args: argparse.Namespace) -> int:
 def _store_status(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from neorec.embedding_store.client import StoreClient, StoreServiceError
+    from neorec.embedding_store.client import StoreClient
 
     client = StoreClient(args.address, tls_ca=args.tls_ca or "", token_file=args.token_file or "")
     try:
-        reply = client.status(args.timeout)
-    except StoreServiceError as err:
-        print(f"neorec: error: {err}", file=sys.stderr)
-        return 1
+        reply = client.status(args.timeout)  # a StoreServiceError (a user error) names what failed
     finally:
         client.close()
     print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True), indent=2))

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from neorec.common.addresses import check_address
-from neorec.common.errors import UserError
+from neorec.common.errors import ConfigError
 from neorec.ingest.client import COMPRESSIONS
 from neorec.ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
 from neorec.ingest.plan import REMAINDER_POLICIES, SHUFFLE_MODES
@@ -29,10 +29,6 @@ KERNELS = ("auto", "numba", "torch")
 RENAMED_KEYS = {"train.prefetch": "train.background_batches"}
 """Old key → its new name: configs (and checkpoints' saved configs) that use the old name
 still load, with a warning (see docs/configuration.md)."""
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration value is missing, unknown or invalid; the message names the key."""
 
 
 @dataclass

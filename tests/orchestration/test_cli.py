@@ -103,3 +103,8 @@ def test_unreachable_reader_service_is_a_clear_error(criteo_dataset, tmp_path):
                      "--set", "data.ingest_stall_timeout_s=1.0")
     assert result.returncode == 2
     assert f"{worker.address}: UNAVAILABLE" in result.stderr and "Traceback" not in result.stderr
+    for group in ("ingest", "store"):  # a service's counters: the same one line and exit status
+        result = _neorec(group, "status", worker.address, "--timeout", "1")
+        assert result.returncode == 2, (group, result.stderr)
+        assert result.stderr.startswith("neorec: error:") and worker.address in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr

@@ -61,6 +61,9 @@ def test_unreadable_user_paths_are_named_not_tracebacks(tmp_path):
     result = _run([sys.executable, "-m", "neorec", "checkpoint", "inspect", str(tmp_path / "none")], timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr  # not an empty listing
     assert f"{tmp_path / 'none'} is not a directory" in result.stderr
+    (tmp_path / "empty").mkdir()
+    result = _run([sys.executable, "-m", "neorec", "checkpoint", "inspect", str(tmp_path / "empty")], timeout=120)
+    assert result.returncode == 2 and f"{tmp_path / 'empty'}: no checkpoints" in result.stderr, result.stderr
     spec = tmp_path / "spec.toml"
     spec.mkdir()
     result = _run([sys.executable, "-m", "neorec", "data", "import", str(spec), "--out", str(tmp_path / "o")],

@@ -113,6 +113,18 @@ def test_in_process(criteo_dataset, tmp_path):
     assert "neorec: interrupted" in _interrupt(process)
 
 
+def test_while_loading_its_modules(criteo_dataset, tmp_path):
+    """Ctrl-C as soon as torch's library is mapped: ``neorec train`` is still importing
+    what its command needs, and says it was interrupted (no traceback)."""
+    process = _train(criteo_dataset, tmp_path / "run")
+    maps, deadline = Path(f"/proc/{process.pid}/maps"), time.monotonic() + 60
+    while "libtorch" not in maps.read_text():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-2000:]
+        time.sleep(0.002)
+    assert "neorec: interrupted" in _interrupt(process)
+    assert not (tmp_path / "run" / METRICS).exists()
+
+
 def test_through_a_reader_service_that_stopped_sending(criteo_dataset, tmp_path):
     """A stopped service sends nothing: the background batch thread waits in its stream (no
     stall or progress timeout near) and the exit must not wait on it (the order of the closes

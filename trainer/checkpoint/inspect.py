@@ -13,7 +13,8 @@ from neorec.trainer.checkpoint.layout import LATEST, CheckpointError, checkpoint
 def describe(directory: str | Path, verify: bool = False) -> dict[str, Any]:
     """The checkpoints under a run directory (or its checkpoints directory), oldest first:
     name, step, epoch, kind, chain, bits, bytes, rows touched of all rows, stall and write
-    seconds; with ``verify``, whether every file matches its size and SHA-256."""
+    seconds; with ``verify``, whether every file matches its size and SHA-256.
+    :class:`CheckpointError` when the directory holds no checkpoint, complete or not."""
     root, _ = checkpoints_root(directory)
     latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
     checkpoints = []
@@ -38,6 +39,9 @@ def describe(directory: str | Path, verify: bool = False) -> dict[str, Any]:
         checkpoints.append(entry)
     incomplete = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")
                         and p not in complete(root)) if root.is_dir() else []
+    if not checkpoints and not incomplete:
+        raise CheckpointError(f"{root}: no checkpoints (neither a run directory with checkpoints nor a checkpoint "
+                              f"directory)")
     return {"root": str(root), "latest": latest, "checkpoints": checkpoints, "incomplete": incomplete}
 
 
