@@ -18,6 +18,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -71,6 +72,22 @@ def _read(path: str, what: str) -> bytes:
         raise EndpointError(f"cannot read the {what} {path}: {err.strerror or err}") from None
 
 
+_PEM_BLOCKS = {"certificate": rb"-----BEGIN CERTIFICATE-----", "private key": rb"-----BEGIN ([A-Z]+ )*PRIVATE KEY-----"}
+"""What begins the PEM block a file of each kind holds (a private key's may name its
+algorithm: ``RSA PRIVATE KEY``, ``EC PRIVATE KEY``)."""
+
+
+def _read_pem(path: str, what: str, kind: str) -> bytes:
+    """The bytes of ``path``, the ``what`` (for the message); :class:`EndpointError` naming
+    it unless it holds a PEM block of ``kind`` (a key in its certificate's place, or not PEM
+    at all, which gRPC would report only as a failure to bind)."""
+    data = _read(path, what)
+    if re.search(_PEM_BLOCKS[kind], data) is None:
+        raise EndpointError(f"the {what} {path} is not a PEM {kind} (it has no -----BEGIN {kind.upper()}----- "
+                            f"block)")
+    return data
+
+
 @dataclass(frozen=True)
 class ServerSecurity:
     """How a service accepts connections."""
@@ -98,8 +115,10 @@ class ServerSecurity:
         """Add ``host:port`` to ``server`` (port 0: a free one); returns the port bound.
 
         Raises :class:`EndpointError`, in one line, for a port outside [0, 65535], a host
-        that does not resolve, a port already taken, or a non-loopback host without TLS or
-        a token (unless ``insecure``)."""
+        that does not resolve, a port already taken, a non-loopback host without TLS or a
+        token (unless ``insecure``), or a TLS certificate or key that is not PEM (a pair
+        that gRPC refuses otherwise, such as a key that does not match its certificate, is
+        a failure to bind that says so)."""
         if not 0 <= port <= 65535:
             raise EndpointError(f"port {port} is outside [0, 65535]")
         loopback = _resolves_to_loopback(host)
@@ -111,15 +130,18 @@ class ServerSecurity:
         address = f"{bracketed(host)}:{port}"
         try:
             if self.tls:
-                credentials = grpc.ssl_server_credentials(
-                    [(_read(self.tls_key, "TLS key"), _read(self.tls_cert, "TLS certificate"))])
+                certificate = _read_pem(self.tls_cert, "TLS certificate", "certificate")
+                key = _read_pem(self.tls_key, "TLS key", "private key")
+                credentials = grpc.ssl_server_credentials([(key, certificate)])
                 bound = server.add_secure_port(address, credentials)
             else:
                 bound = server.add_insecure_port(address)
         except RuntimeError:
             bound = 0
         if not bound:
-            raise EndpointError(f"cannot bind {address}")
+            raise EndpointError(f"cannot bind {address}" + (
+                f": the TLS certificate {self.tls_cert} and key {self.tls_key} may not be valid or may not match"
+                if self.tls else ""))
         return bound
 
 

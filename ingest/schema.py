@@ -102,6 +102,9 @@ class DatasetSchema:
             raise ValueError("'schema': 'label' must be a column name and 'dense' a list of column names")
         if not isinstance(sparse, list) or not all(isinstance(f, dict) for f in sparse):
             raise ValueError("'schema': 'sparse' must be a list of objects")
+        if not sparse:
+            raise ValueError("'schema': 'sparse' lists no feature: a DLRM needs at least one sparse (categorical) "
+                             "feature")
         features = []
         for f in sparse:
             unknown = set(f) - {"name", "cardinality", "multi_hot", "table", "raw"}

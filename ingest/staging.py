@@ -6,6 +6,7 @@ A non-empty output directory is refused unless the caller means to replace it.""
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -32,13 +33,21 @@ def staged_output(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise OutputExistsError(f"{out} is not empty: give --overwrite to replace what it holds, or another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    staging = _staging_directory(out)
     try:
         yield staging
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     _swap_in(staging, out)
+
+
+def _staging_directory(out: Path) -> Path:
+    """A new empty directory beside ``out``, made by a plain ``mkdir``: it becomes ``out``,
+    so it gets the mode the umask gives a directory (``tempfile.mkdtemp``'s is 0700)."""
+    staging = out.parent / f".{out.name}.{secrets.token_hex(8)}.partial"
+    staging.mkdir()
+    return staging
 
 
 def _swap_in(staging: Path, out: Path) -> None:

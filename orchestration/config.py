@@ -7,7 +7,8 @@ import tomllib
 from pathlib import Path
 from typing import Any, Sequence
 
-from neorec.trainer.config import ConfigError, TrainConfig
+from neorec.common.errors import ConfigError
+from neorec.trainer.config import TrainConfig
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:

@@ -74,7 +74,7 @@ def test_token_is_required_for_reading_and_status_but_not_health(criteo_dataset,
             health = health_pb2_grpc.HealthStub(channel)
             reply = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        assert _neorec("ingest", "status", worker.address).returncode == 1
+        _one_line_error(_neorec("ingest", "status", worker.address), "UNAUTHENTICATED")
         assert _neorec("ingest", "status", worker.address, "--token-file", str(token)).returncode == 0
     finally:
         stop_all([worker])
@@ -107,3 +107,20 @@ def test_ports_in_use_out_of_range_and_unknown_hosts_are_one_line_errors():
         assert result.returncode == 2 and "outside [0, 65535]" in result.stderr
     _one_line_error(_neorec("ingest", "serve", "--host", "no-such-host.invalid"), "does not resolve")
     _one_line_error(_neorec("ingest", "serve", "--data-root", "/no/such/dir"), "is not a directory")
+
+
+def test_a_tls_file_that_is_not_pem_or_a_mismatched_pair_is_named(certificate, tmp_path):
+    cert, key = certificate
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("hello\n")
+    for command in (["ingest", "serve"], ["store", "serve", "--dir", str(tmp_path / "store")]):
+        _one_line_error(_neorec(*command, "--tls-cert", str(not_pem), "--tls-key", str(key)),
+                        f"TLS certificate {not_pem} is not a PEM certificate")
+        _one_line_error(_neorec(*command, "--tls-cert", str(cert), "--tls-key", str(not_pem)),
+                        f"TLS key {not_pem} is not a PEM private key")
+    _one_line_error(_neorec("ingest", "serve", "--tls-cert", str(key), "--tls-key", str(cert)),
+                    f"TLS certificate {key} is not a PEM certificate")  # the two swapped
+    other_key = tmp_path / "other-key.pem"
+    subprocess.run(["openssl", "genpkey", "-algorithm", "RSA", "-out", str(other_key)], check=True, capture_output=True)
+    _one_line_error(_neorec("ingest", "serve", "--tls-cert", str(cert), "--tls-key", str(other_key)),
+                    f"the TLS certificate {cert} and key {other_key} may not be valid or may not match")

@@ -6,10 +6,13 @@ fails half-way leaves the old dataset as it was and no temporary directory behin
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
+from neorec.ingest.staging import staged_output
 from tests.ingest.test_importer import write_log
 
 IMPORT_FLAGS = ["--format", "csv", "--label", "rating", "--label-transform", ">= 4", "--dense", "count",
@@ -65,3 +68,16 @@ def test_a_failed_overwrite_leaves_the_old_dataset_intact(tmp_path):
     assert "column 'count'" in _error_line(failed)
     assert _contents(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.csv", "data", "good.csv"]  # no temporary left
+
+
+def test_the_output_directory_gets_the_mode_mkdir_gives_under_the_umask(tmp_path):
+    umask = 0o027  # neither tempfile's 0700 nor the usual umask's 0755
+    before = os.umask(umask)
+    try:
+        out = tmp_path / "data"
+        for overwrite in (False, True):  # a new output, then one replacing it
+            with staged_output(out, overwrite=overwrite) as staging:
+                (staging / "dataset.json").write_text("{}")
+            assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask, oct(out.stat().st_mode)
+    finally:
+        os.umask(before)

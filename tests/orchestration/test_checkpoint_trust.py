@@ -80,6 +80,20 @@ def test_a_checkpoint_whose_pickle_runs_code_is_refused(criteo_dataset, trained,
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("command", ["eval", "resume"])
+def test_a_truncated_dense_file_is_named_as_truncated(criteo_dataset, trained, tmp_path, command):
+    run = _copy(trained, tmp_path)
+    dense = complete(run / "checkpoint")[-1] / DENSE_FILE
+    dense.write_bytes(dense.read_bytes()[: dense.stat().st_size // 2])
+    if command == "eval":
+        result = _neorec("eval", "--checkpoint", str(run))
+    else:
+        result = _train(criteo_dataset.root, run, "--set", "train.epochs=2", "--resume", str(run))
+    assert result.returncode == ERROR, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert f"{dense} is " in result.stderr and "truncated or corrupt" in result.stderr, result.stderr
+
+
 def test_fallback_names_the_skipped_checkpoint(criteo_dataset, trained, tmp_path):
     run = _copy(trained, tmp_path)
     done = complete(run / "checkpoint")

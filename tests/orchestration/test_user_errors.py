@@ -7,10 +7,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
+from neorec.common.errors import ConfigError
+from neorec.trainer.planner.from_config import plan_for_config
 from neorec.trainer.run.run_dir import METRICS
+from neorec.trainer.run.train import train
+from tests.trainer.test_train import _config
 
 ERROR = 2
 
@@ -47,6 +52,7 @@ def dataset_copy(criteo_dataset, tmp_path):
     (lambda obj: {**obj, "format": "other/9"}, "unknown format 'other/9'"),
     (lambda obj: {**obj, "schema": {**obj["schema"], "sparse": [{**obj["schema"]["sparse"][0], "cardinality": "big"}]}},
      "cardinality must be a positive integer"),
+    (lambda obj: {**obj, "schema": {**obj["schema"], "sparse": []}}, "a DLRM needs at least one sparse"),
 ])
 def test_a_bad_dataset_json_is_named(dataset_copy, tmp_path, damage, expected):
     path = dataset_copy / "dataset.json"
@@ -137,10 +143,8 @@ def test_an_unwritable_run_directory_is_found_before_training(criteo_dataset, tm
 def test_a_full_disk_ends_training_with_the_file_named(criteo_dataset, tmp_path, monkeypatch):
     import errno
 
-    from tests.trainer.test_train import _config
     from neorec.trainer.checkpoint import writer as writer_module
     from neorec.trainer.run.run_dir import RunDirError
-    from neorec.trainer.run.train import train
 
     class Full:
         """A file on a full disk: opening works, writing does not."""
@@ -177,3 +181,14 @@ def test_ctrl_c_stops_training_with_one_line_and_status_130(tmp_path):
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
     assert "neorec: interrupted" in stderr and "Traceback" not in stderr
+
+
+def test_an_unknown_table_in_sharding_tables_is_refused_on_one_rank_as_on_several(criteo_dataset, tmp_path):
+    config = _config(criteo_dataset, tmp_path / "run")
+    config = replace(config, sharding=replace(config.sharding, tables={"t_nope": "row_wise"}))
+    expected = r"^sharding.tables.t_nope: the dataset has no table 't_nope' \(it has t_C1, t_C10, "
+    with pytest.raises(ConfigError, match=expected):
+        train(config)
+    assert not (tmp_path / "run").exists()  # refused before the run directory is claimed
+    with pytest.raises(ConfigError, match=expected):
+        plan_for_config(criteo_dataset, config, 2)

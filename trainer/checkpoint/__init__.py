@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from neorec.trainer.checkpoint.layout import CheckpointError, checkpoints_root
-from neorec.trainer.checkpoint.restore import Restorable, load_dense, load_dense_chain, open_checkpoint, restore_embeddings
+from neorec.trainer.checkpoint.restore import (Restorable, check, load_dense, load_dense_chain, open_checkpoint,
+                                               restore_embeddings)
 from neorec.trainer.checkpoint.store import check_store, restore_store
 from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings
 from neorec.trainer.embedding.fused import ShardView
@@ -25,7 +26,7 @@ from neorec.trainer.model import DLRM
 from neorec.trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection, has_dynamic_tables
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, store_of
 
-__all__ = ["CheckpointError", "Restorable", "checkpoints_root", "open_checkpoint", "restore_model",
+__all__ = ["CheckpointError", "Restorable", "check", "checkpoints_root", "open_checkpoint", "restore_model",
            "restore_store_tables"]
 
 

@@ -7,11 +7,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch.distributed as dist
 
+from neorec.common.errors import ConfigError
 from neorec.ingest.partitions import PARTITIONS, PartitionError, first_ready, partition_view
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.schema import Dataset
 from neorec.trainer.run.build import decode_options, table_configs
-from neorec.trainer.config import ConfigError, TrainConfig
+from neorec.trainer.config import TrainConfig
 from neorec.trainer.distributed import DistributedContext, check_same_local_world
 from neorec.trainer.embedding.config import WEIGHT_DTYPES, TableConfig
 from neorec.trainer.planner.enumerate import Constraint

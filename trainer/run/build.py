@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
+from neorec.common.errors import ConfigError
 from neorec.embedding_store.segments import SegmentTier
 from neorec.ingest.decoder import DecodeOptions
 from neorec.ingest.schema import Dataset, DatasetSchema
-from neorec.trainer.config import ConfigError, TrainConfig
+from neorec.trainer.config import TrainConfig
 from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings
 from neorec.trainer.embedding.dynamic.table import DynamicTable
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
@@ -29,6 +30,7 @@ def table_configs(schema: DatasetSchema, config: TrainConfig) -> list[TableConfi
     features: dict[str, list[str]] = {}
     for feature in schema.sparse:
         features.setdefault(feature.table, []).append(feature.name)
+    check_table_names(schema, config)
     check_dynamic(schema, config)
     cardinality = schema.table_cardinalities()
     return [
@@ -44,14 +46,22 @@ def table_configs(schema: DatasetSchema, config: TrainConfig) -> list[TableConfi
     ]
 
 
-def check_dynamic(schema: DatasetSchema, config: TrainConfig) -> None:
-    """:class:`ConfigError` when ``model.dynamic`` names a table the data does not have, or
-    a feature of raw 64-bit ids feeds a table that is not dynamic."""
+def check_table_names(schema: DatasetSchema, config: TrainConfig) -> None:
+    """:class:`ConfigError` when ``model.dynamic``, ``sharding.tables`` or
+    ``embedding_store.tables`` names a table the data does not have: whatever the world
+    size, also where the key does not apply (``sharding.tables`` on one rank)."""
     tables = {f.table for f in schema.sparse}
-    for name in config.model.dynamic:
-        if name not in tables:
-            raise ConfigError(f"model.dynamic.{name}: the dataset has no table {name!r} "
-                              f"(it has {', '.join(sorted(tables))})")
+    for key, named in (("model.dynamic", config.model.dynamic), ("sharding.tables", config.sharding.tables),
+                       ("embedding_store.tables", config.embedding_store.tables)):
+        for name in named:
+            if name not in tables:
+                raise ConfigError(f"{key}.{name}: the dataset has no table {name!r} "
+                                  f"(it has {', '.join(sorted(tables))})")
+
+
+def check_dynamic(schema: DatasetSchema, config: TrainConfig) -> None:
+    """:class:`ConfigError` when a feature of raw 64-bit ids feeds a table that is not
+    dynamic."""
     for feature in schema.sparse:
         if feature.raw and feature.table not in config.model.dynamic:
             raise ConfigError(f"model.dynamic: feature {feature.name!r} holds raw 64-bit ids (encoding = \"raw\"); "

@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch.distributed as dist
 
+from neorec.common.errors import ConfigError
 from neorec.ingest.partitions import (Partition, PartitionError, PartitionOrderError, check_partition_schema,
                                       first_ready, next_partition, open_partition, partition_view)
 from neorec.ingest.reader import BatchReader
-from neorec.trainer.config import ConfigError
 from neorec.trainer.distributed import gather_arrays, global_sum
 from neorec.trainer.run.background import BackgroundIterator
 from neorec.trainer.run.metrics import evaluate

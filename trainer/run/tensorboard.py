@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from neorec.trainer.config import ConfigError
+from neorec.common.errors import ConfigError
 
 TENSORBOARD_DIR = "tensorboard"
 """Where the event files go in the run directory."""

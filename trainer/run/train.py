@@ -88,6 +88,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None =
                 service=""))
             plan = plan_for_config(dataset, config, 1).plan
         model = build_model(dataset, config, plan, store=store_settings(config, Path(store_dir), reset=True)).to(device)
+        checkpoint.check(restorable, model.embeddings.shard_views(), need_dense=True)  # as --resume does
         checkpoint.restore_model(restorable, model)
         reader = make_reader(dataset, config.data.eval_split, decode_options(dataset.schema, config),
                              eval_reader_config(config), config)
