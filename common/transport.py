@@ -209,7 +209,8 @@ class ClientSecurity:
     def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
         """A channel to ``address`` (``host:port``)."""
         if self.tls_ca:
-            credentials = grpc.ssl_channel_credentials(root_certificates=_read(self.tls_ca, "TLS CA certificate"))
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read_pem(self.tls_ca, "TLS CA certificate", "certificate"))
             if self.token:
                 credentials = grpc.composite_channel_credentials(
                     credentials, grpc.access_token_call_credentials(self.token))

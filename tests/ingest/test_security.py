@@ -124,3 +124,6 @@ def test_a_tls_file_that_is_not_pem_or_a_mismatched_pair_is_named(certificate, t
     subprocess.run(["openssl", "genpkey", "-algorithm", "RSA", "-out", str(other_key)], check=True, capture_output=True)
     _one_line_error(_neorec("ingest", "serve", "--tls-cert", str(cert), "--tls-key", str(other_key)),
                     f"the TLS certificate {cert} and key {other_key} may not be valid or may not match")
+    for group in ("ingest", "store"):  # a client's CA file, checked before it connects
+        _one_line_error(_neorec(group, "status", "127.0.0.1:1", "--tls-ca", str(not_pem)),
+                        f"TLS CA certificate {not_pem} is not a PEM certificate")
