@@ -61,8 +61,11 @@ class FileSource:
         self.files = expand(spec.input.files)
 
     def blocks(self, columns: list[str]) -> Iterator[Block]:
+        """Categorical and dense columns are read as strings (dense ones parsed when encoded:
+        a type inferred from a file's first block, e.g. null for a column empty there, would
+        refuse the numbers of a later one)."""
         given = self.spec.input
-        strings = [c for c in self.spec.feature_columns if c in columns]
+        strings = [c for c in (*self.spec.feature_columns, *self.spec.dense.columns) if c in columns]
         for file in self.files:
             yield from read_blocks(file, given.format, header=given.header, column_names=given.column_names,
                                    delimiter=given.separator, columns=columns, string_columns=strings)
@@ -158,7 +161,7 @@ class Splitter:
     @classmethod
     def build(cls, spec: ImportSpec, source: BlockSource) -> "Splitter":
         split = spec.split
-        eval_files = {f.name for f in expand(split.eval_files)} if split.kind == "files" else set()
+        eval_files = _eval_files(split.eval_files, source) if split.kind == "files" else set()
         cutoff = None
         if split.kind == "chronological":
             cutoff = _cutoff(spec, source)
@@ -191,6 +194,24 @@ class Splitter:
             mask = ~((times < last) | (tied & (tie_rank < ties_to_train)))
         self._position += rows
         return mask
+
+
+def _eval_files(patterns: list[str], source: BlockSource) -> set[str]:
+    """The names, as the source's blocks give them, of the eval split's files: each must be
+    one of a file source's files (the same file, however its path is written), and not all
+    of them."""
+    wanted = expand(patterns)
+    if not isinstance(source, FileSource):
+        return {f.name for f in wanted}
+    inputs = {f.identity: f.name for f in source.files}
+    for file in wanted:
+        if file.identity not in inputs:
+            raise DataError("an eval file must also be one of the files to import", file=file.name)
+    names = {inputs[f.identity] for f in wanted}
+    if len(names) == len(inputs):
+        raise DataError("every file to import is an eval file: the train split would be empty",
+                        file=" ".join(sorted(names)))
+    return names
 
 
 def _cutoff(spec: ImportSpec, source: BlockSource) -> tuple[float, int]:
@@ -312,10 +333,7 @@ def _label(spec: ImportSpec, block: Block) -> np.ndarray:
     raw = _column(block, column)
     if raw.null_count:
         raise DataError("missing label", file=block.file, column=column, row=_row(block, raw.is_null()))
-    try:
-        values = pc.cast(raw, pa.float64()).to_numpy(zero_copy_only=False)
-    except pa.ArrowInvalid:
-        raise DataError(f"the label must be a number, got {raw.type}", file=block.file, column=column) from None
+    values = _numbers(block, column, "the label must be a number").to_numpy(zero_copy_only=False)
     if spec.label.transform:
         op, number, _ = LABEL_TRANSFORM.fullmatch(spec.label.transform).groups()
         return COMPARISONS[op](values, float(number)).astype(np.float32)
@@ -328,12 +346,7 @@ def _label(spec: ImportSpec, block: Block) -> np.ndarray:
 
 def _dense(spec: ImportSpec, block: Block, column: str, fill: bool) -> np.ndarray:
     """float64 values of a dense column, missing ones ``dense.fill`` (``fill``) or NaN."""
-    raw = _column(block, column)
-    try:
-        values = pc.cast(raw, pa.float64())
-    except pa.ArrowInvalid:
-        raise DataError(f"a dense column must hold numbers, got {raw.type}", file=block.file, column=column) \
-            from None
+    values = _numbers(block, column, "a dense column must hold numbers")
     out = pc.fill_null(values, spec.dense.fill).to_numpy(zero_copy_only=False).copy()
     bad = ~np.isfinite(out)
     if bad.any():
@@ -341,6 +354,45 @@ def _dense(spec: ImportSpec, block: Block, column: str, fill: bool) -> np.ndarra
     if not fill and values.null_count:
         out[values.is_null().to_numpy(zero_copy_only=False)] = np.nan
     return out
+
+
+def _numbers(block: Block, column: str, problem: str) -> pa.Array:
+    """A column's values as float64 (strings parsed, blanks around them ignored); one that
+    is not a number is a :class:`DataError` saying ``problem`` and naming its row."""
+    raw = _column(block, column)
+    strings = pa.types.is_string(raw.type) or pa.types.is_large_string(raw.type)
+    if strings:
+        raw = pc.utf8_trim_whitespace(raw)
+    try:
+        return pc.cast(raw, pa.float64())
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        if not strings:
+            raise DataError(f"{problem}, got {raw.type}", file=block.file, column=column) from None
+        at = _first_unparsed(raw)
+        raise DataError(f"{problem}, got {raw[at].as_py()!r}", file=block.file, column=column,
+                        row=block.first_row + at + 1) from None
+
+
+def _parses(strings: pa.Array) -> bool:
+    """Whether every one of ``strings`` is a number (or missing)."""
+    try:
+        pc.cast(strings, pa.float64())
+    except pa.ArrowInvalid:
+        return False
+    return True
+
+
+def _first_unparsed(strings: pa.Array) -> int:
+    """The index of the first of ``strings`` (not all numbers) that is not a number: a
+    bisection, each half cast whole."""
+    low, high = 0, len(strings)  # it lies in [low, high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if _parses(strings.slice(low, middle - low)):
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def _values(spec: ImportSpec, block: Block, column: str) -> pa.Array:

@@ -3,8 +3,9 @@ importer (:mod:`neorec.ingest.importer`). The files are yours to download: their
 allow redistributing them.
 
 - ``criteo``: Criteo Kaggle ``train.txt`` / Terabyte ``day_N`` TSV (label, 13 counts, 26
-  hashed categoricals); the last ``eval_fraction`` of the rows (file order is time order)
-  is the eval split, or ``--eval-files`` (e.g. Terabyte's ``day_23``).
+  hashed categoricals); the last ``eval_fraction`` of the rows (file order is time order:
+  a quoted glob, ``'day_*'``, lists ``day_2`` before ``day_10``) is the eval split, or
+  ``--eval-files``, some of the files (e.g. Terabyte's ``day_23``).
 - ``avazu``: the Avazu CTR ``train`` CSV (``click``, ``hour``, 21 categoricals); split by
   ``hour``.
 - ``movielens``: a MovieLens directory, 100k (``u.data``, ``u.user``, ``u.item``), 1M/10M
@@ -24,11 +25,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
+import pyarrow.fs as pafs
 
 from neorec.ingest.errors import DataError
 from neorec.ingest.import_spec import (CategoricalSpec, DenseSpec, ImportSpec, InputSpec, LabelSpec, MultiValuedSpec,
-                                OutputSpec, SplitSpec)
-from neorec.ingest.sources import BLOCK_BYTES, Block
+                                OutputSpec, SpecError, SplitSpec)
+from neorec.ingest.sources import BLOCK_BYTES, Block, SourceFile, csv_batches
 
 PRESETS = ("criteo", "avazu", "movielens")
 CRITEO_DENSE = [f"I{i}" for i in range(1, 14)]
@@ -76,6 +78,9 @@ def preset(name: str, files: Sequence[str], options: PresetOptions = PresetOptio
         if len(files) != 1 or not Path(files[0]).is_dir():
             raise DataError("give the MovieLens directory (holding u.data, ratings.dat or ratings.csv)",
                             file=" ".join(files))
+        if options.eval_files:
+            raise SpecError("--eval-files: MovieLens is split by timestamp (the newest ratings are the eval "
+                            "split); give --eval-fraction")
         source = MovieLensSource(Path(files[0]))
         spec = ImportSpec(
             input=InputSpec(files=[str(source.ratings)]), label=LabelSpec("rating", ">= 4"),
@@ -136,10 +141,7 @@ class MovieLensSource:
         elif self.kind == "1m":
             yield from _double_colon(self.ratings, names)
         else:
-            reader = pacsv.open_csv(self.ratings, read_options=pacsv.ReadOptions(block_size=BLOCK_BYTES),
-                                    convert_options=pacsv.ConvertOptions(column_types={
-                                        "userId": pa.string(), "movieId": pa.string()}))
-            for batch in reader:
+            for batch in _csv(self.ratings, {"userId": pa.string(), "movieId": pa.string()}):
                 yield pa.RecordBatch.from_arrays([batch.column(i) for i in range(4)], names=names)
 
     def _users(self) -> pa.Table | None:
@@ -168,8 +170,7 @@ class MovieLensSource:
         if self.kind == "1m":
             table = _read_all(_double_colon(self.directory / "movies.dat", ["item", "title", "genres"]))
         else:
-            table = pacsv.read_csv(self.directory / "movies.csv", convert_options=pacsv.ConvertOptions(
-                column_types={"movieId": pa.string(), "genres": pa.string()}))
+            table = _read_all(_csv(self.directory / "movies.csv", {"movieId": pa.string(), "genres": pa.string()}))
             table = table.rename_columns(["item", "title", "genres"])
         genres = pc.split_pattern(pc.replace_substring(table["genres"], "(no genres listed)", ""), "|")
         return pa.table({"item": table["item"], "genres": genres})
@@ -177,26 +178,26 @@ class MovieLensSource:
 
 def _delimited(path: Path, delimiter: str, names: list[str], latin1: bool = False) -> Iterator[pa.RecordBatch]:
     """A headerless file of one-character delimiters, every column a string."""
-    if not path.is_file():
-        raise DataError("missing from the MovieLens directory", file=str(path))
-    reader = pacsv.open_csv(path, read_options=pacsv.ReadOptions(
-        column_names=names, block_size=BLOCK_BYTES, encoding="latin-1" if latin1 else "utf8"),
-        parse_options=pacsv.ParseOptions(delimiter=delimiter, quote_char=False),
-        convert_options=pacsv.ConvertOptions(column_types={n: pa.string() for n in names}))
-    yield from reader
+    yield from _batches(path, pacsv.ReadOptions(column_names=names, block_size=BLOCK_BYTES,
+                                                encoding="latin-1" if latin1 else "utf8"),
+                        pacsv.ParseOptions(delimiter=delimiter, quote_char=False),
+                        pacsv.ConvertOptions(column_types={n: pa.string() for n in names}))
+
+
+def _csv(path: Path, types: dict[str, pa.DataType]) -> Iterator[pa.RecordBatch]:
+    """A CSV file with a header (``ratings.csv``, ``movies.csv``), ``types`` its columns' types
+    where given."""
+    yield from _batches(path, pacsv.ReadOptions(block_size=BLOCK_BYTES), pacsv.ParseOptions(),
+                        pacsv.ConvertOptions(column_types=types))
 
 
 def _double_colon(path: Path, names: list[str]) -> Iterator[pa.RecordBatch]:
     """A MovieLens ``.dat`` file (``a::b::c``, Latin-1), split without a Python loop: each
     line read whole, then split on ``::``."""
-    if not path.is_file():
-        raise DataError("missing from the MovieLens directory", file=str(path))
-    reader = pacsv.open_csv(path, read_options=pacsv.ReadOptions(
-        column_names=["line"], block_size=BLOCK_BYTES, encoding="latin-1"),
-        parse_options=pacsv.ParseOptions(delimiter="\x1f", quote_char=False),
-        convert_options=pacsv.ConvertOptions(column_types={"line": pa.string()}))
     first = 0
-    for batch in reader:
+    for batch in _batches(path, pacsv.ReadOptions(column_names=["line"], block_size=BLOCK_BYTES, encoding="latin-1"),
+                          pacsv.ParseOptions(delimiter="\x1f", quote_char=False),
+                          pacsv.ConvertOptions(column_types={"line": pa.string()})):
         parts = pc.split_pattern(batch.column(0), "::", max_splits=len(names) - 1)
         lengths = pc.list_value_length(parts).to_numpy(zero_copy_only=False)
         if (lengths != len(names)).any():
@@ -204,6 +205,15 @@ def _double_colon(path: Path, names: list[str]) -> Iterator[pa.RecordBatch]:
             raise DataError(f"expected {len(names)} fields separated by '::'", file=str(path), row=row)
         first += batch.num_rows
         yield pa.RecordBatch.from_arrays([pc.list_element(parts, i) for i in range(len(names))], names=names)
+
+
+def _batches(path: Path, read: pacsv.ReadOptions, parse: pacsv.ParseOptions,
+             convert: pacsv.ConvertOptions) -> Iterator[pa.RecordBatch]:
+    """The record batches of a file of the MovieLens directory (bad ones named)."""
+    if not path.is_file():
+        raise DataError("missing from the MovieLens directory", file=str(path))
+    yield from csv_batches(SourceFile(str(path), str(path), pafs.LocalFileSystem()), read, parse, convert,
+                           "a MovieLens file")
 
 
 def _read_all(batches: Iterator[pa.RecordBatch]) -> pa.Table:

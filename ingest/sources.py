@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+import io
+import os
+import re
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -19,6 +22,9 @@ from neorec.ingest.errors import DataError
 
 BLOCK_BYTES = 16 << 20
 """CSV bytes parsed at a time (one batch): memory stays bounded whatever the file's size."""
+ARCHIVES = (".zip", ".tar", ".tar.gz", ".tgz")
+"""Archives of files, which must be extracted first (a compressed file, ``.gz`` and the
+like, is read as it is)."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,14 @@ class SourceFile:
     name: str
     path: str
     filesystem: pafs.FileSystem
+
+    @property
+    def identity(self) -> str:
+        """The same for every way of writing the path of the same file (a local path
+        resolved: ``a/../b`` and ``./b`` are ``b``)."""
+        if isinstance(self.filesystem, pafs.LocalFileSystem):
+            return os.path.realpath(self.path)
+        return f"{self.filesystem.type_name}://{self.path}"
 
 
 @dataclass(frozen=True)
@@ -40,26 +54,49 @@ class Block:
 
 
 def expand(patterns: Sequence[str]) -> list[SourceFile]:
-    """The files ``patterns`` name, in order (a glob's matches sorted); a pattern matching
-    nothing is a :class:`DataError` naming it."""
+    """The files ``patterns`` name, in order (a glob's matches sorted, numbers by value:
+    ``day_2`` before ``day_10``); a pattern matching nothing, or naming a directory, is a
+    :class:`DataError` naming it."""
     out: list[SourceFile] = []
     for pattern in patterns:
         if "://" in pattern:
             filesystem, path = pafs.FileSystem.from_uri(pattern)
-            if any(c in path for c in "*?["):
+            if _is_glob(path):
                 selector = pafs.FileSelector(path.rsplit("/", 1)[0], recursive=False)
-                matches = sorted(info.path for info in filesystem.get_file_info(selector)
-                                 if info.type == pafs.FileType.File and fnmatch.fnmatch(info.path, path))
+                matches = [info.path for info in filesystem.get_file_info(selector)
+                           if info.type == pafs.FileType.File and fnmatch.fnmatch(info.path, path)]
             else:
-                matches = [path] if filesystem.get_file_info(path).type == pafs.FileType.File else []
-            out += [SourceFile(f"{pattern.split('://')[0]}://{m}", m, filesystem) for m in matches]
+                matches = [path] if _is_file(filesystem, pattern, path) else []
+            out += [SourceFile(f"{pattern.split('://')[0]}://{m}", m, filesystem) for m in _in_order(matches)]
         else:
-            matches = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
-            matches = [m for m in matches if pafs.LocalFileSystem().get_file_info(m).type == pafs.FileType.File]
-            out += [SourceFile(m, m, pafs.LocalFileSystem()) for m in matches]
+            filesystem = pafs.LocalFileSystem()
+            if _is_glob(pattern):
+                matches = [m for m in glob.glob(pattern) if filesystem.get_file_info(m).type == pafs.FileType.File]
+            else:
+                matches = [pattern] if _is_file(filesystem, pattern, pattern) else []
+            out += [SourceFile(m, m, filesystem) for m in _in_order(matches)]
         if not matches:
             raise DataError("no such file (or no file matches)", file=pattern)
     return out
+
+
+def _is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
+
+
+def _is_file(filesystem: pafs.FileSystem, name: str, path: str) -> bool:
+    """Whether ``path`` is a file; a directory is a :class:`DataError` naming it."""
+    kind = filesystem.get_file_info(path).type
+    if kind == pafs.FileType.Directory:
+        raise DataError("a directory: name its files (or a glob of them, e.g. 'DIR/*')", file=name)
+    return kind == pafs.FileType.File
+
+
+def _in_order(paths: list[str]) -> list[str]:
+    """``paths`` sorted with their numbers compared by value (``day_2`` before ``day_10``),
+    ties (``7``, ``07``) by the text."""
+    return sorted(paths, key=lambda path: ([int(part) if i % 2 else part  # split's odd parts: the digits
+                                            for i, part in enumerate(re.split("([0-9]+)", path))], path))
 
 
 def read_blocks(file: SourceFile, format: str, *, header: bool = True, column_names: Sequence[str] = (),
@@ -68,11 +105,11 @@ def read_blocks(file: SourceFile, format: str, *, header: bool = True, column_na
     """The rows of ``file`` in blocks. CSV/TSV values are parsed by type inference, except
     ``string_columns``, kept as strings (ids: ``007`` must not become 7); an empty field
     is missing. ``columns``: read only these (all when None)."""
-    try:
-        if format == "parquet":
-            yield from _parquet_blocks(file, columns)
-            return
+    if format != "parquet":
         yield from _csv_blocks(file, header, column_names, delimiter, columns, string_columns)
+        return
+    try:
+        yield from _parquet_blocks(file, columns)
     except (pa.ArrowInvalid, pa.ArrowKeyError, OSError) as err:  # KeyError: a named column the file lacks
         raise DataError(f"cannot read it as {format}: {_first_line(err)}", file=file.name) from None
 
@@ -86,12 +123,58 @@ def _csv_blocks(file: SourceFile, header: bool, column_names: Sequence[str], del
     convert = pacsv.ConvertOptions(column_types={c: pa.string() for c in string_columns},
                                    include_columns=list(columns) if columns is not None else None,
                                    strings_can_be_null=True, quoted_strings_can_be_null=True)
-    stream = file.filesystem.open_input_stream(file.path, compression="detect")
-    with pacsv.open_csv(stream, read_options=read, parse_options=parse, convert_options=convert) as reader:
-        first = 0
-        for batch in reader:
-            yield Block(batch, file.name, first)
-            first += batch.num_rows
+    first = 0
+    for batch in csv_batches(file, read, parse, convert, "tsv" if delimiter == "\t" else "csv"):
+        yield Block(batch, file.name, first)
+        first += batch.num_rows
+
+
+def csv_batches(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOptions,
+                convert: pacsv.ConvertOptions, what: str) -> Iterator[pa.RecordBatch]:
+    """The record batches of a delimited file (compressed or not), ``read.block_size`` bytes
+    at a time. A file that cannot be read as ``what`` is a :class:`DataError` naming it; a
+    row with the wrong number of fields, one naming its row too. Sets
+    ``parse.invalid_row_handler``."""
+    if file.name.lower().endswith(ARCHIVES):
+        raise DataError("an archive: extract its files, and name those", file=file.name)
+    invalid: list[pacsv.InvalidRow] = []
+
+    def remember(row: pacsv.InvalidRow) -> str:
+        invalid.append(row)
+        return "error"
+
+    parse.invalid_row_handler = remember
+    try:
+        with file.filesystem.open_input_stream(file.path, compression="detect") as stream, \
+                pacsv.open_csv(stream, read_options=read, parse_options=parse, convert_options=convert) as reader:
+            yield from reader
+    except (pa.ArrowInvalid, pa.ArrowKeyError, OSError) as err:  # KeyError: a named column the file lacks
+        if invalid:
+            raise _wrong_width(file, invalid[0], read) from None
+        raise DataError(f"cannot read it as {what}: {_first_line(err)}", file=file.name) from None
+
+
+def _wrong_width(file: SourceFile, row: pacsv.InvalidRow, read: pacsv.ReadOptions) -> DataError:
+    """The error of a row with the wrong number of fields, naming its (1-based, data) row."""
+    line = _line_of(file, row.text, read.encoding)
+    header = read.skip_rows + (0 if read.column_names or read.autogenerate_column_names else 1)
+    fields = f"{row.actual_columns} field{'' if row.actual_columns == 1 else 's'}"
+    return DataError(f"{fields}, expected {row.expected_columns}", file=file.name,
+                     row=line - header if line is not None else None)
+
+
+def _line_of(file: SourceFile, text: str, encoding: str) -> int | None:
+    """The 1-based number of the first line of ``file`` that reads ``text`` (None: none
+    does). A scan of the file: for an error's message only."""
+    try:
+        wanted = text.rstrip("\r\n").encode(encoding)
+    except (UnicodeEncodeError, LookupError):
+        return None
+    with file.filesystem.open_input_stream(file.path, compression="detect") as stream:
+        for number, line in enumerate(io.BufferedReader(stream, 1 << 20), 1):
+            if line.rstrip(b"\r\n") == wanted:
+                return number
+    return None
 
 
 def _parquet_blocks(file: SourceFile, columns: Sequence[str] | None) -> Iterator[Block]:

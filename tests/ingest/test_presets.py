@@ -4,12 +4,18 @@ splits and features come out as the format says, and ``neorec train`` runs on th
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
+from neorec.ingest.errors import DataError
+from neorec.ingest.import_spec import SpecError
 from neorec.ingest.importer import import_dataset
 from neorec.ingest.presets import PresetOptions, preset
 from neorec.ingest.schema import Dataset
@@ -76,3 +82,116 @@ def test_each_preset_trains(tmp_path):
         assert done.returncode == 0, done.stderr
         summary = json.loads((run / "summary.json").read_text())
         assert summary["steps"] >= 1 and 0 <= summary["eval_auc"] <= 1
+
+
+# ----------------------------------------------------------------------- real-world variants
+def criteo_line(label="0", ints=None, cats=None) -> str:
+    """One Criteo TSV line: a label, 13 counts ("" missing), 26 8-hex-digit categoricals."""
+    ints = ints if ints is not None else ["1", "-1", "", *map(str, range(10))]
+    cats = cats if cats is not None else [f"{k:08x}" for k in range(26)]
+    return "\t".join([label, *ints, *cats])
+
+
+def write_criteo(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize("lines,where", [
+    ([criteo_line(), criteo_line(), criteo_line() + "\textra", criteo_line()], "row 3: 41 fields, expected 40"),
+    ([criteo_line()[2:]] * 3, "row 1: 39 fields, expected 40"),  # test.txt: no label column
+    ([criteo_line().replace("\t", " ")], "row 1: 1 field, expected 40"),  # spaces, not tabs
+])
+def test_a_criteo_row_of_the_wrong_width_is_named(tmp_path, lines, where):
+    path = write_criteo(tmp_path / "day_0", lines)
+    with pytest.raises(DataError, match=re.escape(f"file {path}, {where}")):
+        convert("criteo", path, tmp_path / "out")
+
+
+def test_an_avazu_row_of_the_wrong_width_is_named(tmp_path):
+    lines = (FIXTURES / "avazu_sample.csv").read_text().splitlines()
+    lines[3] += ",x"
+    path = tmp_path / "train.csv"
+    path.write_text("\r\n".join(lines) + "\r\n")
+    with pytest.raises(DataError, match="train.csv, row 3: 25 fields, expected 24"):
+        convert("avazu", path, tmp_path / "out")
+
+
+@pytest.mark.parametrize("index,where", [
+    (0, "column 'label', row 3: the label must be a number, got 'x1'"),
+    (3, "column 'I3', row 3: a dense column must hold numbers, got 'x1'"),
+])
+def test_a_criteo_value_that_is_not_a_number_is_named(tmp_path, index, where):
+    bad = criteo_line().split("\t")
+    bad[index] = "x1"
+    path = write_criteo(tmp_path / "day_0", [criteo_line(), criteo_line("1"), "\t".join(bad), criteo_line()])
+    with pytest.raises(DataError, match=where):
+        convert("criteo", path, tmp_path / "out")
+
+
+def test_a_count_missing_from_the_first_block_is_read_in_later_ones(tmp_path, monkeypatch):
+    monkeypatch.setattr("neorec.ingest.sources.BLOCK_BYTES", 1024)  # blocks of a few lines
+    empty_i12 = [str(i) for i in range(11)] + ["", "7"]
+    lines = [criteo_line(str(n % 2), empty_i12) for n in range(40)] + \
+        [criteo_line(str(n % 2), [*empty_i12[:11], "-2", "7"]) for n in range(10)]
+    dataset = convert("criteo", write_criteo(tmp_path / "day_0", lines), tmp_path / "out", eval_fraction=0.2)
+    assert [r["I12"] for r in rows(dataset, "eval")] == [-2.0] * 10
+
+
+def test_a_glob_of_criteo_days_is_in_day_order(tmp_path):
+    for day in (1, 2, 10):
+        write_criteo(tmp_path / f"day_{day}", [criteo_line(str(n % 2), [str(day)] * 13) for n in range(4)])
+    dataset = convert("criteo", tmp_path / "day_*", tmp_path / "out", eval_fraction=0.25)
+    assert {r["I1"] for r in rows(dataset, "eval")} == {10.0}  # the last day (in the text's order: day_2)
+
+
+def test_criteo_eval_files_must_be_among_the_files(tmp_path):
+    days = [write_criteo(tmp_path / f"day_{d}", [criteo_line(str(n % 2), [str(d)] * 13) for n in range(4)])
+            for d in range(3)]
+    spec, _ = preset("criteo", [str(d) for d in days[:2]], PresetOptions(eval_files=(str(days[2]),)))
+    with pytest.raises(DataError, match="day_2: an eval file must also be one of the files to import"):
+        import_dataset(spec, tmp_path / "out")
+    other_spelling = str(tmp_path / ".." / tmp_path.name / "day_1")
+    spec, _ = preset("criteo", [str(d) for d in days[:2]], PresetOptions(eval_files=(other_spelling,)))
+    dataset = import_dataset(spec, tmp_path / "out")
+    assert {r["I1"] for r in rows(dataset, "eval")} == {1.0}
+    spec, _ = preset("criteo", [str(days[0])], PresetOptions(eval_files=(str(days[0]),)))
+    with pytest.raises(DataError, match="day_0: every file to import is an eval file"):
+        import_dataset(spec, tmp_path / "out2")
+
+
+def test_a_directory_or_an_archive_is_refused_by_name(tmp_path):
+    with pytest.raises(DataError, match=re.escape(f"file {tmp_path}: a directory")):
+        convert("criteo", tmp_path, tmp_path / "out")
+    archive = tmp_path / "avazu-ctr-prediction.zip"
+    with zipfile.ZipFile(archive, "w") as zipped:
+        zipped.write(FIXTURES / "avazu_sample.csv", "train.csv")
+    with pytest.raises(DataError, match="avazu-ctr-prediction.zip: an archive: extract its files"):
+        convert("avazu", archive, tmp_path / "out")
+
+
+def test_movielens_refuses_eval_files(tmp_path):
+    with pytest.raises(SpecError, match="--eval-files: MovieLens is split by timestamp"):
+        preset("movielens", [str(FIXTURES / "movielens-1m")], PresetOptions(eval_files=("ratings.dat",)))
+
+
+@pytest.mark.parametrize("directory,damage,where", [
+    ("movielens-100k", ("u.data", lambda t: t.replace("\t3\t881250949", "\t3", 1)),
+     "u.data, row 1: 3 fields, expected 4"),
+    ("movielens-100k", ("u.item", lambda t: t.replace("|0|", "|", 1)), "u.item, row 1: 23 fields, expected 24"),
+    ("movielens-100k", ("u.data", lambda t: ""), "u.data: cannot read it"),
+    ("movielens-25m", ("ratings.csv", lambda t: t.replace("1147880044", "1147880044,x", 1)),
+     "ratings.csv, row 1: 5 fields, expected 4"),
+    ("movielens-25m", ("movies.csv", None), "movies.csv: missing from the MovieLens directory"),
+    ("movielens-1m", ("ratings.dat", lambda t: t.replace("::5::", "::x::", 1)),
+     "ratings.dat, column 'rating', row 1: the label must be a number, got 'x'"),
+])
+def test_a_damaged_movielens_file_is_named(tmp_path, directory, damage, where):
+    copy = Path(shutil.copytree(FIXTURES / directory, tmp_path / directory))
+    name, change = damage
+    if change is None:
+        (copy / name).unlink()
+    else:
+        (copy / name).write_bytes(change((copy / name).read_bytes().decode("latin-1")).encode("latin-1"))
+    with pytest.raises(DataError, match=where):
+        convert("movielens", copy, tmp_path / "out")
