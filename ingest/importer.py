@@ -121,8 +121,8 @@ def import_dataset(spec: ImportSpec, out_dir: str | Path, *, source: BlockSource
     rows = {split: writer.rows for split, writer in writers.items()}
     for split, count_ in rows.items():
         if count_ == 0:
-            raise DataError(f"the {split} split is empty: change [split] (eval_fraction, eval_files)",
-                            file=str(out))
+            raise DataError(f"the {split} split is empty: change the split (its eval fraction or eval files)",
+                            file=_inputs(spec))
     vocab_dir = out / VOCAB_DIRECTORY
     vocab_dir.mkdir(exist_ok=True)
     for column, vocabulary in encoding.vocabularies.items():
@@ -167,7 +167,7 @@ class Splitter:
             cutoff = _cutoff(spec, source)
         elif split.kind == "ordered":  # the rows before this position train
             total = sum(b.batch.num_rows for b in source.blocks([spec.label.column]))
-            cutoff = (float("nan"), _train_rows(total, split.eval_fraction))
+            cutoff = (float("nan"), _train_rows(total, spec))
         return cls(spec, cutoff, eval_files)
 
     def rewind(self) -> None:
@@ -219,15 +219,21 @@ def _cutoff(spec: ImportSpec, source: BlockSource) -> tuple[float, int]:
     time are train rows (the first ones in file order)."""
     column = spec.split.time_column
     times = np.concatenate([_times(b, column) for b in source.blocks([column])] or [np.zeros(0)])
-    train_rows = _train_rows(times.size, spec.split.eval_fraction)
+    train_rows = _train_rows(times.size, spec)
     last = float(np.partition(times, train_rows - 1)[train_rows - 1])
     return last, train_rows - int((times < last).sum())
 
 
-def _train_rows(total: int, eval_fraction: float) -> int:
+def _train_rows(total: int, spec: ImportSpec) -> int:
+    """How many of ``total`` rows train (the first ones), by the spec's eval fraction."""
     if total < 2:
-        raise DataError(f"{total} rows: too few to split into train and eval")
-    return min(max(int(round(total * (1 - eval_fraction))), 1), total - 1)
+        raise DataError(f"{total} rows: too few to split into train and eval", file=_inputs(spec))
+    return min(max(int(round(total * (1 - spec.split.eval_fraction))), 1), total - 1)
+
+
+def _inputs(spec: ImportSpec) -> str:
+    """The input files as the user named them (patterns included), for an error's message."""
+    return " ".join(spec.input.files)
 
 
 def _times(block: Block, column: str) -> np.ndarray:

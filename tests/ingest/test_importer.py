@@ -183,3 +183,13 @@ def test_bad_labels_missing_files_and_bad_specs_are_named(tmp_path):
         spec(path, split={"kinds": "random"})
     with pytest.raises(SpecError, match="'user' is both categorical and multivalued"):
         spec(path, multivalued={"columns": {"user": "|"}})
+
+
+def test_a_split_left_empty_names_the_input_files(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text("user,item,count,genres,ts,rating\nu0,1,2,a,5,4\n")
+    with pytest.raises(DataError, match=f"file {path}: 1 rows: too few to split"):
+        import_dataset(spec(path), tmp_path / "out")
+    path.write_text("user,item,count,genres,ts,rating\nu0,1,2,a,5,4\nu1,1,2,a,6,3\nu2,1,2,a,7,3\n")
+    with pytest.raises(DataError, match=f"^file {path}: the eval split is empty"):
+        import_dataset(spec(path, split={"kind": "random", "eval_fraction": 0.01}), tmp_path / "out")
