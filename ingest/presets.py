@@ -3,8 +3,9 @@ importer (:mod:`neorec.ingest.importer`). The files are yours to download: their
 allow redistributing them.
 
 - ``criteo``: Criteo Kaggle ``train.txt`` / Terabyte ``day_N`` TSV (label, 13 counts, 26
-  hashed categoricals); the last ``eval_fraction`` of the rows (file order is time order:
-  a quoted glob, ``'day_*'``, lists ``day_2`` before ``day_10``) is the eval split, or
+  hashed categoricals); the files are read in the order of their names with numbers
+  compared by value (``day_2`` before ``day_10``, however the shell listed them: file
+  order is time order), and the last ``eval_fraction`` of the rows is the eval split, or
   ``--eval-files``, some of the files (e.g. Terabyte's ``day_23``).
 - ``avazu``: the Avazu CTR ``train`` CSV (``click``, ``hour``, 21 categoricals); split by
   ``hour``.
@@ -30,7 +31,7 @@ import pyarrow.fs as pafs
 from neorec.ingest.errors import DataError
 from neorec.ingest.import_spec import (CategoricalSpec, DenseSpec, ImportSpec, InputSpec, LabelSpec, MultiValuedSpec,
                                 OutputSpec, SpecError, SplitSpec)
-from neorec.ingest.sources import BLOCK_BYTES, Block, SourceFile, csv_batches
+from neorec.ingest.sources import BLOCK_BYTES, Block, SourceFile, csv_batches, in_order
 
 PRESETS = ("criteo", "avazu", "movielens")
 CRITEO_DENSE = [f"I{i}" for i in range(1, 14)]
@@ -63,7 +64,7 @@ def preset(name: str, files: Sequence[str], options: PresetOptions = PresetOptio
         split = SplitSpec(kind="ordered", eval_fraction=options.eval_fraction)
     if name == "criteo":
         spec = ImportSpec(
-            input=InputSpec(files=list(files), format="tsv", header=False,
+            input=InputSpec(files=in_order(files), format="tsv", header=False,
                             column_names=["label", *CRITEO_DENSE, *CRITEO_SPARSE]),
             label=LabelSpec("label"), dense=DenseSpec(CRITEO_DENSE),
             categorical=CategoricalSpec(CRITEO_SPARSE, **categorical), split=split)

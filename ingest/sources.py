@@ -67,14 +67,14 @@ def expand(patterns: Sequence[str]) -> list[SourceFile]:
                            if info.type == pafs.FileType.File and fnmatch.fnmatch(info.path, path)]
             else:
                 matches = [path] if _is_file(filesystem, pattern, path) else []
-            out += [SourceFile(f"{pattern.split('://')[0]}://{m}", m, filesystem) for m in _in_order(matches)]
+            out += [SourceFile(f"{pattern.split('://')[0]}://{m}", m, filesystem) for m in in_order(matches)]
         else:
             filesystem = pafs.LocalFileSystem()
             if _is_glob(pattern):
                 matches = [m for m in glob.glob(pattern) if filesystem.get_file_info(m).type == pafs.FileType.File]
             else:
                 matches = [pattern] if _is_file(filesystem, pattern, pattern) else []
-            out += [SourceFile(m, m, filesystem) for m in _in_order(matches)]
+            out += [SourceFile(m, m, filesystem) for m in in_order(matches)]
         if not matches:
             raise DataError("no such file (or no file matches)", file=pattern)
     return out
@@ -92,7 +92,7 @@ def _is_file(filesystem: pafs.FileSystem, name: str, path: str) -> bool:
     return kind == pafs.FileType.File
 
 
-def _in_order(paths: list[str]) -> list[str]:
+def in_order(paths: Sequence[str]) -> list[str]:
     """``paths`` sorted with their numbers compared by value (``day_2`` before ``day_10``),
     ties (``7``, ``07``) by the text."""
     return sorted(paths, key=lambda path: ([int(part) if i % 2 else part  # split's odd parts: the digits

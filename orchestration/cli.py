@@ -103,12 +103,13 @@ def _parser() -> argparse.ArgumentParser:
     importer.set_defaults(run=_import)
     convert = data.add_parser("convert", help="convert public dataset files you downloaded (importer presets)")
     convert.add_argument("format", choices=PRESETS)
-    convert.add_argument("files", nargs="+", help="criteo: TSV files; avazu: the train CSV; movielens: its directory")
+    convert.add_argument("files", nargs="+", help="criteo: TSV files (read in day order: day_2 before day_10); avazu: the train CSV; "
+                              "movielens: its directory")
     convert.add_argument("--out", required=True)
     convert.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     convert.add_argument("--eval-fraction", type=float, default=0.1,
                          help="the newest rows that form the eval split")
-    convert.add_argument("--eval-files", nargs="+", default=[], help="instead: these files are the eval split")
+    convert.add_argument("--eval-files", nargs="+", default=[], help="instead: these of the files are the eval split")
     convert.add_argument("--min-count", type=at_least(1), default=1,
                          help="categorical values seen fewer times in the train split map to id 0")
     convert.add_argument("--hash-rows", type=at_least(0), default=0,

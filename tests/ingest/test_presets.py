@@ -22,8 +22,10 @@ from neorec.ingest.schema import Dataset
 from tests.conftest import FIXTURES
 
 
-def convert(name: str, path, out, **options) -> Dataset:
-    spec, source = preset(name, [str(path)], PresetOptions(**options))
+def convert(name: str, paths, out, **options) -> Dataset:
+    """Preset ``name`` of one path, or of a list of them, imported into ``out``."""
+    paths = [str(p) for p in paths] if isinstance(paths, list) else [str(paths)]
+    spec, source = preset(name, paths, PresetOptions(**options))
     return import_dataset(spec, out, source=source, profile=name)
 
 
@@ -143,6 +145,9 @@ def test_a_glob_of_criteo_days_is_in_day_order(tmp_path):
         write_criteo(tmp_path / f"day_{day}", [criteo_line(str(n % 2), [str(day)] * 13) for n in range(4)])
     dataset = convert("criteo", tmp_path / "day_*", tmp_path / "out", eval_fraction=0.25)
     assert {r["I1"] for r in rows(dataset, "eval")} == {10.0}  # the last day (in the text's order: day_2)
+    as_the_shell_lists_them = [str(tmp_path / f"day_{day}") for day in (1, 10, 2)]
+    dataset = convert("criteo", as_the_shell_lists_them, tmp_path / "out2", eval_fraction=0.25)
+    assert {r["I1"] for r in rows(dataset, "eval")} == {10.0}
 
 
 def test_criteo_eval_files_must_be_among_the_files(tmp_path):
