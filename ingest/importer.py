@@ -40,6 +40,9 @@ from neorec.ingest.vocab import ValueCounter, Vocabulary, as_strings, hash_encod
 VOCAB_DIRECTORY = "vocab"
 HASH_KEY = 0x4E52
 """Hashed ids are a function of the column's name and the value alone."""
+CSV_TRUE = ("true", "True", "TRUE")
+CSV_FALSE = ("false", "False", "FALSE")
+"""The text of the booleans Arrow's CSV reader reads (as 1 and 0 where a number is due)."""
 COMPARISONS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">": operator.gt,
                "<": operator.lt}
 ProgressFn = Callable[[int], None]
@@ -121,7 +124,8 @@ def import_dataset(spec: ImportSpec, out_dir: str | Path, *, source: BlockSource
     rows = {split: writer.rows for split, writer in writers.items()}
     for split, count_ in rows.items():
         if count_ == 0:
-            raise DataError(f"the {split} split is empty: change the split (its eval fraction or eval files)",
+            raise DataError(f"the {split} split is empty: change split.eval_fraction or split.eval_files "
+                            f"(--eval-fraction, --eval-files)",
                             file=_inputs(spec))
     vocab_dir = out / VOCAB_DIRECTORY
     vocab_dir.mkdir(exist_ok=True)
@@ -336,10 +340,10 @@ def encode_block(spec: ImportSpec, encoding: Encoding, block: Block, misses: Voc
 
 def _label(spec: ImportSpec, block: Block) -> np.ndarray:
     column = spec.label.column
-    raw = _column(block, column)
-    if raw.null_count:
-        raise DataError("missing label", file=block.file, column=column, row=_row(block, raw.is_null()))
-    values = _numbers(block, column, "the label must be a number").to_numpy(zero_copy_only=False)
+    numbers = _numbers(block, column, "the label must be a number")
+    if numbers.null_count:
+        raise DataError("missing label", file=block.file, column=column, row=_row(block, numbers.is_null()))
+    values = numbers.to_numpy(zero_copy_only=False)
     if spec.label.transform:
         op, number, _ = LABEL_TRANSFORM.fullmatch(spec.label.transform).groups()
         return COMPARISONS[op](values, float(number)).astype(np.float32)
@@ -363,20 +367,33 @@ def _dense(spec: ImportSpec, block: Block, column: str, fill: bool) -> np.ndarra
 
 
 def _numbers(block: Block, column: str, problem: str) -> pa.Array:
-    """A column's values as float64 (strings parsed, blanks around them ignored); one that
-    is not a number is a :class:`DataError` saying ``problem`` and naming its row."""
+    """A column's values as float64. Text (dense columns are read as text, so that a type
+    Arrow would guess from a file's first block cannot refuse a later block's values) is
+    parsed as numbers; where that fails, it is read leniently (:func:`_lenient`); a value
+    still not a number is a :class:`DataError` saying ``problem`` and naming its row."""
     raw = _column(block, column)
-    strings = pa.types.is_string(raw.type) or pa.types.is_large_string(raw.type)
-    if strings:
-        raw = pc.utf8_trim_whitespace(raw)
     try:
         return pc.cast(raw, pa.float64())
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        if not strings:
+        if not (pa.types.is_string(raw.type) or pa.types.is_large_string(raw.type)):
             raise DataError(f"{problem}, got {raw.type}", file=block.file, column=column) from None
-        at = _first_unparsed(raw)
+    lenient = _lenient(raw)
+    try:
+        return pc.cast(lenient, pa.float64())
+    except pa.ArrowInvalid:
+        at = _first_unparsed(lenient)
         raise DataError(f"{problem}, got {raw[at].as_py()!r}", file=block.file, column=column,
                         row=block.first_row + at + 1) from None
+
+
+def _lenient(strings: pa.Array) -> pa.Array:
+    """``strings`` as Arrow's CSV reader reads a column of numbers or booleans: blanks
+    around a value ignored, a blank value missing, ``true``/``false`` 1 and 0."""
+    trimmed = pc.utf8_trim_whitespace(strings)
+    trimmed = pc.if_else(pc.equal(trimmed, ""), pa.scalar(None, trimmed.type), trimmed)
+    ones = pc.is_in(trimmed, value_set=pa.array(CSV_TRUE, trimmed.type))
+    zeros = pc.is_in(trimmed, value_set=pa.array(CSV_FALSE, trimmed.type))
+    return pc.if_else(ones, pa.scalar("1", trimmed.type), pc.if_else(zeros, pa.scalar("0", trimmed.type), trimmed))
 
 
 def _parses(strings: pa.Array) -> bool:

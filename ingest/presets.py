@@ -18,6 +18,7 @@ allow redistributing them.
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -31,7 +32,7 @@ import pyarrow.fs as pafs
 from neorec.ingest.errors import DataError
 from neorec.ingest.import_spec import (CategoricalSpec, DenseSpec, ImportSpec, InputSpec, LabelSpec, MultiValuedSpec,
                                 OutputSpec, SpecError, SplitSpec)
-from neorec.ingest.sources import BLOCK_BYTES, Block, SourceFile, csv_batches, in_order
+from neorec.ingest.sources import BLOCK_BYTES, Block, SourceFile, csv_batches, expand, natural_key
 
 PRESETS = ("criteo", "avazu", "movielens")
 CRITEO_DENSE = [f"I{i}" for i in range(1, 14)]
@@ -64,7 +65,7 @@ def preset(name: str, files: Sequence[str], options: PresetOptions = PresetOptio
         split = SplitSpec(kind="ordered", eval_fraction=options.eval_fraction)
     if name == "criteo":
         spec = ImportSpec(
-            input=InputSpec(files=in_order(files), format="tsv", header=False,
+            input=InputSpec(files=_in_day_order(files), format="tsv", header=False,
                             column_names=["label", *CRITEO_DENSE, *CRITEO_SPARSE]),
             label=LabelSpec("label"), dense=DenseSpec(CRITEO_DENSE),
             categorical=CategoricalSpec(CRITEO_SPARSE, **categorical), split=split)
@@ -215,6 +216,14 @@ def _batches(path: Path, read: pacsv.ReadOptions, parse: pacsv.ParseOptions,
         raise DataError("missing from the MovieLens directory", file=str(path))
     yield from csv_batches(SourceFile(str(path), str(path), pafs.LocalFileSystem()), read, parse, convert,
                            "a MovieLens file")
+
+
+def _in_day_order(patterns: Sequence[str]) -> list[str]:
+    """The files ``patterns`` name (globs expanded), by their file names with numbers by
+    value (``day_2`` before ``day_10``, wherever each lies), then their paths."""
+    files = expand(patterns)
+    return [f.name for f in sorted(files, key=lambda f: (natural_key(posixpath.basename(f.path)),
+                                                         natural_key(f.path)))]
 
 
 def _read_all(batches: Iterator[pa.RecordBatch]) -> pa.Table:

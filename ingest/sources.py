@@ -5,6 +5,7 @@ first row, so an error can name both."""
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import glob
 import io
@@ -22,6 +23,8 @@ from neorec.ingest.errors import DataError
 
 BLOCK_BYTES = 16 << 20
 """CSV bytes parsed at a time (one batch): memory stays bounded whatever the file's size."""
+LINE_SCAN_BYTES = 1 << 30
+"""How far into a file (uncompressed) a bad row's line is looked for, to name its row."""
 ARCHIVES = (".zip", ".tar", ".tar.gz", ".tgz")
 """Archives of files, which must be extracted first (a compressed file, ``.gz`` and the
 like, is read as it is)."""
@@ -93,10 +96,13 @@ def _is_file(filesystem: pafs.FileSystem, name: str, path: str) -> bool:
 
 
 def in_order(paths: Sequence[str]) -> list[str]:
-    """``paths`` sorted with their numbers compared by value (``day_2`` before ``day_10``),
-    ties (``7``, ``07``) by the text."""
-    return sorted(paths, key=lambda path: ([int(part) if i % 2 else part  # split's odd parts: the digits
-                                            for i, part in enumerate(re.split("([0-9]+)", path))], path))
+    """``paths`` sorted by :func:`natural_key`, ties (``7``, ``07``) by the text."""
+    return sorted(paths, key=lambda path: (natural_key(path), path))
+
+
+def natural_key(text: str) -> list[str | int]:
+    """``text`` with its runs of digits compared by value: ``day_2`` before ``day_10``."""
+    return [int(part) if i % 2 else part for i, part in enumerate(re.split("([0-9]+)", text))]  # odd: digits
 
 
 def read_blocks(file: SourceFile, format: str, *, header: bool = True, column_names: Sequence[str] = (),
@@ -133,8 +139,8 @@ def csv_batches(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOpt
                 convert: pacsv.ConvertOptions, what: str) -> Iterator[pa.RecordBatch]:
     """The record batches of a delimited file (compressed or not), ``read.block_size`` bytes
     at a time. A file that cannot be read as ``what`` is a :class:`DataError` naming it; a
-    row with the wrong number of fields, one naming its row too. Sets
-    ``parse.invalid_row_handler``."""
+    row with the wrong number of fields, one naming its row too (``parse`` with an
+    ``invalid_row_handler`` of this function's own)."""
     if file.name.lower().endswith(ARCHIVES):
         raise DataError("an archive: extract its files, and name those", file=file.name)
     invalid: list[pacsv.InvalidRow] = []
@@ -143,6 +149,7 @@ def csv_batches(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOpt
         invalid.append(row)
         return "error"
 
+    parse = copy.copy(parse)
     parse.invalid_row_handler = remember
     try:
         with file.filesystem.open_input_stream(file.path, compression="detect") as stream, \
@@ -165,15 +172,23 @@ def _wrong_width(file: SourceFile, row: pacsv.InvalidRow, read: pacsv.ReadOption
 
 def _line_of(file: SourceFile, text: str, encoding: str) -> int | None:
     """The 1-based number of the first line of ``file`` that reads ``text`` (None: none
-    does). A scan of the file: for an error's message only."""
+    does within its first :data:`LINE_SCAN_BYTES`, or the file cannot be read again). A
+    scan of the file: for an error's message only."""
     try:
         wanted = text.rstrip("\r\n").encode(encoding)
     except (UnicodeEncodeError, LookupError):
         return None
-    with file.filesystem.open_input_stream(file.path, compression="detect") as stream:
-        for number, line in enumerate(io.BufferedReader(stream, 1 << 20), 1):
-            if line.rstrip(b"\r\n") == wanted:
-                return number
+    scanned = 0
+    try:
+        with file.filesystem.open_input_stream(file.path, compression="detect") as stream:
+            for number, line in enumerate(io.BufferedReader(stream, 1 << 20), 1):
+                if line.rstrip(b"\r\n") == wanted:
+                    return number
+                scanned += len(line)
+                if scanned > LINE_SCAN_BYTES:
+                    return None
+    except OSError:
+        return None
     return None
 
 

@@ -36,8 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run a ``neorec`` command. A user error (:class:`~neorec.common.errors.UserError`: bad
     configuration, data, arguments, a file the user named that cannot be read or written, a
     service that refuses) is one line on stderr and exit status 2; Ctrl-C is one line and
-    130, from the first moment (this module imports nothing heavy: the commands' modules are
-    imported inside); anything else is a bug: it keeps its traceback and exits 1."""
+    130 from the moment ``main`` runs, the commands' modules (torch, Numba, gRPC) being
+    imported inside it (this module's own imports take a few tens of milliseconds);
+    anything else is a bug: it keeps its traceback and exits 1."""
     try:
         die_with_parent()
         args = _parser().parse_args(argv)
@@ -103,13 +104,14 @@ def _parser() -> argparse.ArgumentParser:
     importer.set_defaults(run=_import)
     convert = data.add_parser("convert", help="convert public dataset files you downloaded (importer presets)")
     convert.add_argument("format", choices=PRESETS)
-    convert.add_argument("files", nargs="+", help="criteo: TSV files (read in day order: day_2 before day_10); avazu: the train CSV; "
+    convert.add_argument("files", nargs="+",
+                         help="criteo: TSV files (read in day order: day_2 before day_10); avazu: the train CSV; "
                               "movielens: its directory")
     convert.add_argument("--out", required=True)
     convert.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     convert.add_argument("--eval-fraction", type=float, default=0.1,
                          help="the newest rows that form the eval split")
-    convert.add_argument("--eval-files", nargs="+", default=[], help="instead: these of the files are the eval split")
+    convert.add_argument("--eval-files", nargs="+", default=[], help="instead: the eval split is these files (some of FILES)")
     convert.add_argument("--min-count", type=at_least(1), default=1,
                          help="categorical values seen fewer times in the train split map to id 0")
     convert.add_argument("--hash-rows", type=at_least(0), default=0,

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from neorec.common.transport import TOKEN_ENV
-
 if TYPE_CHECKING:
     from neorec.common.transport import ClientSecurity, ServerSecurity
 
@@ -46,6 +44,8 @@ def seconds(text: str) -> float:
 
 
 def add_server_security(parser: argparse.ArgumentParser) -> None:
+    from neorec.common.transport import TOKEN_ENV  # gRPC's import: when the parser is built, inside main
+
     parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     parser.add_argument("--token-file", help=f"require this shared token on every call but health checks "
@@ -55,6 +55,8 @@ def add_server_security(parser: argparse.ArgumentParser) -> None:
 
 
 def add_client_security(parser: argparse.ArgumentParser) -> None:
+    from neorec.common.transport import TOKEN_ENV
+
     parser.add_argument("--tls-ca", help="PEM certificate to verify the service's TLS certificate with")
     parser.add_argument("--token-file", help=f"send this shared token (default: ${TOKEN_ENV} if set)")
 

@@ -193,3 +193,23 @@ def test_a_split_left_empty_names_the_input_files(tmp_path):
     path.write_text("user,item,count,genres,ts,rating\nu0,1,2,a,5,4\nu1,1,2,a,6,3\nu2,1,2,a,7,3\n")
     with pytest.raises(DataError, match=f"^file {path}: the eval split is empty"):
         import_dataset(spec(path, split={"kind": "random", "eval_fraction": 0.01}), tmp_path / "out")
+
+
+def test_dense_text_is_read_as_arrow_reads_numbers_and_booleans(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text("user,item,count,genres,ts,rating\nu0,1,true,a,5,4\nu1,1, 7 ,a,6,3\nu2,1,  ,a,7,3\n"
+                    "u3,1,FALSE,a,8,5\n")
+    dataset = import_dataset(spec(path, dense={"transform": "none", "fill": -1.0},
+                                  split={"kind": "ordered", "eval_fraction": 0.25}), tmp_path / "out")
+    assert [r["count"] for r in rows_of(dataset, "train")] == [1.0, 7.0, -1.0]  # "  " is missing
+    assert [r["count"] for r in rows_of(dataset, "eval")] == [0.0]
+
+
+def test_a_value_that_is_not_a_number_is_named_by_its_row_in_a_later_block(tmp_path, monkeypatch):
+    monkeypatch.setattr("neorec.ingest.sources.BLOCK_BYTES", 256)  # blocks of a few rows
+    path = tmp_path / "log.csv"
+    lines = [f"u{i},1,{i},a,{i},4" for i in range(60)]
+    lines[41] = "u41,1,4x,a,41,4"
+    path.write_text("user,item,count,genres,ts,rating\n" + "\n".join(lines) + "\n")
+    with pytest.raises(DataError, match="column 'count', row 42: a dense column must hold numbers, got '4x'"):
+        import_dataset(spec(path), tmp_path / "out")

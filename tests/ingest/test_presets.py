@@ -148,6 +148,10 @@ def test_a_glob_of_criteo_days_is_in_day_order(tmp_path):
     as_the_shell_lists_them = [str(tmp_path / f"day_{day}") for day in (1, 10, 2)]
     dataset = convert("criteo", as_the_shell_lists_them, tmp_path / "out2", eval_fraction=0.25)
     assert {r["I1"] for r in rows(dataset, "eval")} == {10.0}
+    (tmp_path / "a").mkdir()  # by file name wherever each lies: a/day_10 is still the last day
+    (tmp_path / "day_10").rename(tmp_path / "a" / "day_10")
+    dataset = convert("criteo", [tmp_path / "a" / "day_10", tmp_path / "day_*"], tmp_path / "out3", eval_fraction=0.25)
+    assert {r["I1"] for r in rows(dataset, "eval")} == {10.0}
 
 
 def test_criteo_eval_files_must_be_among_the_files(tmp_path):

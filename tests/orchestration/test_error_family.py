@@ -2,6 +2,7 @@
 ``neorec: error:`` line and exit 2, with nothing drawn before it; anything else is a bug in
 neorec and keeps its traceback (exit 1)."""
 
+import json
 import subprocess
 import sys
 
@@ -64,6 +65,10 @@ def test_unreadable_user_paths_are_named_not_tracebacks(tmp_path):
     (tmp_path / "empty").mkdir()
     result = _run([sys.executable, "-m", "neorec", "checkpoint", "inspect", str(tmp_path / "empty")], timeout=120)
     assert result.returncode == 2 and f"{tmp_path / 'empty'}: no checkpoints" in result.stderr, result.stderr
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)  # a run that has written none yet: an empty listing
+    for directory in (tmp_path / "run", tmp_path / "run" / "checkpoint"):
+        result = _run([sys.executable, "-m", "neorec", "checkpoint", "inspect", "--json", str(directory)], timeout=120)
+        assert result.returncode == 0 and json.loads(result.stdout)["checkpoints"] == [], result.stderr
     spec = tmp_path / "spec.toml"
     spec.mkdir()
     result = _run([sys.executable, "-m", "neorec", "data", "import", str(spec), "--out", str(tmp_path / "o")],

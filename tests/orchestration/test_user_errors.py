@@ -192,3 +192,7 @@ def test_an_unknown_table_in_sharding_tables_is_refused_on_one_rank_as_on_severa
     assert not (tmp_path / "run").exists()  # refused before the run directory is claimed
     with pytest.raises(ConfigError, match=expected):
         plan_for_config(criteo_dataset, config, 2)
+    store = _config(criteo_dataset, tmp_path / "run")
+    store = replace(store, embedding_store=replace(store.embedding_store, tables={"t_nope": 0.1}))
+    with pytest.raises(ConfigError, match=r"^embedding_store.tables.t_nope: the dataset has no table 't_nope'"):
+        train(store)

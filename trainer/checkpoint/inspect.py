@@ -8,13 +8,15 @@ from typing import Any
 
 from neorec.trainer.checkpoint import layout
 from neorec.trainer.checkpoint.layout import LATEST, CheckpointError, checkpoints_root, complete, read_manifest
+from neorec.trainer.run.run_dir import CHECKPOINTS, CONFIG
 
 
 def describe(directory: str | Path, verify: bool = False) -> dict[str, Any]:
     """The checkpoints under a run directory (or its checkpoints directory), oldest first:
     name, step, epoch, kind, chain, bits, bytes, rows touched of all rows, stall and write
     seconds; with ``verify``, whether every file matches its size and SHA-256.
-    :class:`CheckpointError` when the directory holds no checkpoint, complete or not."""
+    :class:`CheckpointError` when the directory holds no checkpoint, complete or not, and is
+    not a run's (an empty listing for a run that has written none yet)."""
     root, _ = checkpoints_root(directory)
     latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
     checkpoints = []
@@ -39,10 +41,15 @@ def describe(directory: str | Path, verify: bool = False) -> dict[str, Any]:
         checkpoints.append(entry)
     incomplete = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")
                         and p not in complete(root)) if root.is_dir() else []
-    if not checkpoints and not incomplete:
-        raise CheckpointError(f"{root}: no checkpoints (neither a run directory with checkpoints nor a checkpoint "
-                              f"directory)")
+    if not checkpoints and not incomplete and not _holds_a_run(Path(directory), root):
+        raise CheckpointError(f"{directory}: no checkpoints, and not a run directory or its checkpoint directory")
     return {"root": str(root), "latest": latest, "checkpoints": checkpoints, "incomplete": incomplete}
+
+
+def _holds_a_run(directory: Path, root: Path) -> bool:
+    """Whether ``directory`` is a run directory (its checkpoints perhaps not written yet) or
+    its checkpoint directory."""
+    return root.name == CHECKPOINTS or (directory / CONFIG).is_file() or (root / LATEST).is_file()
 
 
 def render(described: dict[str, Any]) -> str:
