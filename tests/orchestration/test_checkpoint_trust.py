@@ -64,18 +64,25 @@ def _copy(run, tmp_path):
     return copy
 
 
+def _refused_by(command: str, dataset, run):
+    """``neorec eval`` of the run, or ``train --resume`` of it; asserts it is refused as a
+    user error (no traceback) and returns the result."""
+    if command == "eval":
+        result = _neorec("eval", "--checkpoint", str(run))
+    else:
+        result = _train(dataset.root, run, "--set", "train.epochs=2", "--resume", str(run))
+    assert result.returncode == ERROR, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    return result
+
+
 @pytest.mark.parametrize("command", ["eval", "resume"])
 def test_a_checkpoint_whose_pickle_runs_code_is_refused(criteo_dataset, trained, tmp_path, command):
     run = _copy(trained, tmp_path)
     marker = tmp_path / "marker"
     newest = complete(run / "checkpoint")[-1]
     _replace_dense(newest, pickle.dumps({"bottom": _RunsACommand(marker)}, protocol=2))
-    if command == "eval":
-        result = _neorec("eval", "--checkpoint", str(run))
-    else:
-        result = _train(criteo_dataset.root, run, "--set", "train.epochs=2", "--resume", str(run))
-    assert result.returncode == ERROR, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
+    result = _refused_by(command, criteo_dataset, run)
     assert f"{newest / DENSE_FILE}" in result.stderr and "refused" in result.stderr, result.stderr
     assert not marker.exists()
 
@@ -85,12 +92,7 @@ def test_a_truncated_dense_file_is_named_as_truncated(criteo_dataset, trained, t
     run = _copy(trained, tmp_path)
     dense = complete(run / "checkpoint")[-1] / DENSE_FILE
     dense.write_bytes(dense.read_bytes()[: dense.stat().st_size // 2])
-    if command == "eval":
-        result = _neorec("eval", "--checkpoint", str(run))
-    else:
-        result = _train(criteo_dataset.root, run, "--set", "train.epochs=2", "--resume", str(run))
-    assert result.returncode == ERROR, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
+    result = _refused_by(command, criteo_dataset, run)
     assert f"{dense} is " in result.stderr and "truncated or corrupt" in result.stderr, result.stderr
 
 
