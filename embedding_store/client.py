@@ -26,6 +26,10 @@ CHUNK_BYTES = 16 << 20
 """Row bytes per read or write call."""
 
 
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+"""A call's status when the service is gone (killed, its port closed) or hung (stopped)."""
+
+
 class StoreServiceError(UserError, RuntimeError):
     """The store service cannot be reached, or refused or failed a call; names it."""
 
@@ -39,12 +43,16 @@ class StoreClient:
         self.channel = security.channel(address, [("grpc.max_receive_message_length", MAX_REPLY_BYTES),
                                                   ("grpc.max_send_message_length", MAX_REQUEST_BYTES)])
         self.stub = store_pb2_grpc.StoreStub(self.channel)
+        self.unreachable = False
+        """Whether a call found the service gone or not answering (then a failed run's
+        tiers close without asking it)."""
 
     def call(self, name: str, request, timeout_s: float = CALL_TIMEOUT_S):
         """The reply of RPC ``name``; :class:`StoreServiceError` naming the service if it fails."""
         try:
             return getattr(self.stub, name)(request, timeout=timeout_s)
         except grpc.RpcError as err:
+            self.unreachable = self.unreachable or err.code() in UNREACHABLE
             raise StoreServiceError(f"store service {self.address}: {name} failed with {err.code().name}: "
                                     f"{err.details()}") from None
 
@@ -117,4 +125,8 @@ class RemoteTier:
         raise StoreServiceError(f"store service {self.client.address} no longer holds piece {self.key!r}")
 
     def close(self) -> None:
-        self.client.call("Close", store_pb2.CloseRequest(key=self.key))
+        """Close the piece on the service; once the service was found gone or hung, return
+        at once (a service that answers again reopens the piece at the next ``Open``), so
+        that a failed run's error is the failure, not a cleanup waiting for a deadline."""
+        if not self.client.unreachable:
+            self.client.call("Close", store_pb2.CloseRequest(key=self.key))

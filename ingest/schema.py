@@ -133,8 +133,8 @@ class Dataset:
 
     def files(self, split: str) -> list[Path]:
         if split not in self.splits:
-            raise DataError(f"the dataset has no split {split!r} (it has {', '.join(sorted(self.splits))})",
-                            file=str(self.root / DATASET_FILE))
+            has = ", ".join(sorted(self.splits)) or "none"
+            raise DataError(f"the dataset has no split {split!r} (it has {has})", file=str(self.root / DATASET_FILE))
         return [self.root / name for name in self.splits[split]]
 
     def save(self) -> None:

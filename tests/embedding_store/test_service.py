@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from neorec.embedding_store.client import StoreClient, StoreServiceError
+from neorec.embedding_store.client import RemoteTier, StoreClient, StoreServiceError
 from neorec.embedding_store.service import MAX_REQUEST_BYTES, SERVICE_NAME, StoreServer
 from neorec.protos import store_pb2
 
@@ -150,3 +151,33 @@ def test_a_trainer_whose_store_service_is_killed_stops_with_its_name(criteo_data
         assert f"store service {address}" in stderr and "Traceback" not in stderr, stderr
     finally:
         service.kill()
+
+
+def test_a_tier_closes_at_once_once_its_service_is_gone(tmp_path):
+    server = StoreServer(tmp_path / "tiers")
+    server.start()
+    client = StoreClient(server.address)
+    try:
+        tier = client.open_tier("t@0", ROWS, WIDTH)
+        server.stop()
+        with pytest.raises(StoreServiceError, match="Read failed with UNAVAILABLE"):
+            tier.read(np.arange(3))
+        tier.close()  # a failed run releases its tiers: nothing to ask a service that is gone
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_tier_closes_at_once_once_its_service_stopped_answering(tmp_path):
+    with socket.socket() as silent:  # a hung service: connections are taken, never answered
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        client = StoreClient(f"127.0.0.1:{silent.getsockname()[1]}")
+        try:
+            with pytest.raises(StoreServiceError, match="Status failed with DEADLINE_EXCEEDED"):
+                client.status(timeout_s=0.5)
+            started = time.monotonic()
+            RemoteTier(client, "t@0", ROWS, WIDTH).close()
+            assert time.monotonic() - started < 1.0  # not another call's deadline
+        finally:
+            client.close()

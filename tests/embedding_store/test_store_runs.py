@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from neorec.embedding_store.client import StoreServiceError
 from neorec.embedding_store.service import StoreServer
 from neorec.ingest.schema import Dataset
 from tests.trainer.spawn import run_ranks
@@ -18,7 +19,8 @@ from neorec.trainer.checkpoint.layout import CheckpointError
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.distributed import SINGLE_PROCESS, DistributedContext
 from neorec.trainer.planner.from_config import job_plan
-from neorec.trainer.embedding.store_backed import store_of
+from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, store_of
+from neorec.trainer.run.step import StepReport
 from neorec.trainer.run.train import train
 
 STORE = {"t_C1": 0.005, "t_C3": 0.02}
@@ -155,3 +157,20 @@ def test_a_corrupt_segment_is_named_when_resuming(criteo_dataset, tmp_path):
     segment.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=segment.name):
         train(_config(criteo_dataset, run, {"tables": STORE}, max_steps=10), resume=True)
+
+
+class Crash(Exception):
+    """Stands for the failure that ends a run."""
+
+
+def test_a_failed_run_reports_its_failure_not_a_failure_releasing_its_store(criteo_dataset, tmp_path, monkeypatch):
+    def broken_close(self, write_back: bool = True) -> None:
+        raise StoreServiceError("store service HOST:PORT: Close failed with INTERNAL: gone")
+
+    def crash(report: StepReport) -> None:
+        if report.global_step == 3:
+            raise Crash("the run's own failure")
+
+    monkeypatch.setattr(StoreBackedEmbeddings, "close", broken_close)
+    with pytest.raises(Crash):
+        train(_config(criteo_dataset, tmp_path / "run", {"tables": STORE}), progress=crash)

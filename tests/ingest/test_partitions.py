@@ -11,6 +11,7 @@ from neorec.ingest.partitions import (MARKER, PartitionError, PartitionOrderErro
                                       with_partition_split)
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.decoder import DecodeOptions
+from neorec.ingest.errors import DataError
 from neorec.ingest.schema import Dataset
 from neorec.ingest.synth import SynthSpec, generate, partition_name
 from tests.trainer.follow_helpers import partitioned
@@ -129,3 +130,9 @@ def test_a_partition_reads_as_a_split(dataset):
         reader.close()
     assert rows == 1200
     assert json.loads((dataset.root / "dataset.json").read_text())["splits"] == {}  # the view is not saved
+
+
+def test_a_split_a_partitioned_dataset_lacks_is_named_with_what_it_has(dataset):
+    split = "partitions/2026-01-01T09"  # never landed
+    with pytest.raises(DataError, match=rf"the dataset has no split '{split}' \(it has none\)$"):
+        with_partition_split(dataset, split).files(split)

@@ -227,8 +227,7 @@ class TrainingRun:
                 self.store.close()
         except BaseException:
             self.checkpointer.abandon()
-            if self.store is not None:
-                self.store.close(write_back=False)
+            self._release_store()
             raise
         finally:
             self.log.close()
@@ -236,6 +235,17 @@ class TrainingRun:
                 self.board.close()
             self._stop_reading()
         return self._summary()
+
+    def _release_store(self) -> None:
+        """Close the store tiers of a run that failed, without writing back; a failure to
+        close them (their service gone too, their directory removed) is logged, so that the
+        run's own failure is the error it ends with."""
+        if self.store is None:
+            return
+        try:
+            self.store.close(write_back=False)
+        except Exception as err:
+            log.warning("closing the store tiers after the run failed: %s", err)
 
     def _epochs(self, progress: ProgressFn | None) -> None:
         """Train the epochs left, evaluating after each."""

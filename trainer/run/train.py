@@ -72,6 +72,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None =
     if config is None:
         config = TrainConfig.from_dict(restorable.manifest.config)
     else:
+        config = config.with_saved_shards(restorable.manifest.config)
         check_evaluable(restorable.manifest.config, config)
     config = replace(config, data=replace(config.data, ingest=list(ingest)))
     config.data.validate()

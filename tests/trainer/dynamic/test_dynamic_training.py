@@ -4,6 +4,8 @@ the metrics, the store tier below a dynamic table, map shards that do not fit re
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,7 @@ from neorec.trainer import checkpoint
 from neorec.trainer.checkpoint.restore import load_dense_chain
 from neorec.trainer.config import ConfigError, TrainConfig
 from neorec.trainer.run.build import build_model
-from neorec.trainer.run.train import train
+from neorec.trainer.run.train import evaluate_checkpoint, train
 from tests.trainer.checkpoint.test_resume import Crash, crash_after
 from tests.trainer.run_records import logged, records
 from tests.trainer.test_train import final_state, untimed
@@ -60,6 +62,17 @@ def test_resume_with_evictions_in_flight_is_bit_identical(raw_dataset, tmp_path)
     model = build_model(raw_dataset, TrainConfig.from_dict(restorable.manifest.config))
     checkpoint.restore_model(restorable, model)
     assert model.embeddings.counters() == whole["dynamic"]
+
+
+def test_the_run_s_own_config_evaluates_its_checkpoint(raw_dataset, tmp_path):
+    steps = {"batch_size": 128, "eval_batch_size": 500, "max_steps": 4, "log_every": 4}
+    run = config_for(raw_dataset, tmp_path / "run", train=steps)  # shards = 0: the run's world size
+    train(run)
+    assert evaluate_checkpoint(tmp_path / "run", config=run) == evaluate_checkpoint(tmp_path / "run")
+    other = config_for(raw_dataset, tmp_path / "run", train=steps)
+    other.model.dynamic["t_C1"] = replace(other.model.dynamic["t_C1"], shards=2)
+    with pytest.raises(checkpoint.CheckpointError, match=r"^eval: model.dynamic is .*'shards': 2"):
+        evaluate_checkpoint(tmp_path / "run", config=other)
 
 
 def test_same_data_and_seed_give_the_same_map_and_weights(raw_dataset, tmp_path):
