@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -356,7 +357,14 @@ def _train(args: argparse.Namespace) -> int:
         if config.data.follow:
             line += f" (progressive, partition {summary['last_partition'] or '-'})"
         print(f"{line}; run directory {config.run.dir}")
-    return 0
+    return _exit_status(summary.get("stopped_by", ""))
+
+
+def _exit_status(stopped_by: str) -> int:
+    """0, or 128 + the signal's number for a run that a signal stopped (following
+    partitions, a signal stops the run after a checkpoint): as an interrupted command exits,
+    so that a supervisor (a Kubernetes Job, a shell) does not take it for a finished run."""
+    return 128 + signal.Signals[stopped_by] if stopped_by in signal.Signals.__members__ else 0
 
 
 def _train_rank(config: "TrainConfig", context: "DistributedContext", overwrite: bool, resume: bool,

@@ -76,14 +76,19 @@ def run_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes = ONE_NODE) ->
     process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": threads, **nodes.worker_environment()})
     # Ctrl-C reaches torchrun and the ranks from the terminal, and SIGTERM is passed on:
     # either way the ranks stop as they choose (following partitions: after a checkpoint),
-    # so this process waits for them instead of killing them; interrupted, it exits 130
-    # whatever status torchrun chose.
-    interrupted: list[int] = []
-    previous = {signal.SIGINT: signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum)),
-                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum))}
+    # so this process waits for them instead of killing them; stopped by a signal, it exits
+    # 128 + its number (130, 143) whatever status torchrun chose.
+    stopped_by: list[int] = []
+
+    def pass_on(signum: int, frame) -> None:
+        stopped_by.append(signum)
+        process.send_signal(signum)
+
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, lambda signum, frame: stopped_by.append(signum)),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, pass_on)}
     try:
         code = process.wait()
-        return 128 + signal.SIGINT if interrupted else code
+        return 128 + stopped_by[0] if stopped_by else code
     finally:
         for kind, handler in previous.items():
             signal.signal(kind, handler)

@@ -100,6 +100,7 @@ def test_sigterm_stops_with_a_final_checkpoint_and_the_run_resumes_to_the_same_e
     finally:
         if process.poll() is None:
             process.kill()
+    assert process.returncode == 143, err[-3000:]  # as a command a signal stopped: not a finished run
     summary = json.loads((stopped / "summary.json").read_text())
     assert summary["stopped_by"] == "SIGTERM", err[-3000:]
     assert read_manifest(complete(stopped / "checkpoint")[-1]).step == summary["steps"]
