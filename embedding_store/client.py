@@ -56,10 +56,11 @@ class StoreClient:
             raise StoreServiceError(f"store service {self.address}: {name} failed with {err.code().name}: "
                                     f"{err.details()}") from None
 
-    def open_tier(self, key: str, rows: int, row_bytes: int, reset: bool = False) -> "RemoteTier":
-        """The piece ``key`` on the service (``reset``: emptied first)."""
-        self.call("Open", store_pb2.OpenRequest(key=key, rows=rows, row_bytes=row_bytes, reset=reset))
-        return RemoteTier(self, key, rows, row_bytes)
+    def open_tier(self, key: str, rows: int, row_bytes: int, reset: bool = False, owner: str = "") -> "RemoteTier":
+        """The piece ``key`` on the service (``reset``: emptied first), held by ``owner``
+        (a run's directory) until closed: the service refuses it to any other owner."""
+        self.call("Open", store_pb2.OpenRequest(key=key, rows=rows, row_bytes=row_bytes, reset=reset, owner=owner))
+        return RemoteTier(self, key, rows, row_bytes, owner)
 
     def status(self, timeout_s: float = 5.0) -> store_pb2.StatusReply:
         return self.call("Status", store_pb2.StatusRequest(), timeout_s)
@@ -71,9 +72,10 @@ class StoreClient:
 class RemoteTier:
     """Piece ``key`` of a store service, as a tier."""
 
-    def __init__(self, client: StoreClient, key: str, rows: int, row_bytes: int) -> None:
+    def __init__(self, client: StoreClient, key: str, rows: int, row_bytes: int, owner: str = "") -> None:
         self.client = client
         self.key = key
+        self.owner = owner
         self.rows = rows
         self.row_bytes = row_bytes
         self._chunk_rows = max(1, CHUNK_BYTES // (row_bytes + 1))
@@ -129,4 +131,4 @@ class RemoteTier:
         at once (a service that answers again reopens the piece at the next ``Open``), so
         that a failed run's error is the failure, not a cleanup waiting for a deadline."""
         if not self.client.unreachable:
-            self.client.call("Close", store_pb2.CloseRequest(key=self.key))
+            self.client.call("Close", store_pb2.CloseRequest(key=self.key, owner=self.owner))

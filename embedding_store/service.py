@@ -6,7 +6,12 @@ It runs the code of the embedded store: each table piece (a key such as ``t_C1@0
 carry rows as raw bytes (:mod:`neorec.protos.store_pb2`). A bad request ends with a gRPC status
 naming what is wrong and changes nothing: an unknown key (NOT_FOUND), ids out of range,
 sizes that do not match, a malformed key or path (INVALID_ARGUMENT), a piece reopened with
-another shape (FAILED_PRECONDITION), a corrupt segment (DATA_LOSS, naming the file).
+another shape, or opened or closed by another owner than the one holding it
+(FAILED_PRECONDITION), a corrupt segment (DATA_LOSS, naming the file).
+
+A piece has one owner while it is open (``OpenRequest.owner``: a run's directory), so that
+two runs given one service cannot write each other's rows; the owner reopens it at will (a
+restarted or resumed run), and ``Close`` releases it.
 Requests above :data:`MAX_REQUEST_BYTES` are refused by gRPC itself (RESOURCE_EXHAUSTED).
 """
 
@@ -52,6 +57,8 @@ class StoreServicer:
         self.data_roots = resolve_roots(data_roots or [self.directory])
         self.direct_io = direct_io
         self._tiers: dict[str, SegmentTier] = {}
+        self._owners: dict[str, str] = {}
+        """The owner of each open piece (its Open's ``owner``)."""
         self._lock = threading.Lock()
         self._started = time.monotonic()
         self._counts = threading.Lock()
@@ -121,8 +128,12 @@ class StoreServicer:
 
     def Close(self, request: store_pb2.CloseRequest, context: grpc.ServicerContext) -> store_pb2.CloseReply:
         def close() -> store_pb2.CloseReply:
+            key = _key(request.key)
             with self._lock:
-                tier = self._tiers.pop(_key(request.key), None)
+                if key in self._tiers:
+                    self._check_owner(key, request.owner, "close")
+                tier = self._tiers.pop(key, None)
+                self._owners.pop(key, None)
             if tier is not None:
                 tier.close()
             return store_pb2.CloseReply()
@@ -131,7 +142,7 @@ class StoreServicer:
 
     def Status(self, request: store_pb2.StatusRequest, context: grpc.ServicerContext) -> store_pb2.StatusReply:
         with self._lock:
-            tiers = dict(self._tiers)
+            tiers, owners = dict(self._tiers), dict(self._owners)
         pieces = []
         for key, tier in sorted(tiers.items()):
             c = tier.counters()
@@ -139,14 +150,14 @@ class StoreServicer:
                 key=key, rows=tier.rows, row_bytes=tier.row_bytes, live_rows=c.live_rows, stored_rows=c.stored_rows,
                 segments=c.segments, rows_read=c.rows_read, rows_found=c.rows_found, bytes_read=c.bytes_read,
                 bytes_written=c.bytes_written, dirty_bytes=c.dirty_bytes, compactions=c.compactions,
-                buffered_rows=c.buffered_rows))
+                buffered_rows=c.buffered_rows, owner=owners.get(key, "")))
         return store_pb2.StatusReply(pieces=pieces, directory=str(self.directory), requests=self.requests,
                                      errors=self.errors, uptime_seconds=time.monotonic() - self._started)
 
     def close(self) -> None:
         """Write every buffered row and close the tiers."""
         with self._lock:
-            tiers, self._tiers = list(self._tiers.values()), {}
+            tiers, self._tiers, self._owners = list(self._tiers.values()), {}, {}
         for tier in tiers:
             tier.close()
         self._owner.release()
@@ -178,6 +189,8 @@ class StoreServicer:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"piece {key!r}: rows and row_bytes must be positive")
         with self._lock:
             tier = self._tiers.get(key)
+            if tier is not None:
+                self._check_owner(key, request.owner, "open")
             if tier is not None and (tier.rows, tier.row_bytes) != (request.rows, request.row_bytes):
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"piece {key!r} is open with {tier.rows} rows of {tier.row_bytes} bytes, asked for "
@@ -188,7 +201,18 @@ class StoreServicer:
                 tier = SegmentTier(self.directory / key, request.rows, request.row_bytes, direct_io=self.direct_io,
                                    reset=request.reset)
                 self._tiers[key] = tier
+            self._owners[key] = request.owner
         return store_pb2.OpenReply(stored_rows=tier.counters().live_rows)
+
+    def _check_owner(self, key: str, owner: str, action: str) -> None:
+        """FAILED_PRECONDITION unless ``owner`` holds the open piece ``key`` (with the lock held)."""
+        holder = self._owners.get(key, "")
+        if owner != holder:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"cannot {action} piece {key!r} for {owner or 'an unnamed client'}: it is held by "
+                               f"{holder or 'an unnamed client'} (one run at a time per piece: stop that run, or give "
+                               f"this one another store service; a run whose trainer is gone releases its pieces when "
+                               f"the service restarts)")
 
     def _directory(self, path: str) -> Path:
         """``path``, an absolute directory, if it resolves under a data root: else

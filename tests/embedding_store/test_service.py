@@ -99,6 +99,22 @@ def test_bad_requests_are_refused_by_status_and_change_nothing(service, method, 
     assert client.status().errors == 1
 
 
+def test_an_open_piece_is_held_by_its_owner_alone(service):
+    _, client = service
+    mine = client.open_tier("t@0", ROWS, WIDTH, reset=True, owner="/runs/a")
+    mine.write(np.arange(5, dtype=np.int64), np.full((5, WIDTH), 7, dtype=np.uint8))
+    for action in (lambda: client.open_tier("t@0", ROWS, WIDTH, reset=True, owner="/runs/b"),
+                   lambda: RemoteTier(client, "t@0", ROWS, WIDTH, owner="/runs/b").close()):
+        with pytest.raises(StoreServiceError, match="FAILED_PRECONDITION.*'t@0' for /runs/b: it is held by /runs/a"):
+            action()
+    found, back = client.open_tier("t@0", ROWS, WIDTH, owner="/runs/a").read(np.arange(5))  # reopened by its owner
+    assert found.all() and (back == 7).all()  # the refused reset emptied nothing
+    assert client.status().pieces[0].owner == "/runs/a"
+    mine.close()
+    theirs = client.open_tier("t@0", ROWS, WIDTH, reset=True, owner="/runs/b")  # released: another run's now
+    assert not theirs.read(np.arange(5))[0].any()
+
+
 def test_garbage_and_oversized_requests_are_refused(service):
     _, client = service
     client.open_tier("t@0", ROWS, WIDTH, reset=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from neorec.embedding_store.client import StoreServiceError
+from neorec.embedding_store.client import StoreClient, StoreServiceError
 from neorec.embedding_store.service import StoreServer
 from neorec.ingest.schema import Dataset
 from tests.trainer.spawn import run_ranks
@@ -104,6 +104,25 @@ def test_a_run_through_a_store_service_equals_the_run_in_memory(criteo_dataset, 
     assert not status.pieces  # the trainer closed its pieces when it ended
     for key in ("t_C1@0", "t_C3@0"):  # the service held their rows
         assert list((tmp_path / "service" / key).glob("*.seg"))
+
+
+def test_a_store_service_holds_each_piece_for_one_run(criteo_dataset, tmp_path):
+    """A run's pieces are refused to another run while they are open (that run's trainer
+    alive, or gone without closing them), and not to a restart of the same run."""
+    server = StoreServer(tmp_path / "service", data_roots=[tmp_path])
+    server.start()
+    client = StoreClient(server.address)
+    try:
+        first = tmp_path / "first"
+        rows = min(criteo_dataset.schema.table_cardinalities()["t_C1"], 5000)  # as the run opens its piece:
+        client.open_tier("t_C1@0", rows, (8 + 1) * 4, owner=str(first.resolve()))  # 8 weights, a row-wise state
+        store = {"tables": STORE, "service": server.address}
+        with pytest.raises(StoreServiceError, match=f"'t_C1@0' for {tmp_path / 'second'}: it is held by {first}"):
+            train(_config(criteo_dataset, tmp_path / "second", store, max_steps=5))
+        assert train(_config(criteo_dataset, first, store, max_steps=5))["steps"] == 5  # the same run takes it over
+    finally:
+        client.close()
+        server.stop()
 
 
 def test_a_resumed_run_replaces_the_tier_by_its_checkpoint(criteo_dataset, tmp_path):

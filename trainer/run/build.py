@@ -110,13 +110,14 @@ def sparse_optimizer(config: TrainConfig) -> SparseOptimizer:
 
 def store_settings(config: TrainConfig, directory: Path, reset: bool) -> StoreSettings:
     """``config.embedding_store`` resolved: tiers under ``directory`` (or in the store
-    service it names), emptied first when ``reset`` (a fresh run)."""
+    service it names, held by the run: its directory), emptied first when ``reset`` (a
+    fresh run)."""
     store = config.embedding_store
     if store.service:
         from neorec.embedding_store.client import StoreClient
 
         client = StoreClient(store.service, tls_ca=config.security.tls_ca, token_file=config.security.token_file)
-        open_tier = partial(client.open_tier, reset=reset)
+        open_tier = partial(client.open_tier, reset=reset, owner=str(Path(config.run.dir).resolve()))
     else:
         open_tier = partial(_segment_tier, directory, store.direct_io, reset)
     return StoreSettings(open_tier, ways=store.ways, policy=store.policy, scratch_rows=store.scratch_rows,
