@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from neorec.ingest import recycled
 from neorec.ingest.batch import HostBatch
-from neorec.ingest.errors import DataError
+from neorec.ingest.errors import DataError, UnreadableFileError
 from neorec.ingest.flat_columns import (Outputs, Part, RoutedPart, decodable, numbers_into, numbers_routed,
                                         single_ids, single_ids_routed)
 from neorec.ingest.schema import DatasetSchema
@@ -425,7 +425,7 @@ def open_files(paths: Sequence[str | Path], schema: DatasetSchema) -> list[pq.Pa
         try:
             parquet_file = pq.ParquetFile(path)
         except (OSError, ValueError) as err:
-            raise DataError(f"cannot open Parquet file: {err}", file=str(path)) from err
+            raise UnreadableFileError(f"cannot open Parquet file: {err}", file=str(path)) from err
         check_file_schema(parquet_file, str(path), schema)
         opened.append(parquet_file)
     return opened

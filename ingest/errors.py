@@ -39,3 +39,7 @@ class DataError(UserError, ValueError):
 
 class DatasetNotFoundError(DataError, FileNotFoundError):
     """A directory named as a dataset holds no ``dataset.json``."""
+
+
+class UnreadableFileError(DataError):
+    """A data file that cannot be opened as Parquet (truncated, not Parquet, unreadable)."""

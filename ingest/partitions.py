@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 from neorec.common.errors import UserError
 from neorec.ingest.decoder import open_files
-from neorec.ingest.errors import DataError
+from neorec.ingest.errors import DataError, UnreadableFileError
 from neorec.ingest.schema import Dataset
 
 PARTITIONS = "partitions"
@@ -161,10 +161,14 @@ def with_partition_split(dataset: Dataset, split: str) -> Dataset:
 
 def check_partition_schema(dataset: Dataset, partition: Partition) -> None:
     """Raise :class:`PartitionSchemaError` naming the partition, file and column when a
-    file of ``partition`` lacks one of the dataset's columns or has another type."""
+    file of ``partition`` lacks one of the dataset's columns or has another type, and
+    :class:`PartitionError` naming the file when one cannot be opened as Parquet."""
     try:
         for parquet_file in open_files([dataset.root / f for f in partition.files], dataset.schema):
             parquet_file.close()
+    except UnreadableFileError as err:
+        raise PartitionError(f"partition {partition.name!r} holds a file that cannot be read: {err.problem}",
+                             file=err.file) from None
     except DataError as err:
         raise PartitionSchemaError(f"partition {partition.name!r} changes the dataset's schema: {err.problem}",
                                    file=err.file, column=err.column) from None

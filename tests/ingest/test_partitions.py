@@ -119,6 +119,21 @@ def test_a_schema_change_is_a_named_error(dataset, tmp_path):
     assert "column 'C3'" in str(err.value) and "part-00000.parquet" in str(err.value)
 
 
+def test_a_partition_file_that_is_not_parquet_is_named_as_unreadable(dataset):
+    root = dataset.root
+    name = "2026-01-01T02"
+    directory = root / "partitions" / name
+    directory.mkdir()
+    good = (root / "partitions" / partition_name(0) / "part-00000.parquet").read_bytes()
+    (directory / "part-00000.parquet").write_bytes(good[: len(good) // 2])  # truncated
+    (directory / MARKER).touch()
+    partition = next_partition(root, [partition_name(0), partition_name(1)])
+    with pytest.raises(PartitionError, match=rf"part-00000.parquet: partition '{name}' holds a file that cannot be "
+                                             rf"read: cannot open Parquet file") as err:
+        check_partition_schema(dataset, partition)
+    assert not isinstance(err.value, PartitionSchemaError)
+
+
 def test_a_partition_reads_as_a_split(dataset):
     view = with_partition_split(dataset, f"partitions/{partition_name(1)}")
     reader = InProcessReader(view, f"partitions/{partition_name(1)}",

@@ -6,6 +6,7 @@ import random
 import signal
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from neorec.ingest.synth import partition_name, write_partition
 from neorec.trainer.config import ConfigError, TrainConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 from neorec.trainer.run.step import StepReport
-from neorec.trainer.run.train import train
+from neorec.trainer.run.train import evaluate_checkpoint, train
 from tests.trainer.follow_helpers import SPEC, follow_config, partitioned
 from tests.trainer.run_records import records
 from tests.trainer.test_train import final_state, untimed
@@ -52,11 +53,17 @@ def assert_same_run(a, b):
 
 def test_following_is_training_each_partition_once_after_evaluating_the_model_on_it(tmp_path):
     data = partitioned(tmp_path / "data", 2)
-    summary = train(follow_config(data, tmp_path / "follow"))
+    config = follow_config(data, tmp_path / "follow")
+    summary = train(config)
     assert summary["steps"] == 2 * STEPS and summary["partitions"] == 2 and summary["stopped_by"] == "idle"
     splits = [(r["split"], r.get("partition")) for r in records(tmp_path / "follow") if r["split"] != "train"]
     first, second = partition_name(0), partition_name(1)
     assert splits == [("progressive", first), ("partition", first), ("progressive", second), ("partition", second)]
+    with pytest.raises(ConfigError, match=f"it is partitioned; evaluate on a partition, e.g. --set "
+                                          f"data.eval_split='partitions/{second}'"):
+        evaluate_checkpoint(tmp_path / "follow")  # a followed run has no fixed eval split
+    on_second = replace(config, data=replace(config.data, eval_split=f"partitions/{second}", follow=False))
+    assert 0.5 < evaluate_checkpoint(tmp_path / "follow", on_second)["auc"] <= 1
     assert {r["partition"] for r in records(tmp_path / "follow", "train") if r["step"] <= STEPS} == {first}
     progressive = records(tmp_path / "follow", "progressive")
     assert progressive[1]["oracle_auc"] == open_partition(data, second).info["oracle"]["auc"]

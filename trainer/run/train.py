@@ -7,7 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from neorec.ingest.partitions import with_partition_split
+from neorec.common.errors import ConfigError
+from neorec.ingest.partitions import SPLIT_PREFIX, partition_names, with_partition_split
 from neorec.ingest.schema import Dataset
 from neorec.trainer import checkpoint
 from neorec.trainer.checkpoint.checkpointer import check_evaluable
@@ -79,6 +80,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None =
     set_threads(config.train.threads)
     device = resolve_device(config.train.device)
     dataset = with_partition_split(Dataset.load(config.data.path), config.data.eval_split)
+    _check_eval_split(dataset, config.data.eval_split)
     on_store = {entry.table for entry in restorable.manifest.store}
     with tempfile.TemporaryDirectory(prefix="neorec-eval-store-") as store_dir:
         plan = None
@@ -102,3 +104,12 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None =
             store = store_of(model.embeddings)
             if store is not None:
                 store.close(write_back=False)
+
+
+def _check_eval_split(dataset: Dataset, split: str) -> None:
+    """A :class:`ConfigError` for an eval split a partitioned dataset does not have (a run
+    that followed partitions has no fixed eval split), naming a partition to give instead."""
+    names = partition_names(dataset.root)
+    if split not in dataset.splits and names:
+        raise ConfigError(f"data.eval_split: the dataset {dataset.root} has no split {split!r}: it is partitioned; "
+                          f"evaluate on a partition, e.g. --set data.eval_split='{SPLIT_PREFIX}{names[-1]}'")
