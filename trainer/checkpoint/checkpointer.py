@@ -193,5 +193,15 @@ def _check_same(saved: dict[str, Any], current: dict[str, Any], keys: list[tuple
     for section, key in keys:
         before, now = saved.get(section, {}).get(key), current[section][key]
         if before != now:
-            raise CheckpointError(f"{command}: {section}.{key} is {now!r}, the checkpoint was made with {before!r}; "
-                                  f"{why}")
+            where, before, now = _first_difference(f"{section}.{key}", before, now)
+            raise CheckpointError(f"{command}: {where} is {now!r}, the checkpoint was made with {before!r}; {why}")
+
+
+def _first_difference(where: str, before: Any, now: Any) -> tuple[str, Any, Any]:
+    """The dotted key of the first difference between two unequal config values, and its two
+    values there (within tables of tables, the innermost key that differs)."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        for key in sorted(before.keys() | now.keys()):
+            if before.get(key) != now.get(key):
+                return _first_difference(f"{where}.{key}", before.get(key), now.get(key))
+    return where, before, now
