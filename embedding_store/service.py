@@ -129,13 +129,11 @@ class StoreServicer:
     def Close(self, request: store_pb2.CloseRequest, context: grpc.ServicerContext) -> store_pb2.CloseReply:
         def close() -> store_pb2.CloseReply:
             key = _key(request.key)
-            with self._lock:
+            with self._lock:  # closed before another Open of the key can open its directory again
                 if key in self._tiers:
                     self._check_owner(key, request.owner, "close")
-                tier = self._tiers.pop(key, None)
-                self._owners.pop(key, None)
-            if tier is not None:
-                tier.close()
+                    self._tiers.pop(key).close()
+                    del self._owners[key]
             return store_pb2.CloseReply()
 
         return self._serve(context, close)

@@ -277,9 +277,10 @@ class Job:
         watched.restart_at = now + delay
 
     def _stop_all(self) -> None:
-        """Stop the trainers, then the services, each tree within a few seconds."""
-        processes = [self.trainer.process, *(w.process for w in self.services)]
-        stoppers = [threading.Thread(target=p.stop, args=(STOP_GRACE_S,)) for p in processes]
+        """Stop the trainers, then the services, each tree within a few seconds (a trainer's
+        last checkpoint may still need its store service)."""
+        self.trainer.process.stop(STOP_GRACE_S)
+        stoppers = [threading.Thread(target=w.process.stop, args=(STOP_GRACE_S,)) for w in self.services]
         for thread in stoppers:
             thread.start()
         for thread in stoppers:

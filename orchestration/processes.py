@@ -70,7 +70,9 @@ def torchrun_command(nproc: int, module: str, args: list[str], nodes: Nodes = ON
 
 def run_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes = ONE_NODE) -> int:
     """Run ``neorec NEOREC_ARGS`` as ``nproc`` ranks on this host under torchrun (this
-    node's share of ``nodes``); returns torchrun's exit status."""
+    node's share of ``nodes``); returns torchrun's exit status, or 128 + the number of the
+    signal (SIGINT, SIGTERM) that stopped it: then the ranks' own statuses are not told
+    apart (torchrun exits 1 when signalled, whether or not a rank failed as it stopped)."""
     threads = str(max(1, available_cpus() // nproc))  # the ranks share the CPUs this process may use
     command = torchrun_command(nproc, "neorec.orchestration.cli", neorec_args, nodes)
     process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": threads, **nodes.worker_environment()})

@@ -15,11 +15,13 @@ from neorec.ingest.partitions import PartitionError, PartitionOrderError, Partit
 from neorec.ingest.schema import Dataset
 from neorec.ingest.synth import partition_name, write_partition
 from neorec.trainer.config import ConfigError, TrainConfig
+from neorec.trainer.distributed import DistributedContext
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 from neorec.trainer.run.step import StepReport
 from neorec.trainer.run.train import evaluate_checkpoint, train
 from tests.trainer.follow_helpers import SPEC, follow_config, partitioned
 from tests.trainer.run_records import records
+from tests.trainer.spawn import run_ranks
 from tests.trainer.test_train import final_state, untimed
 
 STEPS = 9
@@ -59,9 +61,14 @@ def test_following_is_training_each_partition_once_after_evaluating_the_model_on
     splits = [(r["split"], r.get("partition")) for r in records(tmp_path / "follow") if r["split"] != "train"]
     first, second = partition_name(0), partition_name(1)
     assert splits == [("progressive", first), ("partition", first), ("progressive", second), ("partition", second)]
-    with pytest.raises(ConfigError, match=f"it is partitioned; evaluate on a partition, e.g. --set "
+    with pytest.raises(ConfigError, match=f"it is partitioned; evaluate on a ready partition, e.g. --set "
                                           f"data.eval_split='partitions/{second}'"):
         evaluate_checkpoint(tmp_path / "follow")  # a followed run has no fixed eval split
+    (data / "partitions" / "2099-01-01T00").mkdir()  # landing: no marker yet
+    not_ready = replace(config, data=replace(config.data, eval_split="partitions/2099-01-01T00", follow=False))
+    with pytest.raises(ConfigError, match=f"partition '2099-01-01T00' of {data} does not exist or is not ready .*"
+                                          f"e.g. --set data.eval_split='partitions/{second}'"):
+        evaluate_checkpoint(tmp_path / "follow", not_ready)
     on_second = replace(config, data=replace(config.data, eval_split=f"partitions/{second}", follow=False))
     assert 0.5 < evaluate_checkpoint(tmp_path / "follow", on_second)["auc"] <= 1
     assert {r["partition"] for r in records(tmp_path / "follow", "train") if r["step"] <= STEPS} == {first}
@@ -223,3 +230,18 @@ def test_a_run_started_before_any_partition_waits_for_the_first(tmp_path):
     finally:
         lands.join()
     assert summary["partitions"] == 1 and summary["steps"] == STEPS
+
+
+def _stopped_on_rank_1(rank: int, world: int, data, root) -> str:
+    """A two-rank follow run in which only rank 1 gets SIGTERM (after its step 6)."""
+    def signal_rank_1(report: StepReport) -> None:
+        if rank == 1 and report.global_step == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    config = follow_config(data, root / "run", data={"idle_exit_s": 0.0})
+    return train(config, progress=signal_rank_1, context=DistributedContext(rank, world, world, rank))["stopped_by"]
+
+
+def test_every_rank_names_the_signal_one_rank_got(tmp_path):
+    data = partitioned(tmp_path / "data", 2)
+    assert run_ranks(_stopped_on_rank_1, 2, data, tmp_path) == ["SIGTERM", "SIGTERM"]  # each rank exits 143

@@ -328,8 +328,15 @@ class StoreBackedEmbeddings(nn.Module):
         self.feature_names = self.module.feature_names
         self.output_dim = self.module.output_dim
         self.stats = StoreStats()
-        self.store = {t.name: _Table(specs[t.name], t, origins[i], table_rows[i], self.module, seed, settings.open_tier,
-                                     self.stats) for i, t in enumerate(tables) if t.name in specs}
+        self.store: dict[str, _Table] = {}
+        try:
+            for i, t in enumerate(tables):
+                if t.name in specs:
+                    self.store[t.name] = _Table(specs[t.name], t, origins[i], table_rows[i], self.module, seed,
+                                                settings.open_tier, self.stats)
+        except BaseException:
+            self._close_tiers()  # those opened before the one that failed: nothing is left held
+            raise
         self._ahead: tuple[KeyedJaggedTensor, threading.Thread] | None = None
         self._ahead_error: BaseException | None = None
         self._expected: KeyedJaggedTensor | None = None
@@ -532,5 +539,16 @@ class StoreBackedEmbeddings(nn.Module):
         elif self._ahead is not None:
             self._ahead[1].join()
             self._ahead, self._ahead_error = None, None
+        self._close_tiers()
+
+    def _close_tiers(self) -> None:
+        """Close every table's tier; the first failure is raised once all were tried (a
+        failed close leaves the others' pieces released)."""
+        failures = []
         for table in self.store.values():
-            table.tier.close()
+            try:
+                table.tier.close()
+            except Exception as err:
+                failures.append(err)
+        if failures:
+            raise failures[0]

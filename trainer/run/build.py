@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -110,14 +111,15 @@ def sparse_optimizer(config: TrainConfig) -> SparseOptimizer:
 
 def store_settings(config: TrainConfig, directory: Path, reset: bool) -> StoreSettings:
     """``config.embedding_store`` resolved: tiers under ``directory`` (or in the store
-    service it names, held by the run: its directory), emptied first when ``reset`` (a
-    fresh run)."""
+    service it names, held by the run: its directory as written, made absolute but not
+    resolved, so that every rank given the same path names it alike),
+    emptied first when ``reset`` (a fresh run)."""
     store = config.embedding_store
     if store.service:
         from neorec.embedding_store.client import StoreClient
 
         client = StoreClient(store.service, tls_ca=config.security.tls_ca, token_file=config.security.token_file)
-        open_tier = partial(client.open_tier, reset=reset, owner=str(Path(config.run.dir).resolve()))
+        open_tier = partial(client.open_tier, reset=reset, owner=os.path.abspath(config.run.dir))
     else:
         open_tier = partial(_segment_tier, directory, store.direct_io, reset)
     return StoreSettings(open_tier, ways=store.ways, policy=store.policy, scratch_rows=store.scratch_rows,

@@ -65,6 +65,11 @@ _SLEEP_SLICE_S = 0.1
 """Waiting for a partition, a signal is noticed within this long."""
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""The signals that stop following (after a checkpoint); the later one named wins when
+ranks were sent different ones."""
+
+
 class StopSignal:
     """Turns SIGINT and SIGTERM into a request to stop at the next safe point."""
 
@@ -82,9 +87,8 @@ class StopSignal:
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        kinds = (signal.SIGINT, signal.SIGTERM)
-        previous = {kind: signal.getsignal(kind) for kind in kinds}
-        for kind in kinds:
+        previous = {kind: signal.getsignal(kind) for kind in STOP_SIGNALS}
+        for kind in STOP_SIGNALS:
             signal.signal(kind, self._handle)
         try:
             yield
@@ -154,14 +158,14 @@ class Follower:
         return self._stop_agreed(f"after step {global_step}")
 
     def _stop_agreed(self, where: str) -> bool:
-        """Whether any rank was asked to stop (every rank calls this at the same point)."""
-        stop = self.signal.requested
-        if self.run.context.distributed:
-            stop = global_sum(self.run.context, [float(stop)])[0] > 0
-        if stop and not self.stopped_by:
-            self.stopped_by = self.signal.signal_name or "signal"
+        """Whether any rank was asked to stop (every rank calls this at the same point); then
+        every rank names the signal one of them got (the run's exit status says it)."""
+        got = global_sum(self.run.context, [float(self.signal.signal_name == kind.name) for kind in STOP_SIGNALS])
+        sent = [kind.name for kind, ranks in zip(STOP_SIGNALS, got) if ranks > 0]
+        if sent and not self.stopped_by:
+            self.stopped_by = sent[-1]
             log.info("stopping on %s %s (partition %s)", self.stopped_by, where, self.run.state.partition or "-")
-        return stop
+        return bool(sent)
 
     def summary(self) -> dict[str, Any]:
         state = self.run.state

@@ -166,7 +166,7 @@ class TrainingRun:
         self.dlrm = self.dlrm.to(context.device)
         self.store = store_of(self.dlrm.embeddings)
         if self.store is not None:
-            self.acquired.callback(self.store.close, write_back=False)
+            self.acquired.callback(self._release_store)
         self.store_report: dict[str, float] = {}
         """The store's counters once training ended (for the summary)."""
         self.optimizer = dense_optimizer(self.dlrm, config)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from neorec.common.errors import ConfigError
-from neorec.ingest.partitions import SPLIT_PREFIX, partition_names, with_partition_split
+from neorec.ingest.partitions import MARKER, SPLIT_PREFIX, is_ready, partition_names, with_partition_split
 from neorec.ingest.schema import Dataset
 from neorec.trainer import checkpoint
 from neorec.trainer.checkpoint.checkpointer import check_evaluable
@@ -108,8 +108,14 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None =
 
 def _check_eval_split(dataset: Dataset, split: str) -> None:
     """A :class:`ConfigError` for an eval split a partitioned dataset does not have (a run
-    that followed partitions has no fixed eval split), naming a partition to give instead."""
+    that followed partitions has no fixed eval split), naming a ready partition to give."""
     names = partition_names(dataset.root)
-    if split not in dataset.splits and names:
-        raise ConfigError(f"data.eval_split: the dataset {dataset.root} has no split {split!r}: it is partitioned; "
-                          f"evaluate on a partition, e.g. --set data.eval_split='{SPLIT_PREFIX}{names[-1]}'")
+    if split in dataset.splits or not names:
+        return
+    ready = [name for name in names if is_ready(dataset.root, name)]
+    example = f"e.g. --set data.eval_split='{SPLIT_PREFIX}{ready[-1]}'" if ready else "none is ready yet"
+    if split.startswith(SPLIT_PREFIX):
+        raise ConfigError(f"data.eval_split: partition {split[len(SPLIT_PREFIX):]!r} of {dataset.root} does not exist "
+                          f"or is not ready (no {MARKER} marker); evaluate on a ready partition, {example}")
+    raise ConfigError(f"data.eval_split: the dataset {dataset.root} has no split {split!r}: it is partitioned; "
+                      f"evaluate on a ready partition, {example}")
