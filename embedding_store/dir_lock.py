@@ -22,13 +22,15 @@ LOCK_FILE = ".lock"
 
 
 class DirectoryInUseError(UserError):
-    """Another process (or another owner in this one) holds a store directory."""
+    """Another process (or another owner in this one) holds a store or run directory."""
 
 
 class DirectoryLock:
-    """The lock of ``directory`` (created if missing), held until :meth:`release`."""
+    """The lock of ``directory`` (created if missing), held until :meth:`release`; ``what``
+    the directory is and ``owners`` who may hold it, for the message of a refusal."""
 
-    def __init__(self, directory: str | Path, shared: bool = False) -> None:
+    def __init__(self, directory: str | Path, shared: bool = False, what: str = "store directory",
+                 owners: str = "a trainer or store service") -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / LOCK_FILE
@@ -39,8 +41,8 @@ class DirectoryLock:
             holder = _holder(self._fd)
             self.release()
             raise DirectoryInUseError(
-                f"store directory {self.directory} is in use by {f'process {holder}' if holder else 'another owner'} "
-                f"(a trainer or store service); one owner at a time: stop it or choose another directory") from None
+                f"{what} {self.directory} is in use by {f'process {holder}' if holder else 'another owner'} "
+                f"({owners}); one owner at a time: stop it or choose another directory") from None
         except BaseException:
             self.release()
             raise

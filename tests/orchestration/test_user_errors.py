@@ -2,6 +2,7 @@
 stderr, exit status 2, no traceback, and nothing lost."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -12,7 +13,10 @@ from dataclasses import replace
 import pytest
 
 from neorec.common.errors import ConfigError
+from neorec.embedding_store.dir_lock import DirectoryInUseError
+from neorec.trainer.distributed import SINGLE_PROCESS
 from neorec.trainer.planner.from_config import plan_for_config
+from neorec.trainer.run.loop import TrainingRun
 from neorec.trainer.run.run_dir import METRICS
 from neorec.trainer.run.train import train
 from tests.trainer.test_train import _config
@@ -196,3 +200,15 @@ def test_an_unknown_table_in_sharding_tables_is_refused_on_one_rank_as_on_severa
     store = replace(store, embedding_store=replace(store.embedding_store, tables={"t_nope": 0.1}))
     with pytest.raises(ConfigError, match=r"^embedding_store.tables.t_nope: the dataset has no table 't_nope'"):
         train(store)
+
+
+def test_a_run_directory_has_one_trainer_at_a_time(criteo_dataset, tmp_path):
+    config = _config(criteo_dataset, tmp_path / "run")
+    first = TrainingRun(config, SINGLE_PROCESS)  # set up: it holds the directory
+    for overwrite, resume in ((True, False), (False, True)):
+        with pytest.raises(DirectoryInUseError, match=f"run directory {tmp_path / 'run'} is in use by process "
+                                                      f"{os.getpid()} \\(a trainer\\)"):
+            train(config, overwrite=overwrite, resume=resume)
+    assert (tmp_path / "run" / "config.json").is_file()  # the second trainer removed nothing
+    first.run()  # released as it ends
+    assert train(config, resume=True)["steps"] == first.state.global_step

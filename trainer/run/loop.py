@@ -156,7 +156,12 @@ class TrainingRun:
         if self.follower is not None:
             self.follower.wait_for_first_partition()  # the planner samples lookups from it
         self.plan = job_plan(self.dataset, config, context)
+        self.run_lock = None
+        """Rank 0's lock of the run directory, held until the run ends."""
         if context.is_main:  # an old run is replaced only once the plan is judged too
+            self.run_lock = run_directory.lock(self.run_dir)  # before anything of an old run is removed
+            if self.run_lock is not None:
+                self.acquired.callback(self.run_lock.release)
             run_directory.claim(self.run_dir, overwrite=overwrite, resume=resume)
             mark_claimed(self.run_dir)
         if context.distributed:
@@ -212,7 +217,16 @@ class TrainingRun:
 
     # ------------------------------------------------------------------- the loop
     def run(self, progress: ProgressFn | None = None) -> dict[str, Any]:
-        """Train to the end, evaluating and checkpointing on the way; returns the summary."""
+        """Train to the end, evaluating and checkpointing on the way; returns the summary.
+        The run directory is another trainer's to take once this returns or raises."""
+        try:
+            self._train(progress)
+            return self._summary()
+        finally:
+            if self.run_lock is not None:
+                self.run_lock.release()
+
+    def _train(self, progress: ProgressFn | None) -> None:
         try:
             if self.follower is not None:
                 self.follower.follow(progress)
@@ -234,7 +248,6 @@ class TrainingRun:
             if self.board is not None:
                 self.board.close()
             self._stop_reading()
-        return self._summary()
 
     def _release_store(self) -> None:
         """Close the store tiers of a run that failed, without writing back; a failure to

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -21,6 +22,9 @@ from typing import Any
 
 from neorec.common.durable import write_durably
 from neorec.common.errors import UserError
+from neorec.embedding_store.dir_lock import DirectoryLock
+
+log = logging.getLogger(__name__)
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -29,6 +33,8 @@ PLAN = "plan.json"
 CHECKPOINTS = "checkpoint"
 STORE = "store"
 """The tiers of tables on the embedding store (unless ``embedding_store.dir`` says where)."""
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+"""What ``flock`` fails with where the file system keeps no locks."""
 RUN_FILES = (CONFIG, METRICS, SUMMARY, PLAN, CHECKPOINTS, STORE)
 """What a run writes; ``overwrite`` removes these and nothing else."""
 
@@ -82,6 +88,24 @@ def claim(directory: str | Path, overwrite: bool = False, resume: bool = False) 
     except OSError as err:
         raise RunDirError(f"run directory {path} is not writable: {describe(err)}") from None
     return path
+
+
+def lock(directory: str | Path) -> DirectoryLock | None:
+    """The run directory's lock, the directory created if missing: one trainer a run
+    directory (its rank 0), for the run's lifetime, so that a second trainer given the same
+    directory (``--resume`` or ``--overwrite`` while the first runs) is refused before it
+    changes anything. Raises :class:`DirectoryInUseError` naming the holder's PID, or
+    :class:`RunDirError` when the directory cannot be created. None, with a warning, on a
+    file system without locks (an NFS mount without its lock service, say)."""
+    path = Path(directory)
+    try:
+        return DirectoryLock(path, what="run directory", owners="a trainer")
+    except OSError as err:
+        if err.errno in NO_LOCKS:
+            log.warning("run directory %s cannot be locked (%s): a second trainer on it is not kept out",
+                        path, describe(err))
+            return None
+        raise RunDirError(f"run directory {path} is not writable: {describe(err)}") from None
 
 
 def write_json(path: Path, obj: Any) -> None:
