@@ -11,7 +11,7 @@ from tests.trainer.spawn import run_ranks
 from tests.trainer.test_train import final_state, untimed
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.distributed import SINGLE_PROCESS, DistributedContext
-from neorec.trainer.run.loop import LoopState, _Interval
+from neorec.trainer.run.state import Interval, LoopState
 from neorec.trainer.run.step import StepReport
 from neorec.trainer.run.train import train
 
@@ -72,18 +72,18 @@ def _interval_across_a_checkpoint(rank: int, world: int) -> dict:
     a restore, steps 3-4, the log line; and the same four steps uninterrupted."""
     context = DistributedContext(rank, world, world, rank)
     shares = [0.1 * (rank + 1) + 0.01 * step for step in range(4)]
-    whole = _Interval(context, LoopState())
+    whole = Interval(context, LoopState())
     for share in shares:
         whole.add(share, 64 + rank)
-    before = _Interval(context, LoopState())
+    before = Interval(context, LoopState())
     for share in shares[:2]:
         before.add(share, 64 + rank)
     before.store()
     kept = [asdict(before.state) if rank == 0 else None]
     dist.broadcast_object_list(kept)
     restored = LoopState(**kept[0])
-    _Interval.resume(restored, context)
-    after = _Interval(context, restored)
+    Interval.resume(restored, context)
+    after = Interval(context, restored)
     for share in shares[2:]:
         after.add(share, 64 + rank)
     return {"whole": whole.close(False)[0], "resumed": after.close(False)[0]}
@@ -97,5 +97,5 @@ def test_a_log_interval_cut_by_a_checkpoint_resumes_each_rank_s_own_share():
 
 def test_a_cut_interval_resumed_on_fewer_ranks_goes_to_rank_0():
     state = LoopState(interval_loss_shares=0.5, interval_samples=64, interval_by_rank=[0.5, 0.25, 64.0, 60.0])
-    _Interval.resume(state, SINGLE_PROCESS)
+    Interval.resume(state, SINGLE_PROCESS)
     assert (state.interval_loss_shares, state.interval_samples) == (0.75, 124)
