@@ -28,6 +28,7 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from neorec.ingest.errors import DataError
@@ -40,8 +41,7 @@ from neorec.ingest.vocab import ValueCounter, Vocabulary, as_strings, hash_encod
 VOCAB_DIRECTORY = "vocab"
 HASH_KEY = 0x4E52
 """Hashed ids are a function of the column's name and the value alone."""
-CSV_TRUE = ("true", "True", "TRUE")
-CSV_FALSE = ("false", "False", "FALSE")
+CSV_TRUE, CSV_FALSE = pacsv.ConvertOptions().true_values, pacsv.ConvertOptions().false_values
 """The text of the booleans Arrow's CSV reader reads (as 1 and 0 where a number is due)."""
 COMPARISONS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">": operator.gt,
                "<": operator.lt}
@@ -383,7 +383,7 @@ def _numbers(block: Block, column: str, problem: str) -> pa.Array:
     except pa.ArrowInvalid:
         at = _first_unparsed(lenient)
         raise DataError(f"{problem}, got {raw[at].as_py()!r}", file=block.file, column=column,
-                        row=block.first_row + at + 1) from None
+                        row=_row_at(block, at)) from None
 
 
 def _lenient(strings: pa.Array) -> pa.Array:
@@ -466,7 +466,12 @@ def _column(block: Block, column: str) -> pa.Array:
 
 def _row(block: Block, bad) -> int:
     """The 1-based data row (header excluded) of the first true value of ``bad``."""
-    return block.first_row + int(np.argmax(np.asarray(bad))) + 1
+    return _row_at(block, int(np.argmax(np.asarray(bad))))
+
+
+def _row_at(block: Block, index: int) -> int:
+    """The 1-based data row (header excluded) of the block's row ``index``."""
+    return block.first_row + index + 1
 
 
 def needed_columns(spec: ImportSpec) -> list[str]:

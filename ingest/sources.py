@@ -112,7 +112,7 @@ def read_blocks(file: SourceFile, format: str, *, header: bool = True, column_na
     ``string_columns``, kept as strings (ids: ``007`` must not become 7); an empty field
     is missing. ``columns``: read only these (all when None)."""
     if format != "parquet":
-        yield from _csv_blocks(file, header, column_names, delimiter, columns, string_columns)
+        yield from _csv_blocks(file, format, header, column_names, delimiter, columns, string_columns)
         return
     try:
         yield from _parquet_blocks(file, columns)
@@ -120,7 +120,7 @@ def read_blocks(file: SourceFile, format: str, *, header: bool = True, column_na
         raise DataError(f"cannot read it as {format}: {_first_line(err)}", file=file.name) from None
 
 
-def _csv_blocks(file: SourceFile, header: bool, column_names: Sequence[str], delimiter: str,
+def _csv_blocks(file: SourceFile, format: str, header: bool, column_names: Sequence[str], delimiter: str,
                 columns: Sequence[str] | None, string_columns: Sequence[str]) -> Iterator[Block]:
     read = pacsv.ReadOptions(column_names=list(column_names) or None, block_size=BLOCK_BYTES,
                              skip_rows=1 if header and column_names else 0,
@@ -130,7 +130,7 @@ def _csv_blocks(file: SourceFile, header: bool, column_names: Sequence[str], del
                                    include_columns=list(columns) if columns is not None else None,
                                    strings_can_be_null=True, quoted_strings_can_be_null=True)
     first = 0
-    for batch in csv_batches(file, read, parse, convert, "tsv" if delimiter == "\t" else "csv"):
+    for batch in csv_batches(file, read, parse, convert, format):
         yield Block(batch, file.name, first)
         first += batch.num_rows
 

@@ -112,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     convert.add_argument("--eval-fraction", type=float, default=0.1,
                          help="the newest rows that form the eval split")
-    convert.add_argument("--eval-files", nargs="+", default=[], help="instead: the eval split is these files (some of FILES)")
+    convert.add_argument("--eval-files", nargs="+", default=[],
+                         help="instead: the eval split is these files (some of FILES)")
     convert.add_argument("--min-count", type=at_least(1), default=1,
                          help="categorical values seen fewer times in the train split map to id 0")
     convert.add_argument("--hash-rows", type=at_least(0), default=0,

@@ -482,16 +482,6 @@ class TrainConfig:
                 raise ConfigError(f"model.dynamic.{name}.{err}") from None
         return replace(self, model=replace(self.model, dynamic=resolved)) if resolved else self
 
-    def with_saved_shards(self, saved: dict[str, Any]) -> "TrainConfig":
-        """This config with each dynamic table's ``shards`` 0 (the run's world size) taken
-        from ``saved``, the config of a checkpoint (which keeps the map shards resolved): for
-        evaluating that checkpoint with the config that trained it."""
-        tables = saved.get("model", {}).get("dynamic", {})
-        resolved = {name: dynamic if dynamic.shards or name not in tables
-                    else replace(dynamic, shards=tables[name].get("shards", 0))
-                    for name, dynamic in self.model.dynamic.items()}
-        return replace(self, model=replace(self.model, dynamic=resolved)) if resolved else self
-
     def to_dict(self) -> dict[str, Any]:
         """The config as TOML would write it (``from_dict`` reads it back)."""
         return to_dict(self)

@@ -73,7 +73,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None =
     if config is None:
         config = TrainConfig.from_dict(restorable.manifest.config)
     else:
-        config = config.with_saved_shards(restorable.manifest.config)
+        config = config.for_world(restorable.manifest.world_size)  # map shards 0: the run's, as its checkpoint keeps
         check_evaluable(restorable.manifest.config, config)
     config = replace(config, data=replace(config.data, ingest=list(ingest)))
     config.data.validate()
