@@ -145,9 +145,32 @@ class ServerSecurity:
         return bound
 
 
-SERVER_OPTIONS: list[tuple[str, Any]] = [("grpc.so_reuseport", 0)]
+MIN_PING_INTERVAL_S = 1.0
+"""The shortest interval between a client's pings that a neorec server accepts on a
+connection (see :func:`keepalive`); gRPC's default, 5 minutes, closes the connection of a
+client that pings more often while a call runs without sending data."""
+SERVER_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_PING_INTERVAL_S * 1000)),
+]
 """Options every neorec server takes: a port held by another process is refused, never
-shared (with SO_REUSEPORT two services would answer on one port, alternately)."""
+shared (with SO_REUSEPORT two services would answer on one port, alternately); clients
+may ping every :data:`MIN_PING_INTERVAL_S`."""
+
+
+def keepalive(every_s: float, timeout_s: float) -> list[tuple[str, Any]]:
+    """Channel options under which a client notices a server that stopped answering (a
+    stopped or frozen process, a host gone from the network) within ``every_s + timeout_s``
+    seconds, however long its calls may take: while a call is open the client pings the
+    server every ``every_s`` (at least :data:`MIN_PING_INTERVAL_S`), and a ping not
+    answered within ``timeout_s`` fails every call on the connection with ``UNAVAILABLE``.
+    A server that is only slow (a long flush) answers pings from gRPC's own threads."""
+    every_ms = int(max(every_s, MIN_PING_INTERVAL_S) * 1000)
+    return [("grpc.keepalive_time_ms", every_ms),
+            ("grpc.http2.min_time_between_pings_ms", every_ms),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000))]
 
 
 def _resolves_to_loopback(host: str) -> bool:

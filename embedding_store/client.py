@@ -17,11 +17,16 @@ import numpy as np
 from neorec.common.errors import UserError
 from neorec.embedding_store.segments import TierStats
 from neorec.embedding_store.service import MAX_REPLY_BYTES, MAX_REQUEST_BYTES
-from neorec.common.transport import ClientSecurity, read_token
+from neorec.common.transport import ClientSecurity, keepalive, read_token
 from neorec.protos import store_pb2, store_pb2_grpc
 
 CALL_TIMEOUT_S = 60.0
 """Longest a call may take (a sync flush or a snapshot of a large piece included)."""
+PING_EVERY_S = 5.0
+PING_TIMEOUT_S = 5.0
+"""While a call is open the client pings the service every ``PING_EVERY_S`` seconds; one
+not answered within ``PING_TIMEOUT_S`` fails the call (``UNAVAILABLE``): a service that
+hangs (stopped, or its host gone) is noticed within ~10 s, not at a call's deadline."""
 CHUNK_BYTES = 16 << 20
 """Row bytes per read or write call."""
 
@@ -40,7 +45,8 @@ class StoreClient:
     def __init__(self, address: str, tls_ca: str = "", token_file: str = "") -> None:
         self.address = address
         security = ClientSecurity(tls_ca=tls_ca or None, token=read_token(token_file or None))
-        self.channel = security.channel(address, [("grpc.max_receive_message_length", MAX_REPLY_BYTES),
+        self.channel = security.channel(address, [*keepalive(PING_EVERY_S, PING_TIMEOUT_S),
+                                                  ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
                                                   ("grpc.max_send_message_length", MAX_REQUEST_BYTES)])
         self.stub = store_pb2_grpc.StoreStub(self.channel)
         self.unreachable = False

@@ -1,7 +1,8 @@
 """The store service on a real loopback port: what a client reads back is what it wrote;
 malformed, oversized and out-of-range requests are refused by status code and change
 nothing; a corrupt segment is named; a trainer whose store service dies stops within
-seconds with an error naming it."""
+seconds with an error naming it, and a client notices a stopped service within seconds
+while a slow call runs to its end."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import grpc
 import numpy as np
 import pytest
 
+from neorec.embedding_store import client as client_module
 from neorec.embedding_store.client import RemoteTier, StoreClient, StoreServiceError
-from neorec.embedding_store.service import MAX_REQUEST_BYTES, SERVICE_NAME, StoreServer
+from neorec.embedding_store.service import MAX_REQUEST_BYTES, SERVICE_NAME, StoreServer, StoreServicer
 from neorec.protos import store_pb2
 
 ROWS, WIDTH = 1000, 12
@@ -197,3 +199,51 @@ def test_a_tier_closes_at_once_once_its_service_stopped_answering(tmp_path):
             assert time.monotonic() - started < 1.0  # not another call's deadline
         finally:
             client.close()
+
+
+def test_a_stopped_service_is_noticed_within_seconds_not_at_the_deadline(tmp_path, monkeypatch):
+    monkeypatch.setattr(client_module, "PING_EVERY_S", 1.5)
+    monkeypatch.setattr(client_module, "PING_TIMEOUT_S", 1.5)
+    service = subprocess.Popen([sys.executable, "-m", "neorec.orchestration.cli", "store", "serve", "--dir",
+                                str(tmp_path / "tiers")], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    client = None
+    try:
+        client = StoreClient(service.stdout.readline().split()[-1])
+        tier = client.open_tier("t@0", ROWS, WIDTH, reset=True)
+        tier.write(np.arange(3), np.ones((3, WIDTH), dtype=np.uint8))
+        service.send_signal(signal.SIGSTOP)  # the process is there, its port open: it just never answers
+        started = time.monotonic()
+        with pytest.raises(StoreServiceError, match="Read failed with UNAVAILABLE"):
+            tier.read(np.arange(3))
+        assert time.monotonic() - started < 10  # the call's deadline is 60 s
+        started = time.monotonic()
+        tier.close()
+        assert time.monotonic() - started < 1.0
+    finally:
+        if client is not None:
+            client.close()
+        service.kill()
+
+
+def test_a_slow_call_outlives_the_pings_that_watch_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(client_module, "PING_EVERY_S", 1.5)
+    monkeypatch.setattr(client_module, "PING_TIMEOUT_S", 1.5)
+    flush = StoreServicer.Flush
+
+    def slow_flush(self, request, context):
+        time.sleep(7)  # no data either way meanwhile: only pings (a server that refused them would close the call)
+        return flush(self, request, context)
+
+    monkeypatch.setattr(StoreServicer, "Flush", slow_flush)
+    server = StoreServer(tmp_path / "tiers")
+    server.start()
+    client = StoreClient(server.address)
+    try:
+        tier = client.open_tier("t@0", ROWS, WIDTH, reset=True)
+        tier.write(np.arange(3), np.ones((3, WIDTH), dtype=np.uint8))
+        tier.flush(sync=True)
+        found, data = tier.read(np.arange(4))
+        assert found.tolist() == [True, True, True, False] and (data[:3] == 1).all()
+    finally:
+        client.close()
+        server.stop()
