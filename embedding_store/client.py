@@ -64,9 +64,11 @@ class StoreClient:
 
     def open_tier(self, key: str, rows: int, row_bytes: int, reset: bool = False, owner: str = "") -> "RemoteTier":
         """The piece ``key`` on the service (``reset``: emptied first), held by ``owner``
-        (a run's directory) until closed: the service refuses it to any other owner."""
-        self.call("Open", store_pb2.OpenRequest(key=key, rows=rows, row_bytes=row_bytes, reset=reset, owner=owner))
-        return RemoteTier(self, key, rows, row_bytes, owner)
+        (a run's directory) until closed: the service refuses it to any other owner, and
+        this tier's calls once the piece is opened again (see ``OpenReply.lease``)."""
+        reply = self.call("Open", store_pb2.OpenRequest(key=key, rows=rows, row_bytes=row_bytes, reset=reset,
+                                                        owner=owner))
+        return RemoteTier(self, key, rows, row_bytes, reply.lease)
 
     def status(self, timeout_s: float = 5.0) -> store_pb2.StatusReply:
         return self.call("Status", store_pb2.StatusRequest(), timeout_s)
@@ -76,12 +78,12 @@ class StoreClient:
 
 
 class RemoteTier:
-    """Piece ``key`` of a store service, as a tier."""
+    """Piece ``key`` of a store service, as a tier, held by ``lease`` (its Open's)."""
 
-    def __init__(self, client: StoreClient, key: str, rows: int, row_bytes: int, owner: str = "") -> None:
+    def __init__(self, client: StoreClient, key: str, rows: int, row_bytes: int, lease: int) -> None:
         self.client = client
         self.key = key
-        self.owner = owner
+        self.lease = lease
         self.rows = rows
         self.row_bytes = row_bytes
         self._chunk_rows = max(1, CHUNK_BYTES // (row_bytes + 1))
@@ -93,7 +95,8 @@ class RemoteTier:
         data = np.zeros((rows.size, self.row_bytes), dtype=np.uint8)
         for start in range(0, rows.size, self._chunk_rows):
             part = slice(start, min(start + self._chunk_rows, rows.size))
-            reply = self.client.call("Read", store_pb2.ReadRequest(key=self.key, rows=rows[part].tobytes()))
+            reply = self.client.call("Read", store_pb2.ReadRequest(key=self.key, rows=rows[part].tobytes(),
+                                                                           lease=self.lease))
             count = part.stop - part.start
             if len(reply.found) != count or len(reply.data) != count * self.row_bytes:
                 raise StoreServiceError(f"store service {self.client.address}: Read of {count} rows of piece "
@@ -108,19 +111,19 @@ class RemoteTier:
         for start in range(0, rows.size, self._chunk_rows):
             part = slice(start, min(start + self._chunk_rows, rows.size))
             self.client.call("Write", store_pb2.WriteRequest(key=self.key, rows=rows[part].tobytes(),
-                                                             data=data[part].tobytes()))
+                                                             data=data[part].tobytes(), lease=self.lease))
 
     def flush(self, sync: bool = False) -> None:
-        self.client.call("Flush", store_pb2.FlushRequest(key=self.key, sync=sync))
+        self.client.call("Flush", store_pb2.FlushRequest(key=self.key, sync=sync, lease=self.lease))
 
     def snapshot(self, directory: Path) -> list[tuple[str, int]]:
-        reply = self.client.call("Snapshot", store_pb2.SnapshotRequest(key=self.key,
-                                                                       directory=str(Path(directory).absolute())))
+        reply = self.client.call("Snapshot", store_pb2.SnapshotRequest(
+            key=self.key, directory=str(Path(directory).absolute()), lease=self.lease))
         return [(f.name, f.bytes) for f in reply.files]
 
     def load(self, directory: Path, names: list[str]) -> None:
         self.client.call("Load", store_pb2.LoadRequest(key=self.key, directory=str(Path(directory).absolute()),
-                                                       names=names))
+                                                       names=names, lease=self.lease))
 
     def counters(self) -> TierStats:
         """The piece's counters, as the service reports them."""
@@ -137,4 +140,4 @@ class RemoteTier:
         at once (a service that answers again reopens the piece at the next ``Open``), so
         that a failed run's error is the failure, not a cleanup waiting for a deadline."""
         if not self.client.unreachable:
-            self.client.call("Close", store_pb2.CloseRequest(key=self.key, owner=self.owner))
+            self.client.call("Close", store_pb2.CloseRequest(key=self.key, lease=self.lease))

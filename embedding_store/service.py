@@ -6,12 +6,16 @@ It runs the code of the embedded store: each table piece (a key such as ``t_C1@0
 carry rows as raw bytes (:mod:`neorec.protos.store_pb2`). A bad request ends with a gRPC status
 naming what is wrong and changes nothing: an unknown key (NOT_FOUND), ids out of range,
 sizes that do not match, a malformed key or path (INVALID_ARGUMENT), a piece reopened with
-another shape, or opened or closed by another owner than the one holding it
-(FAILED_PRECONDITION), a corrupt segment (DATA_LOSS, naming the file).
+another shape or opened by another owner than the one holding it, a call with a lease the
+piece no longer has (FAILED_PRECONDITION), a corrupt segment (DATA_LOSS, naming the file).
 
 A piece has one owner while it is open (``OpenRequest.owner``: a run's directory), so that
 two runs given one service cannot write each other's rows; the owner reopens it at will (a
-restarted or resumed run), and ``Close`` releases it.
+restarted or resumed run), and ``Close`` releases it. Each Open answers a new lease, which
+every later call on the piece must give: once a piece is opened again, only its newest
+opener reads and writes it, so a stale trainer of the same run (a second trainer where the
+run directory cannot be locked, an old process that lived on) is refused at its next call
+instead of interleaving its rows with the new one's.
 Requests above :data:`MAX_REQUEST_BYTES` are refused by gRPC itself (RESOURCE_EXHAUSTED).
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -59,6 +64,8 @@ class StoreServicer:
         self._tiers: dict[str, SegmentTier] = {}
         self._owners: dict[str, str] = {}
         """The owner of each open piece (its Open's ``owner``)."""
+        self._leases: dict[str, int] = {}
+        """Each open piece's lease (issued by its newest Open)."""
         self._lock = threading.Lock()
         self._started = time.monotonic()
         self._counts = threading.Lock()
@@ -71,7 +78,7 @@ class StoreServicer:
 
     def Read(self, request: store_pb2.ReadRequest, context: grpc.ServicerContext) -> store_pb2.ReadReply:
         def read() -> store_pb2.ReadReply:
-            tier = self._tier(request.key)
+            tier = self._tier(request.key, request.lease)
             rows = _ids(request.rows, tier)
             if rows.size * (tier.row_bytes + 1) > MAX_REQUEST_BYTES:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -84,7 +91,7 @@ class StoreServicer:
 
     def Write(self, request: store_pb2.WriteRequest, context: grpc.ServicerContext) -> store_pb2.WriteReply:
         def write() -> store_pb2.WriteReply:
-            tier = self._tier(request.key)
+            tier = self._tier(request.key, request.lease)
             rows = _ids(request.rows, tier)
             if len(request.data) != rows.size * tier.row_bytes:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -98,7 +105,7 @@ class StoreServicer:
 
     def Flush(self, request: store_pb2.FlushRequest, context: grpc.ServicerContext) -> store_pb2.FlushReply:
         def flush() -> store_pb2.FlushReply:
-            self._tier(request.key).flush(sync=request.sync)
+            self._tier(request.key, request.lease).flush(sync=request.sync)
             return store_pb2.FlushReply()
 
         return self._serve(context, flush)
@@ -106,7 +113,7 @@ class StoreServicer:
     def Snapshot(self, request: store_pb2.SnapshotRequest,
                  context: grpc.ServicerContext) -> store_pb2.SnapshotReply:
         def snapshot() -> store_pb2.SnapshotReply:
-            files = self._tier(request.key).snapshot(self._directory(request.directory))
+            files = self._tier(request.key, request.lease).snapshot(self._directory(request.directory))
             return store_pb2.SnapshotReply(files=[store_pb2.SegmentFile(name=n, bytes=b) for n, b in files])
 
         return self._serve(context, snapshot)
@@ -121,7 +128,7 @@ class StoreServicer:
             missing = [n for n in names if not (directory / n).is_file()]
             if missing:
                 raise RequestError(grpc.StatusCode.NOT_FOUND, f"{directory / missing[0]} does not exist")
-            self._tier(request.key).load(directory, names)
+            self._tier(request.key, request.lease).load(directory, names)
             return store_pb2.LoadReply()
 
         return self._serve(context, load)
@@ -131,9 +138,9 @@ class StoreServicer:
             key = _key(request.key)
             with self._lock:  # closed before another Open of the key can open its directory again
                 if key in self._tiers:
-                    self._check_owner(key, request.owner, "close")
+                    self._check_lease(key, request.lease)
                     self._tiers.pop(key).close()
-                    del self._owners[key]
+                    del self._owners[key], self._leases[key]
             return store_pb2.CloseReply()
 
         return self._serve(context, close)
@@ -155,7 +162,7 @@ class StoreServicer:
     def close(self) -> None:
         """Write every buffered row and close the tiers."""
         with self._lock:
-            tiers, self._tiers, self._owners = list(self._tiers.values()), {}, {}
+            tiers, self._tiers, self._owners, self._leases = list(self._tiers.values()), {}, {}, {}
         for tier in tiers:
             tier.close()
         self._owner.release()
@@ -188,7 +195,7 @@ class StoreServicer:
         with self._lock:
             tier = self._tiers.get(key)
             if tier is not None:
-                self._check_owner(key, request.owner, "open")
+                self._check_owner(key, request.owner)
             if tier is not None and (tier.rows, tier.row_bytes) != (request.rows, request.row_bytes):
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"piece {key!r} is open with {tier.rows} rows of {tier.row_bytes} bytes, asked for "
@@ -200,14 +207,15 @@ class StoreServicer:
                                    reset=request.reset)
                 self._tiers[key] = tier
             self._owners[key] = request.owner
-        return store_pb2.OpenReply(stored_rows=tier.counters().live_rows)
+            self._leases[key] = lease = 1 + secrets.randbits(63)
+        return store_pb2.OpenReply(stored_rows=tier.counters().live_rows, lease=lease)
 
-    def _check_owner(self, key: str, owner: str, action: str) -> None:
+    def _check_owner(self, key: str, owner: str) -> None:
         """FAILED_PRECONDITION unless ``owner`` holds the open piece ``key`` (with the lock held)."""
         holder = self._owners.get(key, "")
         if owner != holder:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"cannot {action} piece {key!r} for {owner or 'an unnamed client'}: it is held by "
+                               f"cannot open piece {key!r} for {owner or 'an unnamed client'}: it is held by "
                                f"{holder or 'an unnamed client'} (one run at a time per piece: stop that run, or give "
                                f"this one another store service; a run whose trainer is gone releases its pieces when "
                                f"the service restarts)")
@@ -223,11 +231,22 @@ class StoreServicer:
                                f"(neorec store serve --data-root)")
         return Path(path)
 
-    def _tier(self, key: str) -> SegmentTier:
+    def _check_lease(self, key: str, lease: int) -> None:
+        """FAILED_PRECONDITION unless ``lease`` is the open piece ``key``'s (with the lock held)."""
+        if lease != self._leases[key]:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"piece {key!r} is held under a newer Open than this client's (by "
+                               f"{self._owners[key] or 'an unnamed client'}): only the piece's newest opener may use "
+                               f"it (is a second trainer of this run running?)")
+
+    def _tier(self, key: str, lease: int) -> SegmentTier:
+        """The open piece ``key`` if ``lease`` is its lease: else NOT_FOUND or FAILED_PRECONDITION."""
+        key = _key(key)
         with self._lock:
-            tier = self._tiers.get(_key(key))
-        if tier is None:
-            raise RequestError(grpc.StatusCode.NOT_FOUND, f"no piece {key!r} is open on this store service (Open it)")
+            tier = self._tiers.get(key)
+            if tier is None:
+                raise RequestError(grpc.StatusCode.NOT_FOUND, f"no piece {key!r} is open on this store service (Open it)")
+            self._check_lease(key, lease)
         return tier
 
 

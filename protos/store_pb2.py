@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19neorec/protos/store.proto\x12\x0cneorec.store\"Y\n\x0bOpenRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x04\x12\x11\n\trow_bytes\x18\x03 \x01(\r\x12\r\n\x05reset\x18\x04 \x01(\x08\x12\r\n\x05owner\x18\x05 \x01(\t\" \n\tOpenReply\x12\x13\n\x0bstored_rows\x18\x01 \x01(\x04\"(\n\x0bReadRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x0c\"(\n\tReadReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"7\n\x0cWriteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x0c\n\nWriteReply\")\n\x0c\x46lushRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04sync\x18\x02 \x01(\x08\"\x0c\n\nFlushReply\"*\n\x0bSegmentFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"1\n\x0fSnapshotRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\tdirectory\x18\x02 \x01(\t\"9\n\rSnapshotReply\x12(\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x19.neorec.store.SegmentFile\"<\n\x0bLoadRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\r\n\x05names\x18\x03 \x03(\t\"\x0b\n\tLoadReply\"*\n\x0c\x43loseRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\"\x0c\n\nCloseReply\"\x0f\n\rStatusRequest\"\x97\x02\n\x0bPieceStatus\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x04\x12\x11\n\trow_bytes\x18\x03 \x01(\r\x12\x11\n\tlive_rows\x18\x04 \x01(\x04\x12\x13\n\x0bstored_rows\x18\x05 \x01(\x04\x12\x10\n\x08segments\x18\x06 \x01(\r\x12\x11\n\trows_read\x18\x07 \x01(\x04\x12\x12\n\nrows_found\x18\x08 \x01(\x04\x12\x12\n\nbytes_read\x18\t \x01(\x04\x12\x15\n\rbytes_written\x18\n \x01(\x04\x12\x13\n\x0b\x64irty_bytes\x18\x0b \x01(\x04\x12\x13\n\x0b\x63ompactions\x18\x0c \x01(\x04\x12\x15\n\rbuffered_rows\x18\r \x01(\x04\x12\r\n\x05owner\x18\x0e \x01(\t\"\x85\x01\n\x0bStatusReply\x12)\n\x06pieces\x18\x01 \x03(\x0b\x32\x19.neorec.store.PieceStatus\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\x10\n\x08requests\x18\x03 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x04 \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x05 \x01(\x01\x32\x82\x04\n\x05Store\x12:\n\x04Open\x12\x19.neorec.store.OpenRequest\x1a\x17.neorec.store.OpenReply\x12:\n\x04Read\x12\x19.neorec.store.ReadRequest\x1a\x17.neorec.store.ReadReply\x12=\n\x05Write\x12\x1a.neorec.store.WriteRequest\x1a\x18.neorec.store.WriteReply\x12=\n\x05\x46lush\x12\x1a.neorec.store.FlushRequest\x1a\x18.neorec.store.FlushReply\x12\x46\n\x08Snapshot\x12\x1d.neorec.store.SnapshotRequest\x1a\x1b.neorec.store.SnapshotReply\x12:\n\x04Load\x12\x19.neorec.store.LoadRequest\x1a\x17.neorec.store.LoadReply\x12=\n\x05\x43lose\x12\x1a.neorec.store.CloseRequest\x1a\x18.neorec.store.CloseReply\x12@\n\x06Status\x12\x1b.neorec.store.StatusRequest\x1a\x19.neorec.store.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19neorec/protos/store.proto\x12\x0cneorec.store\"Y\n\x0bOpenRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x04\x12\x11\n\trow_bytes\x18\x03 \x01(\r\x12\r\n\x05reset\x18\x04 \x01(\x08\x12\r\n\x05owner\x18\x05 \x01(\t\"/\n\tOpenReply\x12\x13\n\x0bstored_rows\x18\x01 \x01(\x04\x12\r\n\x05lease\x18\x02 \x01(\x04\"7\n\x0bReadRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x0c\x12\r\n\x05lease\x18\x03 \x01(\x04\"(\n\tReadReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"F\n\x0cWriteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05lease\x18\x04 \x01(\x04\"\x0c\n\nWriteReply\"8\n\x0c\x46lushRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04sync\x18\x02 \x01(\x08\x12\r\n\x05lease\x18\x03 \x01(\x04\"\x0c\n\nFlushReply\"*\n\x0bSegmentFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"@\n\x0fSnapshotRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\r\n\x05lease\x18\x03 \x01(\x04\"9\n\rSnapshotReply\x12(\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x19.neorec.store.SegmentFile\"K\n\x0bLoadRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\r\n\x05names\x18\x03 \x03(\t\x12\r\n\x05lease\x18\x04 \x01(\x04\"\x0b\n\tLoadReply\"0\n\x0c\x43loseRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05lease\x18\x03 \x01(\x04J\x04\x08\x02\x10\x03\"\x0c\n\nCloseReply\"\x0f\n\rStatusRequest\"\x97\x02\n\x0bPieceStatus\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x04\x12\x11\n\trow_bytes\x18\x03 \x01(\r\x12\x11\n\tlive_rows\x18\x04 \x01(\x04\x12\x13\n\x0bstored_rows\x18\x05 \x01(\x04\x12\x10\n\x08segments\x18\x06 \x01(\r\x12\x11\n\trows_read\x18\x07 \x01(\x04\x12\x12\n\nrows_found\x18\x08 \x01(\x04\x12\x12\n\nbytes_read\x18\t \x01(\x04\x12\x15\n\rbytes_written\x18\n \x01(\x04\x12\x13\n\x0b\x64irty_bytes\x18\x0b \x01(\x04\x12\x13\n\x0b\x63ompactions\x18\x0c \x01(\x04\x12\x15\n\rbuffered_rows\x18\r \x01(\x04\x12\r\n\x05owner\x18\x0e \x01(\t\"\x85\x01\n\x0bStatusReply\x12)\n\x06pieces\x18\x01 \x03(\x0b\x32\x19.neorec.store.PieceStatus\x12\x11\n\tdirectory\x18\x02 \x01(\t\x12\x10\n\x08requests\x18\x03 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x04 \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x05 \x01(\x01\x32\x82\x04\n\x05Store\x12:\n\x04Open\x12\x19.neorec.store.OpenRequest\x1a\x17.neorec.store.OpenReply\x12:\n\x04Read\x12\x19.neorec.store.ReadRequest\x1a\x17.neorec.store.ReadReply\x12=\n\x05Write\x12\x1a.neorec.store.WriteRequest\x1a\x18.neorec.store.WriteReply\x12=\n\x05\x46lush\x12\x1a.neorec.store.FlushRequest\x1a\x18.neorec.store.FlushReply\x12\x46\n\x08Snapshot\x12\x1d.neorec.store.SnapshotRequest\x1a\x1b.neorec.store.SnapshotReply\x12:\n\x04Load\x12\x19.neorec.store.LoadRequest\x1a\x17.neorec.store.LoadReply\x12=\n\x05\x43lose\x12\x1a.neorec.store.CloseRequest\x1a\x18.neorec.store.CloseReply\x12@\n\x06Status\x12\x1b.neorec.store.StatusRequest\x1a\x19.neorec.store.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,39 +34,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENREQUEST']._serialized_start=43
   _globals['_OPENREQUEST']._serialized_end=132
   _globals['_OPENREPLY']._serialized_start=134
-  _globals['_OPENREPLY']._serialized_end=166
-  _globals['_READREQUEST']._serialized_start=168
-  _globals['_READREQUEST']._serialized_end=208
-  _globals['_READREPLY']._serialized_start=210
-  _globals['_READREPLY']._serialized_end=250
-  _globals['_WRITEREQUEST']._serialized_start=252
-  _globals['_WRITEREQUEST']._serialized_end=307
-  _globals['_WRITEREPLY']._serialized_start=309
-  _globals['_WRITEREPLY']._serialized_end=321
-  _globals['_FLUSHREQUEST']._serialized_start=323
-  _globals['_FLUSHREQUEST']._serialized_end=364
-  _globals['_FLUSHREPLY']._serialized_start=366
-  _globals['_FLUSHREPLY']._serialized_end=378
-  _globals['_SEGMENTFILE']._serialized_start=380
-  _globals['_SEGMENTFILE']._serialized_end=422
-  _globals['_SNAPSHOTREQUEST']._serialized_start=424
-  _globals['_SNAPSHOTREQUEST']._serialized_end=473
-  _globals['_SNAPSHOTREPLY']._serialized_start=475
-  _globals['_SNAPSHOTREPLY']._serialized_end=532
-  _globals['_LOADREQUEST']._serialized_start=534
-  _globals['_LOADREQUEST']._serialized_end=594
-  _globals['_LOADREPLY']._serialized_start=596
-  _globals['_LOADREPLY']._serialized_end=607
-  _globals['_CLOSEREQUEST']._serialized_start=609
-  _globals['_CLOSEREQUEST']._serialized_end=651
-  _globals['_CLOSEREPLY']._serialized_start=653
-  _globals['_CLOSEREPLY']._serialized_end=665
-  _globals['_STATUSREQUEST']._serialized_start=667
-  _globals['_STATUSREQUEST']._serialized_end=682
-  _globals['_PIECESTATUS']._serialized_start=685
-  _globals['_PIECESTATUS']._serialized_end=964
-  _globals['_STATUSREPLY']._serialized_start=967
-  _globals['_STATUSREPLY']._serialized_end=1100
-  _globals['_STORE']._serialized_start=1103
-  _globals['_STORE']._serialized_end=1617
+  _globals['_OPENREPLY']._serialized_end=181
+  _globals['_READREQUEST']._serialized_start=183
+  _globals['_READREQUEST']._serialized_end=238
+  _globals['_READREPLY']._serialized_start=240
+  _globals['_READREPLY']._serialized_end=280
+  _globals['_WRITEREQUEST']._serialized_start=282
+  _globals['_WRITEREQUEST']._serialized_end=352
+  _globals['_WRITEREPLY']._serialized_start=354
+  _globals['_WRITEREPLY']._serialized_end=366
+  _globals['_FLUSHREQUEST']._serialized_start=368
+  _globals['_FLUSHREQUEST']._serialized_end=424
+  _globals['_FLUSHREPLY']._serialized_start=426
+  _globals['_FLUSHREPLY']._serialized_end=438
+  _globals['_SEGMENTFILE']._serialized_start=440
+  _globals['_SEGMENTFILE']._serialized_end=482
+  _globals['_SNAPSHOTREQUEST']._serialized_start=484
+  _globals['_SNAPSHOTREQUEST']._serialized_end=548
+  _globals['_SNAPSHOTREPLY']._serialized_start=550
+  _globals['_SNAPSHOTREPLY']._serialized_end=607
+  _globals['_LOADREQUEST']._serialized_start=609
+  _globals['_LOADREQUEST']._serialized_end=684
+  _globals['_LOADREPLY']._serialized_start=686
+  _globals['_LOADREPLY']._serialized_end=697
+  _globals['_CLOSEREQUEST']._serialized_start=699
+  _globals['_CLOSEREQUEST']._serialized_end=747
+  _globals['_CLOSEREPLY']._serialized_start=749
+  _globals['_CLOSEREPLY']._serialized_end=761
+  _globals['_STATUSREQUEST']._serialized_start=763
+  _globals['_STATUSREQUEST']._serialized_end=778
+  _globals['_PIECESTATUS']._serialized_start=781
+  _globals['_PIECESTATUS']._serialized_end=1060
+  _globals['_STATUSREPLY']._serialized_start=1063
+  _globals['_STATUSREPLY']._serialized_end=1196
+  _globals['_STORE']._serialized_start=1199
+  _globals['_STORE']._serialized_end=1713
 # @@protoc_insertion_point(module_scope)

@@ -93,8 +93,12 @@ def test_bad_requests_are_refused_by_status_and_change_nothing(service, method, 
     tier.write(np.array([5], dtype=np.int64), np.full((1, WIDTH), 7, dtype=np.uint8))
     reply = {"Read": store_pb2.ReadReply, "Write": store_pb2.WriteReply, "Open": store_pb2.OpenReply,
              "Load": store_pb2.LoadReply, "Snapshot": store_pb2.SnapshotReply}[method]
+    request = type(request_)()
+    request.CopyFrom(request_)
+    if method != "Open":
+        request.lease = tier.lease
     with pytest.raises(grpc.RpcError) as caught:
-        _raw(client, method, request_.SerializeToString(), reply)
+        _raw(client, method, request.SerializeToString(), reply)
     assert caught.value.code() == code and text in caught.value.details()
     found, data = tier.read(np.array([5, 6], dtype=np.int64))  # it still serves, and nothing changed
     assert found.tolist() == [True, False] and (data[0] == 7).all()
@@ -105,16 +109,35 @@ def test_an_open_piece_is_held_by_its_owner_alone(service):
     _, client = service
     mine = client.open_tier("t@0", ROWS, WIDTH, reset=True, owner="/runs/a")
     mine.write(np.arange(5, dtype=np.int64), np.full((5, WIDTH), 7, dtype=np.uint8))
-    for action in (lambda: client.open_tier("t@0", ROWS, WIDTH, reset=True, owner="/runs/b"),
-                   lambda: RemoteTier(client, "t@0", ROWS, WIDTH, owner="/runs/b").close()):
-        with pytest.raises(StoreServiceError, match="FAILED_PRECONDITION.*'t@0' for /runs/b: it is held by /runs/a"):
-            action()
-    found, back = client.open_tier("t@0", ROWS, WIDTH, owner="/runs/a").read(np.arange(5))  # reopened by its owner
+    with pytest.raises(StoreServiceError, match="FAILED_PRECONDITION.*'t@0' for /runs/b: it is held by /runs/a"):
+        client.open_tier("t@0", ROWS, WIDTH, reset=True, owner="/runs/b")
+    with pytest.raises(StoreServiceError, match="Close failed with FAILED_PRECONDITION.*newer Open.*by /runs/a"):
+        RemoteTier(client, "t@0", ROWS, WIDTH, lease=mine.lease + 1).close()  # a client that never opened it
+    again = client.open_tier("t@0", ROWS, WIDTH, owner="/runs/a")  # reopened by its owner
+    found, back = again.read(np.arange(5))
     assert found.all() and (back == 7).all()  # the refused reset emptied nothing
     assert client.status().pieces[0].owner == "/runs/a"
-    mine.close()
+    again.close()
     theirs = client.open_tier("t@0", ROWS, WIDTH, reset=True, owner="/runs/b")  # released: another run's now
     assert not theirs.read(np.arange(5))[0].any()
+
+
+def test_a_reopened_piece_refuses_its_former_holder(tmp_path, service):
+    _, client = service
+    stale = client.open_tier("t@0", ROWS, WIDTH, reset=True, owner="/runs/a")
+    stale.write(np.arange(5, dtype=np.int64), np.full((5, WIDTH), 7, dtype=np.uint8))
+    newest = client.open_tier("t@0", ROWS, WIDTH, owner="/runs/a")  # the same run, started again
+    assert newest.lease != stale.lease
+    for action in (lambda: stale.write(np.arange(3, dtype=np.int64), np.zeros((3, WIDTH), dtype=np.uint8)),
+                   lambda: stale.read(np.arange(3)), lambda: stale.flush(sync=True),
+                   lambda: stale.snapshot(tmp_path / "tiers" / "snap"), lambda: stale.load(tmp_path / "tiers", []),
+                   stale.close):
+        with pytest.raises(StoreServiceError, match="FAILED_PRECONDITION: piece 't@0' is held under a newer Open"):
+            action()
+    found, back = newest.read(np.arange(6))
+    assert found.tolist() == [True] * 5 + [False] and (back[:5] == 7).all()  # nothing the stale holder sent landed
+    newest.close()
+    assert client.status().pieces == []
 
 
 def test_garbage_and_oversized_requests_are_refused(service):
@@ -195,7 +218,7 @@ def test_a_tier_closes_at_once_once_its_service_stopped_answering(tmp_path):
             with pytest.raises(StoreServiceError, match="Status failed with DEADLINE_EXCEEDED"):
                 client.status(timeout_s=0.5)
             started = time.monotonic()
-            RemoteTier(client, "t@0", ROWS, WIDTH).close()
+            RemoteTier(client, "t@0", ROWS, WIDTH, lease=1).close()
             assert time.monotonic() - started < 1.0  # not another call's deadline
         finally:
             client.close()
