@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -88,6 +89,22 @@ def _read_pem(path: str, what: str, kind: str) -> bytes:
     return data
 
 
+def _check_pair(certificate: str, key: str) -> None:
+    """:class:`EndpointError` naming both files unless ``key`` is the unencrypted private
+    key of the certificate in ``certificate`` (gRPC would only fail to bind, after logging
+    its own lines)."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certificate, key, password=lambda: b"")
+    except ssl.SSLError as err:
+        if err.reason in ("KEY_VALUES_MISMATCH", "NO_CERTIFICATE_ASSIGNED"):
+            reason = "the key is not the certificate's"
+        elif b"ENCRYPTED" in _read(key, "TLS key"):
+            reason = "the key is encrypted (a service needs it unencrypted)"
+        else:
+            reason = f"they cannot be loaded ({err})"
+        raise EndpointError(f"the TLS certificate {certificate} and key {key} do not make a pair: {reason}") from None
+
+
 @dataclass(frozen=True)
 class ServerSecurity:
     """How a service accepts connections."""
@@ -116,9 +133,9 @@ class ServerSecurity:
 
         Raises :class:`EndpointError`, in one line, for a port outside [0, 65535], a host
         that does not resolve, a port already taken, a non-loopback host without TLS or a
-        token (unless ``insecure``), or a TLS certificate or key that is not PEM (a pair
-        that gRPC refuses otherwise, such as a key that does not match its certificate, is
-        a failure to bind that says so)."""
+        token (unless ``insecure``), a TLS certificate or key that is not PEM, or a key
+        that is not the certificate's (a pair that gRPC refuses otherwise is a failure to
+        bind that says so)."""
         if not 0 <= port <= 65535:
             raise EndpointError(f"port {port} is outside [0, 65535]")
         loopback = _resolves_to_loopback(host)
@@ -132,6 +149,7 @@ class ServerSecurity:
             if self.tls:
                 certificate = _read_pem(self.tls_cert, "TLS certificate", "certificate")
                 key = _read_pem(self.tls_key, "TLS key", "private key")
+                _check_pair(self.tls_cert, self.tls_key)
                 credentials = grpc.ssl_server_credentials([(key, certificate)])
                 bound = server.add_secure_port(address, credentials)
             else:

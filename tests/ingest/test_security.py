@@ -109,7 +109,7 @@ def test_ports_in_use_out_of_range_and_unknown_hosts_are_one_line_errors():
     _one_line_error(_neorec("ingest", "serve", "--data-root", "/no/such/dir"), "is not a directory")
 
 
-def test_a_tls_file_that_is_not_pem_or_a_mismatched_pair_is_named(certificate, tmp_path):
+def test_a_tls_file_that_is_not_pem_or_a_pair_that_does_not_match_is_named(certificate, tmp_path):
     cert, key = certificate
     not_pem = tmp_path / "not.pem"
     not_pem.write_text("hello\n")
@@ -122,8 +122,14 @@ def test_a_tls_file_that_is_not_pem_or_a_mismatched_pair_is_named(certificate, t
                     f"TLS certificate {key} is not a PEM certificate")  # the two swapped
     other_key = tmp_path / "other-key.pem"
     subprocess.run(["openssl", "genpkey", "-algorithm", "RSA", "-out", str(other_key)], check=True, capture_output=True)
-    _one_line_error(_neorec("ingest", "serve", "--tls-cert", str(cert), "--tls-key", str(other_key)),
-                    f"the TLS certificate {cert} and key {other_key} may not be valid or may not match")
+    encrypted = tmp_path / "encrypted-key.pem"
+    subprocess.run(["openssl", "genpkey", "-algorithm", "RSA", "-aes128", "-pass", "pass:secret", "-out",
+                    str(encrypted)], check=True, capture_output=True)
+    for command in (["ingest", "serve"], ["store", "serve", "--dir", str(tmp_path / "store")]):
+        for bad_key, reason in ((other_key, "the key is not the certificate's"), (encrypted, "the key is encrypted")):
+            result = _neorec(*command, "--tls-cert", str(cert), "--tls-key", str(bad_key))
+            _one_line_error(result, f"the TLS certificate {cert} and key {bad_key} do not make a pair: {reason}")
+            assert len(result.stderr.splitlines()) == 1, result.stderr  # before gRPC logs a word
     for group in ("ingest", "store"):  # a client's CA file, checked before it connects
         _one_line_error(_neorec(group, "status", "127.0.0.1:1", "--tls-ca", str(not_pem)),
                         f"TLS CA certificate {not_pem} is not a PEM certificate")
