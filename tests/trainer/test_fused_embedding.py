@@ -7,7 +7,7 @@ from tests.trainer.reference import ReferenceOptimizer, random_kjt, reference_po
 from neorec.trainer.batch import KeyedJaggedTensor
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
-from neorec.trainer.embedding.kernels.forward import LANES, pooled_forward, pooled_sum_lanes, streams_output
+from neorec.trainer.embedding.kernels.forward import LANES, MIN_LANES, pooled_forward, pooled_sum_lanes, streams_output
 from neorec.trainer.embedding.kernels.registers import STREAM_ALIGNMENT
 from neorec.trainer.embedding.kernels.precision import FP32
 
@@ -144,15 +144,17 @@ def test_bit_identical_with_one_and_two_threads(weight_dtype):
 
 
 def test_wide_float32_sums_pool_in_registers_like_the_general_kernel(monkeypatch):
-    """Tables whose width is a multiple of the register kernel's lanes, fp32 and unweighted
-    sums, take :func:`pooled_sum_lanes`; the same ids with unit weights take the general
-    kernel. Outputs and three steps of training agree bit for bit, and with the reference;
-    the register kernel streams its output (torch's buffers are aligned for it)."""
+    """Tables whose width is a multiple of the register kernel's fewest lanes (64, 32 or 16
+    columns at a time), fp32 and unweighted sums, take :func:`pooled_sum_lanes`; the same
+    ids with unit weights take the general kernel. Outputs and three steps of training
+    agree bit for bit, and with the reference; the register kernel streams its output
+    (torch's buffers are aligned for it)."""
     from neorec.trainer.embedding import fused
 
     calls = []
     monkeypatch.setattr(fused, "pooled_sum_lanes", lambda *args: calls.append(args[-1]) or pooled_sum_lanes(*args))
-    tables = [TableConfig("wide", 50, 2 * LANES, ("a", "b")), TableConfig("narrow", 30, LANES, ("c",))]
+    tables = [TableConfig("wide", 50, 2 * LANES, ("a", "b")), TableConfig("narrow", 30, LANES, ("c",)),
+              *(TableConfig(f"w{dim}", 20, dim, (f"f{dim}",)) for dim in (MIN_LANES, 2 * MIN_LANES, 3 * MIN_LANES, 96))]
     optimizer = SparseOptimizer("rowwise_adagrad", 0.1)
     in_registers = FusedEmbeddingBagCollection(tables, optimizer, seed=4)
     in_memory = FusedEmbeddingBagCollection(tables, optimizer, seed=4)
@@ -179,12 +181,12 @@ def _aligned_nans(n: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_the_register_kernel_counts_out_of_range_ids_as_the_general_kernel_does(stream):
+@pytest.mark.parametrize("dim", [MIN_LANES, 2 * MIN_LANES, 2 * LANES])
+def test_the_register_kernel_counts_out_of_range_ids_as_the_general_kernel_does(stream, dim):
     """The kernels count out-of-range ids (the module's ``"fatal"`` check names one when
     they count any), each id once however many lanes its row spans, and pool the other ids
     alike, whether the register kernel stores its output through the caches or around
     them."""
-    dim = 2 * LANES
     weights = np.random.default_rng(0).standard_normal(10 * dim).astype(np.float32)
     i64 = lambda *v: np.array(v, dtype=np.int64)
     layout = (i64(0), i64(dim), i64(10), i64(0), i64(0), i64(0))  # offsets, dims, rows; feature: table, source, column

@@ -4,7 +4,7 @@ Weights of all tables live in one flat array (float32, or fp16/bf16 bit patterns
 table ``t`` occupies ``weights[table_offsets[t] : table_offsets[t] + rows[t] * dims[t]]``
 row-major. Pooling is in float32 whatever the storage. :func:`pooled_forward` pools any
 batch; :func:`pooled_sum_lanes` the common case of float32 rows, unweighted sums and widths
-that are multiples of 64, faster (see :func:`sums_in_registers`).
+that are multiples of 16, faster (see :func:`sums_in_registers`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from neorec.common.borrowed_view import borrowed_view
 from neorec.common.cache_prefetch import prefetch_to_l2
 from neorec.trainer.embedding.kernels.precision import FP32, decode
 from neorec.trainer.embedding.kernels.registers import STREAM_ALIGNMENT, fence_streaming, stack_floats, store_streaming
@@ -25,6 +26,8 @@ JOBS_PER_THREAD = 8
 """Jobs are made small enough that each thread gets about this many (load balance)."""
 LANES = 64
 """Row columns :func:`pooled_sum_lanes` sums at once, in registers (four 16-float vectors)."""
+MIN_LANES = 16
+"""The fewest it sums at once: it pools tables whose widths are multiples of this."""
 
 
 def bags_per_job(num_bags: int, threads: int) -> int:
@@ -53,15 +56,15 @@ def _job(job, jobs_per_feature, bags_per_job, batch_size, table_offsets, dims, r
 
 def sums_in_registers(precision: int, dims: np.ndarray, scaled: bool) -> bool:
     """Whether :func:`pooled_sum_lanes` can pool a batch: float32 rows, every table's width
-    (``dims``, int64 ``[T]``) a multiple of :data:`LANES`, and no id's row scaled (``scaled``:
-    the batch has id weights or a table mean-pools)."""
-    return precision == FP32 and not scaled and bool(np.all(dims % LANES == 0))
+    (``dims``, int64 ``[T]``) a multiple of :data:`MIN_LANES`, and no id's row scaled
+    (``scaled``: the batch has id weights or a table mean-pools)."""
+    return precision == FP32 and not scaled and bool(np.all(dims % MIN_LANES == 0))
 
 
 def streams_output(out: np.ndarray) -> bool:
     """Whether :func:`pooled_sum_lanes` can store ``out`` (its float32 output) with
     non-temporal stores: its first element is on a :data:`STREAM_ALIGNMENT` boundary (a
-    bag's columns then are too, its widths being multiples of :data:`LANES`)."""
+    bag's columns then are too, its widths being multiples of :data:`MIN_LANES`)."""
     return out.ctypes.data % STREAM_ALIGNMENT == 0
 
 
@@ -143,7 +146,7 @@ def pooled_forward(
 def pooled_sum_lanes(
     weights: np.ndarray,         # float32 [sum(rows * dims)]
     table_offsets: np.ndarray,   # int64 [T]
-    dims: np.ndarray,            # int64 [T], each a multiple of LANES
+    dims: np.ndarray,            # int64 [T], each a multiple of MIN_LANES
     rows: np.ndarray,            # int64 [T]
     feature_table: np.ndarray,   # int64 [F]
     feature_source: np.ndarray,  # int64 [F]
@@ -157,51 +160,74 @@ def pooled_sum_lanes(
     stream: bool,                # store ``out`` around the caches (see streams_output)
 ) -> int:
     """:func:`pooled_forward` for float32 rows, unweighted sum pooling and widths that are
-    multiples of :data:`LANES` (see :func:`sums_in_registers`), with the same result bit
-    for bit: each bag's :data:`LANES` columns at a time are summed in registers and stored
-    once, where the general kernel adds every row into the output in memory (the
-    half-precision decoding, id weights and means that the general kernel also handles keep
-    LLVM from doing the same there). With ``stream`` the sums go to memory by non-temporal
-    stores: the output is written once and read by the next layer, and a plain store would
-    first read every line it overwrites (a batch's output is tens of MB) and evict table
-    rows for it. Returns the number of out-of-range ids."""
+    multiples of :data:`MIN_LANES` (see :func:`sums_in_registers`), with the same result
+    bit for bit: each bag's columns are summed in registers, :data:`LANES` at a time (32 or
+    16 for a table whose width is not a multiple of 64 or 32), and stored once, where the
+    general kernel adds every row into the output in memory (the half-precision decoding,
+    id weights and means that the general kernel also handles keep LLVM from doing the
+    same there). With ``stream`` the sums go to memory by non-temporal stores: the output
+    is written once and read by the next layer, and a plain store would first read every
+    line it overwrites (a batch's output is tens of MB) and evict table rows for it.
+    Returns the number of out-of-range ids."""
     width = out.shape[0] // max(batch_size, 1)
     jobs_per_feature = -(-batch_size // bags_per_job)
-    bad = 0
-    for job in numba.prange(feature_table.shape[0] * jobs_per_feature):
+    bad = np.zeros(feature_table.shape[0] * jobs_per_feature, dtype=np.int64)  # per job: no reduction over
+    for job in numba.prange(bad.shape[0]):                                    # the inlined loops (Numba)
         t, dim, base, table_rows, column, first_bag, last_bag, source, feature_end = _job(
             job, jobs_per_feature, bags_per_job, batch_size, table_offsets, dims, rows, feature_table, feature_source,
             out_columns, bag_offsets)
         sums = stack_floats(LANES)
-        for b in range(first_bag, last_bag):
-            o = b * width + column
-            start = bag_offsets[source + b]
-            end = bag_offsets[source + b + 1]
-            for c in range(0, dim, LANES):
-                for d in range(LANES):
-                    sums[d] = 0.0
-                for p in range(start, end):
-                    ahead = p + PREFETCH_IDS
-                    if ahead < feature_end:
-                        row_ahead = values[ahead]
-                        if 0 <= row_ahead < table_rows:
-                            for d in range(0, LANES, 16):
-                                prefetch_to_l2(weights, base + row_ahead * dim + c + d)
-                    upstream_of_id[p] = o
-                    idx = values[p]
-                    if idx < 0 or idx >= table_rows:
-                        if c == 0:
-                            bad += 1
-                        continue
-                    row = weights[base + idx * dim + c : base + idx * dim + c + LANES]
-                    for d in range(LANES):
-                        sums[d] += row[d]
-                if stream:
-                    store_streaming(out, o + c, sums, LANES)
-                else:
-                    pooled = out[o + c : o + c + LANES]
-                    for d in range(LANES):
-                        pooled[d] = sums[d]
+        # one copy of the loops per lane count, each with its count a constant (registers)
+        if dim % 64 == 0:
+            job_bad = _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, 64, dim, base, table_rows,
+                                 width, column, first_bag, last_bag, source, feature_end, stream)
+        elif dim % 32 == 0:
+            job_bad = _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, 32, dim, base, table_rows,
+                                 width, column, first_bag, last_bag, source, feature_end, stream)
+        else:
+            job_bad = _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, 16, dim, base, table_rows,
+                                 width, column, first_bag, last_bag, source, feature_end, stream)
+        bad[job] = job_bad
         if stream:
             fence_streaming()
-    return bad
+    return bad.sum()
+
+
+@numba.njit(inline="always")
+def _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, lanes, dim, base, table_rows, width, column,
+               first_bag, last_bag, source, feature_end, stream):
+    """:func:`pooled_sum_lanes`' bags ``[first_bag, last_bag)`` of one feature, ``lanes``
+    columns at a time (a constant at each call, so that ``sums``, a stack array, lives in
+    registers); returns the count of out-of-range ids."""
+    missing = 0
+    for b in range(first_bag, last_bag):
+        o = b * width + column
+        start = bag_offsets[source + b]
+        end = bag_offsets[source + b + 1]
+        for c in range(0, dim, lanes):
+            for d in range(lanes):
+                sums[d] = 0.0
+            for p in range(start, end):
+                ahead = p + PREFETCH_IDS
+                if ahead < feature_end:
+                    row_ahead = values[ahead]
+                    if 0 <= row_ahead < table_rows:
+                        for d in range(0, lanes, 16):
+                            prefetch_to_l2(weights, base + row_ahead * dim + c + d)
+                upstream_of_id[p] = o
+                idx = values[p]
+                if idx < 0 or idx >= table_rows:
+                    if c == 0:
+                        missing += 1
+                    continue
+                row = weights[base + idx * dim + c : base + idx * dim + c + lanes]
+                for d in range(lanes):
+                    sums[d] += row[d]
+            if stream:
+                for d in range(0, lanes, 16):
+                    store_streaming(out, o + c + d, borrowed_view(sums, d, 16), 16)
+            else:
+                pooled = out[o + c : o + c + lanes]
+                for d in range(lanes):
+                    pooled[d] = sums[d]
+    return missing
