@@ -109,7 +109,7 @@ def pooled_forward(
             out_columns, bag_offsets)
         for b in range(first_bag, last_bag):
             o = b * width + column
-            pooled = out[o : o + dim]  # slices indexed by the loop counter vectorize
+            pooled = borrowed_view(out, o, dim)  # indexed by the loop counter: vectorizes
             start = bag_offsets[source + b]
             end = bag_offsets[source + b + 1]
             count = np.float32(end - start) if mean_pooling[t] else np.float32(1.0)
@@ -129,11 +129,11 @@ def pooled_forward(
                     continue
                 row = base + idx * dim
                 if precision == FP32:
-                    row_weights = weights[row : row + dim]
+                    row_weights = borrowed_view(weights, row, dim)
                     for d in range(dim):
                         pooled[d] += w * row_weights[d]
                 else:
-                    row_bits = weights16[row : row + dim]
+                    row_bits = borrowed_view(weights16, row, dim)
                     for d in range(dim):
                         pooled[d] += w * decode(row_bits[d], precision)
             if mean_pooling[t] and end > start:
@@ -220,14 +220,14 @@ def _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, lanes, d
                     if c == 0:
                         missing += 1
                     continue
-                row = weights[base + idx * dim + c : base + idx * dim + c + lanes]
+                row = borrowed_view(weights, base + idx * dim + c, lanes)  # idx checked: in its table
                 for d in range(lanes):
                     sums[d] += row[d]
             if stream:
                 for d in range(0, lanes, 16):
                     store_streaming(out, o + c + d, borrowed_view(sums, d, 16), 16)
             else:
-                pooled = out[o + c : o + c + lanes]
+                pooled = borrowed_view(out, o + c, lanes)
                 for d in range(lanes):
                     pooled[d] = sums[d]
     return missing
