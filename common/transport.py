@@ -89,20 +89,23 @@ def _read_pem(path: str, what: str, kind: str) -> bytes:
     return data
 
 
-def _check_pair(certificate: str, key: str) -> None:
-    """:class:`EndpointError` naming both files unless ``key`` is the unencrypted private
-    key of the certificate in ``certificate`` (gRPC would only fail to bind, after logging
-    its own lines)."""
-    try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certificate, key, password=lambda: b"")
-    except ssl.SSLError as err:
-        if err.reason in ("KEY_VALUES_MISMATCH", "NO_CERTIFICATE_ASSIGNED"):
-            reason = "the key is not the certificate's"
-        elif b"ENCRYPTED" in _read(key, "TLS key"):
-            reason = "the key is encrypted (a service needs it unencrypted)"
-        else:
-            reason = f"they cannot be loaded ({err})"
-        raise EndpointError(f"the TLS certificate {certificate} and key {key} do not make a pair: {reason}") from None
+def _check_pair(certificate: str, key: str, key_pem: bytes) -> None:
+    """:class:`EndpointError` naming both files if the private key ``key`` (its bytes
+    ``key_pem``) is encrypted or is not the key of the certificate in ``certificate``:
+    gRPC would only fail to bind, after logging its own lines. Anything else the C
+    library's TLS refuses is left to gRPC's own TLS, which may accept it (another library,
+    without the system's security level)."""
+    if b"ENCRYPTED" in key_pem:
+        reason = "the key is encrypted (a service needs it unencrypted)"
+    else:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certificate, key)
+            return
+        except (ssl.SSLError, OSError) as err:
+            if getattr(err, "reason", None) not in ("KEY_VALUES_MISMATCH", "NO_CERTIFICATE_ASSIGNED"):
+                return
+        reason = "the key is not the certificate's"
+    raise EndpointError(f"the TLS certificate {certificate} and key {key} do not make a pair: {reason}")
 
 
 @dataclass(frozen=True)
@@ -133,9 +136,9 @@ class ServerSecurity:
 
         Raises :class:`EndpointError`, in one line, for a port outside [0, 65535], a host
         that does not resolve, a port already taken, a non-loopback host without TLS or a
-        token (unless ``insecure``), a TLS certificate or key that is not PEM, or a key
-        that is not the certificate's (a pair that gRPC refuses otherwise is a failure to
-        bind that says so)."""
+        token (unless ``insecure``), a TLS certificate or key that is not PEM, a key that is
+        encrypted or is not the certificate's (a pair that gRPC refuses otherwise is a
+        failure to bind that says so)."""
         if not 0 <= port <= 65535:
             raise EndpointError(f"port {port} is outside [0, 65535]")
         loopback = _resolves_to_loopback(host)
@@ -149,7 +152,7 @@ class ServerSecurity:
             if self.tls:
                 certificate = _read_pem(self.tls_cert, "TLS certificate", "certificate")
                 key = _read_pem(self.tls_key, "TLS key", "private key")
-                _check_pair(self.tls_cert, self.tls_key)
+                _check_pair(self.tls_cert, self.tls_key, key)
                 credentials = grpc.ssl_server_credentials([(key, certificate)])
                 bound = server.add_secure_port(address, credentials)
             else:
@@ -185,7 +188,6 @@ def keepalive(every_s: float, timeout_s: float) -> list[tuple[str, Any]]:
     A server that is only slow (a long flush) answers pings from gRPC's own threads."""
     every_ms = int(max(every_s, MIN_PING_INTERVAL_S) * 1000)
     return [("grpc.keepalive_time_ms", every_ms),
-            ("grpc.http2.min_time_between_pings_ms", every_ms),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
             ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000))]

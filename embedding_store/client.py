@@ -23,10 +23,10 @@ from neorec.protos import store_pb2, store_pb2_grpc
 CALL_TIMEOUT_S = 60.0
 """Longest a call may take (a sync flush or a snapshot of a large piece included)."""
 PING_EVERY_S = 5.0
+"""While a call is open the client pings the service this often (seconds)."""
 PING_TIMEOUT_S = 5.0
-"""While a call is open the client pings the service every ``PING_EVERY_S`` seconds; one
-not answered within ``PING_TIMEOUT_S`` fails the call (``UNAVAILABLE``): a service that
-hangs (stopped, or its host gone) is noticed within ~10 s, not at a call's deadline."""
+"""A ping not answered within this many seconds fails the call (``UNAVAILABLE``): a service
+that hangs (stopped, or its host gone) is noticed within ~10 s, not at a call's deadline."""
 CHUNK_BYTES = 16 << 20
 """Row bytes per read or write call."""
 

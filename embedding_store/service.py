@@ -27,7 +27,8 @@ import secrets
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -78,34 +79,35 @@ class StoreServicer:
 
     def Read(self, request: store_pb2.ReadRequest, context: grpc.ServicerContext) -> store_pb2.ReadReply:
         def read() -> store_pb2.ReadReply:
-            tier = self._tier(request.key, request.lease)
-            rows = _ids(request.rows, tier)
-            if rows.size * (tier.row_bytes + 1) > MAX_REQUEST_BYTES:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"{rows.size} rows of {tier.row_bytes} bytes exceed the {MAX_REQUEST_BYTES}-byte "
-                                   f"reply limit: ask for fewer")
-            found, data = tier.read(rows)
+            with self._held(request.key, request.lease) as tier:
+                rows = _ids(request.rows, tier)
+                if rows.size * (tier.row_bytes + 1) > MAX_REQUEST_BYTES:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"{rows.size} rows of {tier.row_bytes} bytes exceed the "
+                                       f"{MAX_REQUEST_BYTES}-byte reply limit: ask for fewer")
+                found, data = tier.read(rows)
             return store_pb2.ReadReply(found=found.astype(np.uint8).tobytes(), data=data.tobytes())
 
         return self._serve(context, read)
 
     def Write(self, request: store_pb2.WriteRequest, context: grpc.ServicerContext) -> store_pb2.WriteReply:
         def write() -> store_pb2.WriteReply:
-            tier = self._tier(request.key, request.lease)
-            rows = _ids(request.rows, tier)
-            if len(request.data) != rows.size * tier.row_bytes:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"{len(request.data)} data bytes for {rows.size} rows of {tier.row_bytes} bytes")
-            if np.unique(rows).size != rows.size:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "rows to write must be distinct")
-            tier.write(rows, np.frombuffer(request.data, dtype=np.uint8).reshape(rows.size, tier.row_bytes))
+            with self._held(request.key, request.lease) as tier:
+                rows = _ids(request.rows, tier)
+                if len(request.data) != rows.size * tier.row_bytes:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"{len(request.data)} data bytes for {rows.size} rows of {tier.row_bytes} bytes")
+                if np.unique(rows).size != rows.size:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "rows to write must be distinct")
+                tier.write(rows, np.frombuffer(request.data, dtype=np.uint8).reshape(rows.size, tier.row_bytes))
             return store_pb2.WriteReply()
 
         return self._serve(context, write)
 
     def Flush(self, request: store_pb2.FlushRequest, context: grpc.ServicerContext) -> store_pb2.FlushReply:
         def flush() -> store_pb2.FlushReply:
-            self._tier(request.key, request.lease).flush(sync=request.sync)
+            with self._held(request.key, request.lease) as tier:
+                tier.flush(sync=request.sync)
             return store_pb2.FlushReply()
 
         return self._serve(context, flush)
@@ -113,22 +115,24 @@ class StoreServicer:
     def Snapshot(self, request: store_pb2.SnapshotRequest,
                  context: grpc.ServicerContext) -> store_pb2.SnapshotReply:
         def snapshot() -> store_pb2.SnapshotReply:
-            files = self._tier(request.key, request.lease).snapshot(self._directory(request.directory))
+            with self._held(request.key, request.lease) as tier:
+                files = tier.snapshot(self._directory(request.directory))
             return store_pb2.SnapshotReply(files=[store_pb2.SegmentFile(name=n, bytes=b) for n, b in files])
 
         return self._serve(context, snapshot)
 
     def Load(self, request: store_pb2.LoadRequest, context: grpc.ServicerContext) -> store_pb2.LoadReply:
         def load() -> store_pb2.LoadReply:
-            names = list(request.names)
-            bad = [n for n in names if not SEGMENT_NAME.fullmatch(n)]
-            if bad:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"not a segment file name: {bad[0]!r}")
-            directory = self._directory(request.directory)
-            missing = [n for n in names if not (directory / n).is_file()]
-            if missing:
-                raise RequestError(grpc.StatusCode.NOT_FOUND, f"{directory / missing[0]} does not exist")
-            self._tier(request.key, request.lease).load(directory, names)
+            with self._held(request.key, request.lease) as tier:
+                names = list(request.names)
+                bad = [n for n in names if not SEGMENT_NAME.fullmatch(n)]
+                if bad:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"not a segment file name: {bad[0]!r}")
+                directory = self._directory(request.directory)
+                missing = [n for n in names if not (directory / n).is_file()]
+                if missing:
+                    raise RequestError(grpc.StatusCode.NOT_FOUND, f"{directory / missing[0]} does not exist")
+                tier.load(directory, names)
             return store_pb2.LoadReply()
 
         return self._serve(context, load)
@@ -137,10 +141,12 @@ class StoreServicer:
         def close() -> store_pb2.CloseReply:
             key = _key(request.key)
             with self._lock:  # closed before another Open of the key can open its directory again
-                if key in self._tiers:
-                    self._check_lease(key, request.lease)
-                    self._tiers.pop(key).close()
-                    del self._owners[key], self._leases[key]
+                tier = self._tiers.get(key)
+                if tier is not None:
+                    with tier.lock:  # after any call in flight on it (see _held)
+                        self._check_lease(key, request.lease)
+                        tier.close()
+                        del self._tiers[key], self._owners[key], self._leases[key]
             return store_pb2.CloseReply()
 
         return self._serve(context, close)
@@ -202,12 +208,15 @@ class StoreServicer:
                                    f"{request.rows} of {request.row_bytes}")
             if tier is None or request.reset:
                 if tier is not None:
-                    tier.close()
+                    with tier.lock:  # after any call in flight on it (see _held)
+                        tier.close()
+                        del self._tiers[key]
                 tier = SegmentTier(self.directory / key, request.rows, request.row_bytes, direct_io=self.direct_io,
                                    reset=request.reset)
                 self._tiers[key] = tier
-            self._owners[key] = request.owner
-            self._leases[key] = lease = 1 + secrets.randbits(63)
+            with tier.lock:  # a call in flight under the old lease ends first (see _held)
+                self._owners[key] = request.owner
+                self._leases[key] = lease = 1 + secrets.randbits(63)
         return store_pb2.OpenReply(stored_rows=tier.counters().live_rows, lease=lease)
 
     def _check_owner(self, key: str, owner: str) -> None:
@@ -232,22 +241,31 @@ class StoreServicer:
         return Path(path)
 
     def _check_lease(self, key: str, lease: int) -> None:
-        """FAILED_PRECONDITION unless ``lease`` is the open piece ``key``'s (with the lock held)."""
+        """FAILED_PRECONDITION unless ``lease`` is the open piece ``key``'s (with its lock held)."""
         if lease != self._leases[key]:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"piece {key!r} is held under a newer Open than this client's (by "
                                f"{self._owners[key] or 'an unnamed client'}): only the piece's newest opener may use "
                                f"it (is a second trainer of this run running?)")
 
-    def _tier(self, key: str, lease: int) -> SegmentTier:
-        """The open piece ``key`` if ``lease`` is its lease: else NOT_FOUND or FAILED_PRECONDITION."""
+    @contextmanager
+    def _held(self, key: str, lease: int) -> Iterator[SegmentTier]:
+        """The open piece ``key``, its lock held for the block, if ``lease`` is its lease
+        then: else NOT_FOUND or FAILED_PRECONDITION. An Open or Close of the piece waits
+        for the block to end, so that no call under an old lease lands after a new Open."""
         key = _key(key)
         with self._lock:
             tier = self._tiers.get(key)
-            if tier is None:
-                raise RequestError(grpc.StatusCode.NOT_FOUND, f"no piece {key!r} is open on this store service (Open it)")
+        if tier is None:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"no piece {key!r} is open on this store service (Open it)")
+        with tier.lock:
+            # a piece's entries change only under its lock (Open and Close take it inside
+            # the service's lock; never the other way round): they hold still from here
+            if self._tiers.get(key) is not tier:  # closed or replaced (a reset Open) meanwhile
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"piece {key!r} was closed or reopened while this call waited for it")
             self._check_lease(key, lease)
-        return tier
+            yield tier
 
 
 def _key(key: str) -> str:

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -19,6 +20,7 @@ import pytest
 
 from neorec.embedding_store import client as client_module
 from neorec.embedding_store.client import RemoteTier, StoreClient, StoreServiceError
+from neorec.embedding_store.segments import SegmentTier
 from neorec.embedding_store.service import MAX_REQUEST_BYTES, SERVICE_NAME, StoreServer, StoreServicer
 from neorec.protos import store_pb2
 
@@ -140,6 +142,35 @@ def test_a_reopened_piece_refuses_its_former_holder(tmp_path, service):
     assert client.status().pieces == []
 
 
+def test_a_new_open_waits_for_the_call_in_flight_under_the_old_lease(service, monkeypatch):
+    _, client = service
+    stale = client.open_tier("t@0", ROWS, WIDTH, reset=True, owner="/runs/a")
+    writing, release = threading.Event(), threading.Event()
+    write = SegmentTier.write
+
+    def slow_write(self, rows, data):
+        writing.set()
+        release.wait(10)
+        write(self, rows, data)
+
+    monkeypatch.setattr(SegmentTier, "write", slow_write)
+    in_flight = threading.Thread(target=stale.write, args=(np.arange(2), np.full((2, WIDTH), 3, dtype=np.uint8)))
+    in_flight.start()
+    assert writing.wait(10)
+    opened = []
+    opener = threading.Thread(target=lambda: opened.append(client.open_tier("t@0", ROWS, WIDTH, owner="/runs/a")))
+    opener.start()
+    opener.join(0.5)
+    assert not opened  # the new Open waits for the write that began under the old lease
+    release.set()
+    in_flight.join(10)
+    opener.join(10)
+    found, data = opened[0].read(np.arange(3))  # the write landed before the new holder's lease began
+    assert found.tolist() == [True, True, False] and (data[:2] == 3).all()
+    with pytest.raises(StoreServiceError, match="held under a newer Open"):
+        stale.write(np.arange(1), np.zeros((1, WIDTH), dtype=np.uint8))
+
+
 def test_garbage_and_oversized_requests_are_refused(service):
     _, client = service
     client.open_tier("t@0", ROWS, WIDTH, reset=True)
@@ -246,6 +277,7 @@ def test_a_stopped_service_is_noticed_within_seconds_not_at_the_deadline(tmp_pat
         if client is not None:
             client.close()
         service.kill()
+        service.wait()
 
 
 def test_a_slow_call_outlives_the_pings_that_watch_it(tmp_path, monkeypatch):

@@ -181,7 +181,7 @@ def _aligned_nans(n: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("dim", [MIN_LANES, 2 * MIN_LANES, 2 * LANES])
+@pytest.mark.parametrize("dim", [MIN_LANES, 3 * MIN_LANES, 96, 2 * LANES])
 def test_the_register_kernel_counts_out_of_range_ids_as_the_general_kernel_does(stream, dim):
     """The kernels count out-of-range ids (the module's ``"fatal"`` check names one when
     they count any), each id once however many lanes its row spans, and pool the other ids

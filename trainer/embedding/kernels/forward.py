@@ -25,9 +25,10 @@ MAX_BAGS_PER_JOB = 256
 JOBS_PER_THREAD = 8
 """Jobs are made small enough that each thread gets about this many (load balance)."""
 LANES = 64
-"""Row columns :func:`pooled_sum_lanes` sums at once, in registers (four 16-float vectors)."""
+"""The most row columns :func:`pooled_sum_lanes` sums at once, in registers (four 16-float
+vectors)."""
 MIN_LANES = 16
-"""The fewest it sums at once: it pools tables whose widths are multiples of this."""
+"""The fewest it sums at once (one vector): it pools tables whose widths are multiples of this."""
 
 
 def bags_per_job(num_bags: int, threads: int) -> int:
@@ -146,7 +147,7 @@ def pooled_forward(
 def pooled_sum_lanes(
     weights: np.ndarray,         # float32 [sum(rows * dims)]
     table_offsets: np.ndarray,   # int64 [T]
-    dims: np.ndarray,            # int64 [T], each a multiple of MIN_LANES
+    dims: np.ndarray,            # int64 [T], each a multiple of MIN_LANES (unchecked: rows are read as views)
     rows: np.ndarray,            # int64 [T]
     feature_table: np.ndarray,   # int64 [F]
     feature_source: np.ndarray,  # int64 [F]
@@ -171,22 +172,23 @@ def pooled_sum_lanes(
     Returns the number of out-of-range ids."""
     width = out.shape[0] // max(batch_size, 1)
     jobs_per_feature = -(-batch_size // bags_per_job)
-    bad = np.zeros(feature_table.shape[0] * jobs_per_feature, dtype=np.int64)  # per job: no reduction over
-    for job in numba.prange(bad.shape[0]):                                    # the inlined loops (Numba)
+    # the count per job: Numba cannot analyse a reduction through the inlined loops below
+    bad = np.zeros(feature_table.shape[0] * jobs_per_feature, dtype=np.int64)
+    for job in numba.prange(bad.shape[0]):
         t, dim, base, table_rows, column, first_bag, last_bag, source, feature_end = _job(
             job, jobs_per_feature, bags_per_job, batch_size, table_offsets, dims, rows, feature_table, feature_source,
             out_columns, bag_offsets)
         sums = stack_floats(LANES)
         # one copy of the loops per lane count, each with its count a constant (registers)
-        if dim % 64 == 0:
-            job_bad = _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, 64, dim, base, table_rows,
-                                 width, column, first_bag, last_bag, source, feature_end, stream)
-        elif dim % 32 == 0:
-            job_bad = _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, 32, dim, base, table_rows,
-                                 width, column, first_bag, last_bag, source, feature_end, stream)
+        if dim % LANES == 0:
+            job_bad = _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, LANES, dim, base,
+                                 table_rows, width, column, first_bag, last_bag, source, feature_end, stream)
+        elif dim % (LANES // 2) == 0:
+            job_bad = _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, LANES // 2, dim, base,
+                                 table_rows, width, column, first_bag, last_bag, source, feature_end, stream)
         else:
-            job_bad = _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, 16, dim, base, table_rows,
-                                 width, column, first_bag, last_bag, source, feature_end, stream)
+            job_bad = _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, MIN_LANES, dim, base,
+                                 table_rows, width, column, first_bag, last_bag, source, feature_end, stream)
         bad[job] = job_bad
         if stream:
             fence_streaming()
