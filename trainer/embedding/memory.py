@@ -1,43 +1,34 @@
 """Large host buffers on transparent huge pages.
 
 Embedding tables are read and written at random rows; with 4 KiB pages nearly every row
-access also misses the TLB. Asking the kernel for 2 MiB pages (``madvise(MADV_HUGEPAGE)``,
-honoured where transparent huge pages are ``always`` or ``madvise``) before the buffer is
-first touched removes most of those misses. Elsewhere the buffer is an ordinary one.
+access also misses the TLB. A buffer of at least one huge page gets a mapping of its own,
+aligned to 2 MiB, that the kernel is asked to back with 2 MiB pages
+(``madvise(MADV_HUGEPAGE)``, honoured where transparent huge pages are ``always`` or
+``madvise``) before it is first touched. It is its own mapping, not malloc's, because
+malloc may hand out memory that earlier blocks already faulted in with 4 KiB pages (it
+does under :mod:`neorec.common.malloc_policy`, which keeps freed memory in its heaps).
+Smaller buffers, and every buffer where ``mmap`` has no ``MADV_HUGEPAGE``, are ordinary
+tensors.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
+import mmap
 
 import torch
 
-_MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
 
 
 def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised 1-D tensor whose whole 2 MiB pages are advised to be huge pages."""
-    tensor = torch.empty(numel, dtype=dtype)
-    _advise_huge_pages(tensor)
-    return tensor
-
-
-def _advise_huge_pages(tensor: torch.Tensor) -> None:
-    madvise = _madvise()
-    if madvise is None:
-        return
-    address = tensor.data_ptr()
-    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
-    end = (address + tensor.numel() * tensor.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-    if end > start:
-        madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)  # advice: failure is fine
-
-
-def _madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    return libc.madvise
+    """An uninitialised 1-D tensor of ``numel`` elements of ``dtype``, on huge pages where
+    the system gives them (see the module's docstring). The tensor holds its mapping: it is
+    unmapped when the tensor's storage is freed."""
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(numel, dtype=dtype)
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # room to align
+    address = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+    offset = -address % _HUGE_PAGE
+    mapping.madvise(mmap.MADV_HUGEPAGE, offset, nbytes - nbytes % _HUGE_PAGE)  # advice: failure is fine
+    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=offset)
