@@ -144,7 +144,7 @@ def test_bit_identical_with_one_and_two_threads(weight_dtype):
 
 
 def test_wide_float32_sums_pool_in_registers_like_the_general_kernel(monkeypatch):
-    """Tables whose width is a multiple of the register kernel's fewest lanes (64, 32 or 16
+    """Tables whose width is a multiple of the register kernel's fewest lanes (64 or 16
     columns at a time), fp32 and unweighted sums, take :func:`pooled_sum_lanes`; the same
     ids with unit weights take the general kernel. Outputs and three steps of training
     agree bit for bit, and with the reference; the register kernel streams its output

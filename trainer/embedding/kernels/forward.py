@@ -162,8 +162,9 @@ def pooled_sum_lanes(
 ) -> int:
     """:func:`pooled_forward` for float32 rows, unweighted sum pooling and widths that are
     multiples of :data:`MIN_LANES` (see :func:`sums_in_registers`), with the same result
-    bit for bit: each bag's columns are summed in registers, :data:`LANES` at a time (32 or
-    16 for a table whose width is not a multiple of 64 or 32), and stored once, where the
+    bit for bit: each bag's columns are summed in registers, :data:`LANES` at a time
+    (:data:`MIN_LANES` for a table whose width is not a multiple of :data:`LANES`: at
+    width 32, two passes of 16 ran faster than one of 32), and stored once, where the
     general kernel adds every row into the output in memory (the half-precision decoding,
     id weights and means that the general kernel also handles keep LLVM from doing the
     same there). With ``stream`` the sums go to memory by non-temporal stores: the output
@@ -182,9 +183,6 @@ def pooled_sum_lanes(
         # one copy of the loops per lane count, each with its count a constant (registers)
         if dim % LANES == 0:
             job_bad = _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, LANES, dim, base,
-                                 table_rows, width, column, first_bag, last_bag, source, feature_end, stream)
-        elif dim % (LANES // 2) == 0:
-            job_bad = _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, LANES // 2, dim, base,
                                  table_rows, width, column, first_bag, last_bag, source, feature_end, stream)
         else:
             job_bad = _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, MIN_LANES, dim, base,
