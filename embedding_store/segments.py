@@ -32,7 +32,7 @@ import numpy as np
 
 from neorec.common.durable import fsync_directory, fsync_file
 from neorec.common.errors import UserError
-from neorec.embedding_store.dir_lock import DirectoryLock
+from neorec.common.dir_lock import DirectoryLock
 
 MAGIC = b"NSG1"
 HEADER = struct.Struct("<4sIQI")
@@ -91,7 +91,7 @@ class SegmentTier:
                  store_root: str | Path | None = None) -> None:
         """``reset``: delete the segments found under ``directory`` (a fresh run's tier);
         else they are the tier's rows. The tier owns ``directory`` until :meth:`close`
-        (:class:`~neorec.embedding_store.dir_lock.DirectoryInUseError` if another owner
+        (:class:`~neorec.common.dir_lock.DirectoryInUseError` if another owner
         has it); ``store_root``: the store directory it is a piece of, held shared."""
         if rows <= 0 or row_bytes <= 0:
             raise ValueError("a tier needs rows and row bytes")

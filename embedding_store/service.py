@@ -34,7 +34,7 @@ import grpc
 import numpy as np
 
 from neorec.common.confine import confined, resolve_roots
-from neorec.embedding_store.dir_lock import DirectoryLock
+from neorec.common.dir_lock import DirectoryLock
 from neorec.embedding_store.segments import SEGMENT_NAME, SegmentError, SegmentTier
 from neorec.common.transport import (MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, RequestError, ServerSecurity,
                                      ServiceHost, abort)

@@ -23,7 +23,7 @@ from neorec.common.transport import ServerSecurity
 from neorec.embedding_store.client import StoreClient, StoreServiceError
 from neorec.embedding_store.segments import SegmentTier
 from neorec.embedding_store.service import StoreServer
-from neorec.embedding_store.dir_lock import DirectoryInUseError
+from neorec.common.dir_lock import DirectoryInUseError
 from neorec.protos import store_pb2
 
 ROWS, WIDTH = 100, 8

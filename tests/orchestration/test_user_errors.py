@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from neorec.common.errors import ConfigError
-from neorec.embedding_store.dir_lock import DirectoryInUseError
+from neorec.common.dir_lock import DirectoryInUseError
 from neorec.trainer.distributed import SINGLE_PROCESS
 from neorec.trainer.planner.from_config import plan_for_config
 from neorec.trainer.run.loop import TrainingRun

@@ -24,7 +24,7 @@ def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised 1-D tensor of ``numel`` elements of ``dtype``, on huge pages where
     the system gives them (see the module's docstring). The tensor holds its mapping: it is
     unmapped when the tensor's storage is freed."""
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(numel, dtype=dtype)
     mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # room to align

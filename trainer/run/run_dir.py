@@ -22,7 +22,7 @@ from typing import Any
 
 from neorec.common.durable import write_durably
 from neorec.common.errors import UserError
-from neorec.embedding_store.dir_lock import DirectoryLock
+from neorec.common.dir_lock import DirectoryLock
 
 log = logging.getLogger(__name__)
 

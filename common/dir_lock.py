@@ -1,6 +1,6 @@
-"""One owner per store directory: an advisory ``flock`` on ``<directory>/.lock``, held for
-the owner's lifetime and released by the kernel when the process dies (a crash leaves no
-stale lock).
+"""One owner per directory: an advisory ``flock`` on ``<directory>/.lock``, held for the
+owner's lifetime and released by the kernel when the process dies (a crash leaves no stale
+lock). The embedding store's directories and a run's directory use it.
 
 A tier locks its own directory exclusively; a store service locks its whole ``--dir``
 exclusively; a trainer's embedded store takes its directory shared (the ranks of one run
