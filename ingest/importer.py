@@ -64,11 +64,12 @@ class FileSource:
         self.files = expand(spec.input.files)
 
     def blocks(self, columns: list[str]) -> Iterator[Block]:
-        """Categorical and dense columns are read as strings (dense ones parsed when encoded:
-        a type inferred from a file's first block, e.g. null for a column empty there, would
-        refuse the numbers of a later one)."""
+        """Categorical, dense and label columns are read as strings (the numbers parsed when
+        encoded: a type inferred from a file's first block, e.g. int64 for ratings all whole
+        there or null for a column empty there, would refuse the numbers of a later one)."""
         given = self.spec.input
-        strings = [c for c in (*self.spec.feature_columns, *self.spec.dense.columns) if c in columns]
+        strings = [c for c in (*self.spec.feature_columns, *self.spec.dense.columns, self.spec.label.column)
+                   if c in columns]
         for file in self.files:
             yield from read_blocks(file, given.format, header=given.header, column_names=given.column_names,
                                    delimiter=given.separator, columns=columns, string_columns=strings)

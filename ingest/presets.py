@@ -143,7 +143,8 @@ class MovieLensSource:
         elif self.kind == "1m":
             yield from _double_colon(self.ratings, names)
         else:
-            for batch in _csv(self.ratings, {"userId": pa.string(), "movieId": pa.string()}):
+            types = {"userId": pa.string(), "movieId": pa.string(), "rating": pa.float64(), "timestamp": pa.int64()}
+            for batch in _csv(self.ratings, types):  # typed, not inferred from the first block
                 yield pa.RecordBatch.from_arrays([batch.column(i) for i in range(4)], names=names)
 
     def _users(self) -> pa.Table | None:

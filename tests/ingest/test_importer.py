@@ -205,6 +205,18 @@ def test_dense_text_is_read_as_arrow_reads_numbers_and_booleans(tmp_path):
     assert [r["count"] for r in rows_of(dataset, "eval")] == [0.0]
 
 
+def test_a_label_whole_in_the_first_blocks_may_be_fractional_in_a_later_one(tmp_path, monkeypatch):
+    monkeypatch.setattr("neorec.ingest.sources.BLOCK_BYTES", 256)  # blocks of a few rows
+    path = tmp_path / "log.csv"
+    ratings = ["4", "3"] * 30
+    ratings[41], ratings[50] = "4.5", "3.5"  # type inference on the first block alone says int64
+    path.write_text("user,item,count,genres,ts,rating\n"
+                    + "\n".join(f"u{i},1,{i},a,{i},{r}" for i, r in enumerate(ratings)) + "\n")
+    dataset = import_dataset(spec(path, split={"kind": "ordered", "eval_fraction": 0.1}), tmp_path / "out")
+    labels = [r["label"] for split in ("train", "eval") for r in rows_of(dataset, split)]
+    assert labels == [float(float(r) >= 4) for r in ratings]
+
+
 def test_a_value_that_is_not_a_number_is_named_by_its_row_in_a_later_block(tmp_path, monkeypatch):
     monkeypatch.setattr("neorec.ingest.sources.BLOCK_BYTES", 256)  # blocks of a few rows
     path = tmp_path / "log.csv"
