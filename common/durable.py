@@ -38,14 +38,28 @@ def fsync_directories(path: str | Path, up_to: str | Path) -> None:
 
 def write_durably(path: str | Path, data: bytes) -> None:
     """``path`` holds ``data`` once this returns, or is as it was: written to a temporary
-    sibling, fsynced, renamed into place, and the directory fsynced."""
+    sibling, fsynced, renamed into place, and the directory fsynced. A write that fails (a
+    full disk) removes the temporary file, so that it holds no space."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        remove_quietly(tmp)
+        raise
     replace_durably(tmp, path)
+
+
+def remove_quietly(path: str | Path) -> None:
+    """Remove the file ``path`` if it is there, as the cleanup after a failure: an error
+    removing it (which would hide the failure's own) is ignored."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def replace_durably(source: str | Path, target: str | Path) -> None:

@@ -151,13 +151,19 @@ def test_a_full_disk_ends_training_with_the_file_named(criteo_dataset, tmp_path,
     from neorec.trainer.run.run_dir import RunDirError
 
     class Full:
-        """A file on a full disk: opening works, writing does not."""
+        """A file on a disk that fills up: opening works, and the first write, the second
+        does not."""
 
         def __init__(self, path, mode):
             self.file = open(path, mode)
+            self.writes = 0
 
         def write(self, data):
-            raise OSError(errno.ENOSPC, "No space left on device")
+            self.writes += 1
+            if self.writes > 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.file.write(data)
+            self.file.flush()
 
         def __enter__(self):
             return self
@@ -168,6 +174,8 @@ def test_a_full_disk_ends_training_with_the_file_named(criteo_dataset, tmp_path,
     monkeypatch.setattr(writer_module, "open", Full, raising=False)
     with pytest.raises(RunDirError, match=r"cannot write checkpoint .*rank-00000.emb: no space left on device"):
         train(_config(criteo_dataset, tmp_path / "run"))
+    partial = [p for p in (tmp_path / "run" / "checkpoint").rglob("*") if p.is_file()]
+    assert partial == []  # the failed checkpoint's part-written file holds no space
 
 
 def test_ctrl_c_stops_training_with_one_line_and_status_130(tmp_path):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from neorec.trainer.checkpoint import records
-from neorec.common.durable import fsync_directories, write_durably
+from neorec.common.durable import fsync_directories, remove_quietly, write_durably
 from neorec.trainer.checkpoint.layout import (BEST, DENSE_FILE, CheckpointError, FileEntry, Manifest, RankRecord, RecordEntry,
                                        StoreEntry, commit, prune, rank_file, rank_record)
 from neorec.trainer.checkpoint.snapshot import ShardSnapshot, split
@@ -113,7 +113,19 @@ class CheckpointWriter:
 
 
 def _write_rank(job: CheckpointJob) -> RankRecord:
-    """Write this rank's embedding file (and rank 0's dense state), then its record."""
+    """Write this rank's embedding file (and rank 0's dense state), then its record. If a
+    write fails (a full disk), the files this rank wrote are removed: the checkpoint stays
+    incomplete, and its partial files hold no space the run needs to go on or resume."""
+    try:
+        return _write_rank_files(job)
+    except OSError:
+        for name in (rank_file(job.rank), DENSE_FILE if job.dense is not None else None, rank_record(job.rank)):
+            if name is not None:
+                remove_quietly(job.directory / name)
+        raise
+
+
+def _write_rank_files(job: CheckpointJob) -> RankRecord:
     name = rank_file(job.rank)
     path = job.directory / name
     entries: list[RecordEntry] = []
