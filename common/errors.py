@@ -7,8 +7,13 @@ and exits 2. Any other exception is a bug in neorec: it keeps its traceback and 
 
 from __future__ import annotations
 
+import errno
 from contextlib import contextmanager
 from typing import Iterator
+
+FULL_OR_READ_ONLY = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+"""The errors of a write that the place written to refuses (a full disk, a quota, a file
+too large, a read-only file system): the user's to fix, not a bug."""
 
 
 class UserError(Exception):
@@ -37,3 +42,10 @@ def user_paths() -> Iterator[None]:
     except OSError as err:
         where = f"{err.filename}: " if err.filename is not None else ""
         raise PathError(f"{where}{err.strerror or err}") from err
+
+
+def describe(err: OSError) -> str:
+    """An ``OSError`` in words (``no space left on device`` for ENOSPC)."""
+    if err.errno == errno.ENOSPC:
+        return "no space left on device"
+    return err.strerror or str(err)

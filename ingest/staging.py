@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 from neorec.common.durable import fsync_directory
-from neorec.common.errors import UserError
+from neorec.common.errors import FULL_OR_READ_ONLY, PathError, UserError, describe
 
 
 class OutputExistsError(UserError):
@@ -25,8 +25,9 @@ class OutputExistsError(UserError):
 def staged_output(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """A new empty directory beside ``out`` to write the dataset into; when the block ends
     without an exception it becomes ``out`` (the old ``out``, if any, removed only then),
-    else it is removed and ``out`` is untouched. :class:`OutputExistsError` for a non-empty
-    ``out`` unless ``overwrite``."""
+    else it is removed and ``out`` is untouched (a write the disk refused, a full one, is a
+    :class:`PathError` naming ``out``). :class:`OutputExistsError` for a non-empty ``out``
+    unless ``overwrite``."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"{out} exists and is not a directory")
@@ -36,8 +37,10 @@ def staged_output(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     staging = _staging_directory(out)
     try:
         yield staging
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(err, OSError) and err.errno in FULL_OR_READ_ONLY:  # Arrow's writers name no file
+            raise PathError(f"cannot write the dataset {out}: {describe(err)}") from None
         raise
     _swap_in(staging, out)
 

@@ -5,6 +5,7 @@ fails half-way leaves the old dataset as it was and no temporary directory behin
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
@@ -12,6 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from neorec.common.errors import PathError
 from neorec.ingest.staging import staged_output
 from tests.ingest.test_importer import write_log
 
@@ -81,3 +85,15 @@ def test_the_output_directory_gets_the_mode_mkdir_gives_under_the_umask(tmp_path
             assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask, oct(out.stat().st_mode)
     finally:
         os.umask(before)
+
+
+def test_a_full_disk_is_named_with_the_output_and_leaves_nothing_behind(tmp_path):
+    out = tmp_path / "data"
+    with pytest.raises(PathError, match=f"^cannot write the dataset {out}: no space left on device$"):
+        with staged_output(out) as staging:
+            (staging / "train-00000.parquet").write_bytes(b"part of a file")
+            raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="not a write the disk refused"):  # anything else passes through
+        with staged_output(out):
+            raise ValueError("not a write the disk refused")

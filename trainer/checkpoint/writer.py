@@ -25,7 +25,8 @@ from neorec.common.durable import fsync_directories, remove_quietly, write_durab
 from neorec.trainer.checkpoint.layout import (BEST, DENSE_FILE, CheckpointError, FileEntry, Manifest, RankRecord, RecordEntry,
                                        StoreEntry, commit, prune, rank_file, rank_record)
 from neorec.trainer.checkpoint.snapshot import ShardSnapshot, split
-from neorec.trainer.run.run_dir import RunDirError, describe
+from neorec.common.errors import describe
+from neorec.trainer.run.run_dir import RunDirError
 
 log = logging.getLogger(__name__)
 RECORD_POLL_S = 0.05

@@ -11,7 +11,8 @@ import torch
 
 from neorec.ingest.metrics import binary_metrics
 from neorec.trainer.batch import Batch
-from neorec.trainer.run.run_dir import RunDirError, describe
+from neorec.common.errors import describe
+from neorec.trainer.run.run_dir import RunDirError
 
 
 class MetricsLog:

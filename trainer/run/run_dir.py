@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from neorec.common.durable import write_durably
-from neorec.common.errors import UserError
+from neorec.common.errors import UserError, describe
 from neorec.common.dir_lock import DirectoryLock
 
 log = logging.getLogger(__name__)
@@ -115,9 +115,3 @@ def write_json(path: Path, obj: Any) -> None:
     except OSError as err:
         raise RunDirError(f"cannot write {path}: {describe(err)}") from None
 
-
-def describe(err: OSError) -> str:
-    """An ``OSError`` in words (``no space left on device`` for ENOSPC)."""
-    if err.errno == errno.ENOSPC:
-        return "no space left on device"
-    return err.strerror or str(err)
