@@ -171,6 +171,41 @@ def test_a_new_open_waits_for_the_call_in_flight_under_the_old_lease(service, mo
         stale.write(np.arange(1), np.zeros((1, WIDTH), dtype=np.uint8))
 
 
+def test_shutdown_waits_for_the_call_in_flight_and_keeps_its_rows(tmp_path, monkeypatch):
+    server = StoreServer(tmp_path / "tiers")
+    server.start()
+    client = StoreClient(server.address)
+    tier = client.open_tier("t@0", ROWS, WIDTH, reset=True, owner="/runs/a")
+    writing, release = threading.Event(), threading.Event()
+    write = SegmentTier.write
+
+    def slow_write(self, rows, data):
+        writing.set()
+        release.wait(10)
+        write(self, rows, data)
+
+    monkeypatch.setattr(SegmentTier, "write", slow_write)
+    in_flight = threading.Thread(target=tier.write, args=(np.arange(2), np.full((2, WIDTH), 5, dtype=np.uint8)))
+    in_flight.start()
+    assert writing.wait(10)
+    closing = threading.Thread(target=server.servicer.close)  # the shutdown, its grace period over
+    closing.start()
+    closing.join(0.5)
+    assert closing.is_alive()  # it waits for the write, which would otherwise land on a closed tier
+    release.set()
+    in_flight.join(10)
+    closing.join(10)
+    client.close()
+    server.stop()
+    again = StoreServer(tmp_path / "tiers")
+    again.start()
+    try:
+        found, data = StoreClient(again.address).open_tier("t@0", ROWS, WIDTH, owner="/runs/a").read(np.arange(3))
+        assert found.tolist() == [True, True, False] and (data[:2] == 5).all()  # written, then closed
+    finally:
+        again.stop()
+
+
 def test_garbage_and_oversized_requests_are_refused(service):
     _, client = service
     client.open_tier("t@0", ROWS, WIDTH, reset=True)
