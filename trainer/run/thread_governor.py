@@ -133,16 +133,21 @@ class ThreadGovernor:
         return next((c for c in self.ladder if c <= left), self.ladder[-1])
 
 
-def dense_thread_invariant(model: DLRM, batch_sizes: Sequence[int], counts: Sequence[int], seed: int = 0) -> bool:
+def dense_thread_invariant(model: DLRM, train_batch_sizes: Sequence[int], eval_batch_sizes: Sequence[int],
+                           counts: Sequence[int], seed: int = 0) -> bool:
     """Whether ``model``'s dense layers (bottom MLP, interaction, top MLP and the loss) give
-    the same outputs and gradients, bit for bit, with each of ``counts`` threads, on random
-    batches of each of ``batch_sizes`` samples and of one sample (a last partial batch's
-    shapes lie between). Runs on copies: the model is not changed. Leaves the threads at
-    ``counts[0]``."""
+    the same bits with each of ``counts`` threads, used as training uses them, on random
+    batches: the loss, logits and every gradient of a forward and backward of each of
+    ``train_batch_sizes`` samples, the logits of a forward of each of ``eval_batch_sizes``
+    (evaluation computes no gradient: a sum over an eval batch's samples that the thread
+    count changes is no reason to keep the count fixed); each also of one sample (a last
+    partial batch's shapes lie between). Runs on copies: the model is not changed. Leaves
+    the threads at ``counts[0]``."""
     results: dict[int, list[list[torch.Tensor]]] = {}
     for count in counts:
         use_threads(count)
-        results[count] = [_dense_step(model, rows, seed) for rows in (*batch_sizes, 1)]
+        results[count] = [*(_dense_step(model, rows, seed) for rows in (*train_batch_sizes, 1)),
+                          *(_dense_forward(model, rows, seed) for rows in (*eval_batch_sizes, 1))]
     use_threads(counts[0])
     first = results[counts[0]]
     return all(torch.equal(a, b) for count in counts[1:] for step, other in zip(first, results[count])
@@ -152,16 +157,32 @@ def dense_thread_invariant(model: DLRM, batch_sizes: Sequence[int], counts: Sequ
 def _dense_step(model: DLRM, rows: int, seed: int) -> list[torch.Tensor]:
     """Loss, logits and every gradient of a forward and backward of copies of ``model``'s
     dense layers on a random batch of ``rows`` samples."""
-    generator = torch.Generator().manual_seed(seed)
     bottom, top = copy.deepcopy(model.bottom), copy.deepcopy(model.top)
-    device = next(model.top.parameters()).device
-    dense = torch.randn(rows, bottom[0].in_features, generator=generator).to(device)
-    pooled = torch.randn(rows, model.embeddings.output_dim, generator=generator).to(device).requires_grad_()
-    labels = torch.randint(0, 2, (rows,), generator=generator).float().to(device)
+    dense, pooled, labels = _random_batch(model, rows, seed)
+    pooled.requires_grad_()
     logits = top(model.interaction(bottom(dense), pooled)).squeeze(1)
     loss = F.binary_cross_entropy_with_logits(logits, labels)
     loss.backward()
     return [loss.detach(), logits.detach(), pooled.grad, *(p.grad for p in [*bottom.parameters(), *top.parameters()])]
+
+
+def _dense_forward(model: DLRM, rows: int, seed: int) -> list[torch.Tensor]:
+    """The logits of ``model``'s dense layers on a random batch of ``rows`` samples, as
+    evaluation computes them (no gradient)."""
+    dense, pooled, _ = _random_batch(model, rows, seed)
+    with torch.no_grad():
+        return [model.top(model.interaction(model.bottom(dense), pooled)).squeeze(1)]
+
+
+def _random_batch(model: DLRM, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense features ``[rows, D]``, pooled embeddings ``[rows, E]`` and 0/1 labels
+    ``[rows]`` (float32), drawn from ``seed``, on the model's device."""
+    generator = torch.Generator().manual_seed(seed)
+    device = next(model.top.parameters()).device
+    dense = torch.randn(rows, model.bottom[0].in_features, generator=generator).to(device)
+    pooled = torch.randn(rows, model.embeddings.output_dim, generator=generator).to(device)
+    labels = torch.randint(0, 2, (rows,), generator=generator).float().to(device)
+    return dense, pooled, labels
 
 
 def governor_for(model: DLRM, config: TrainConfig, threads: int, device: torch.device) -> ThreadGovernor | None:
@@ -177,7 +198,7 @@ def governor_for(model: DLRM, config: TrainConfig, threads: int, device: torch.d
     if busy_seconds(cpus) is None:
         return None
     ladder = thread_ladder(threads)
-    if not dense_thread_invariant(model, (config.train.batch_size, config.train.eval_batch_size), ladder,
+    if not dense_thread_invariant(model, (config.train.batch_size,), (config.train.eval_batch_size,), ladder,
                                   config.train.seed):
         log.info("training threads stay at %d: this model's dense layers give different bits with fewer threads "
                  "on this machine", threads)
