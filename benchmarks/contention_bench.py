@@ -5,7 +5,9 @@ beside it:
 
 - ``default``: what ``train.threads = 0`` does: the CPUs this process may use, with the
   :class:`~neorec.trainer.run.thread_governor.ThreadGovernor` following the load (its
-  reaction time inside the measured window);
+  reaction time inside the measured window) where the trainer would use one
+  (:func:`~neorec.trainer.run.thread_governor.governor_for`: not where the model's dense
+  layers give other bits with fewer threads on this machine; ``governed`` says which);
 - ``fixed``: the same count, never changed (what the default was before the governor);
 - ``one_thread``.
 
@@ -40,12 +42,13 @@ from neorec.trainer.config import TrainConfig
 from neorec.trainer.model import DLRM
 from neorec.trainer.run.build import build_model, dense_optimizer
 from neorec.trainer.run.step import set_threads
-from neorec.trainer.run.thread_governor import ThreadGovernor, thread_ladder
+from neorec.trainer.run.thread_governor import ThreadGovernor, governor_for
 
 DEMO_MODEL = {"embedding_dim": 16, "bottom_mlp": [64, 32, 16], "top_mlp": [128, 64, 1], "max_table_rows": 200_000}
 BATCH_SIZE = 512
 SETTLE_S = 1.0
 """Unmeasured training of each case before its measured window."""
+CPU = torch.device("cpu")
 SPIN = "while True: pass"
 """The competitor: one thread that never waits."""
 
@@ -84,11 +87,11 @@ def run(quick: bool = False) -> dict[str, Any]:
                 with competing_process() if contended else nullcontext():
                     for case, threads in cases.items():
                         set_threads(threads)
-                        governor = ThreadGovernor(thread_ladder(threads), sorted(os.sched_getaffinity(0))) \
-                            if case == "default" else None
+                        governor = governor_for(model, config, threads, CPU) if case == "default" else None
                         _rate(model, optimizers, batch_stream, governor, SETTLE_S)
                         rates[case, contended].append(_rate(model, optimizers, batch_stream, governor, seconds))
-        reaction = _reaction_seconds(model, optimizers, batch_stream, default)
+        governed = governor_for(model, config, default, CPU) is not None
+        reaction = _reaction_seconds(model, config, optimizers, batch_stream, default) if governed else None
         set_threads(0)
     qps = {key: statistics.median(values) for key, values in rates.items()}
     return {
@@ -98,6 +101,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "wait_policy": {name: os.environ[name] for name in WAIT_VARIABLES if name in os.environ},
         **{case: _case(threads, qps[case, False], qps[case, True]) for case, threads in cases.items()},
         "contended_default_vs_one_thread": qps["default", True] / qps["one_thread", True],
+        "governed": governed,
         "governor_reaction_s": reaction,
     }
 
@@ -115,14 +119,14 @@ def _rate(model: DLRM, optimizers: list[torch.optim.Optimizer], batches: Iterato
     return samples / elapsed
 
 
-def _reaction_seconds(model: DLRM, optimizers: list[torch.optim.Optimizer], batches: Iterator[Batch],
-                      threads: int, limit_s: float = 10.0) -> float | None:
+def _reaction_seconds(model: DLRM, config: TrainConfig, optimizers: list[torch.optim.Optimizer],
+                      batches: Iterator[Batch], threads: int, limit_s: float = 10.0) -> float | None:
     """Seconds from a competitor's start to the governor's first change of ``threads``
-    (None: no change within ``limit_s``, or a single thread to start with)."""
-    if threads == 1:
-        return None
+    (None: no change within ``limit_s``, or no governor: a single thread to start with)."""
     set_threads(threads)
-    governor = ThreadGovernor(thread_ladder(threads), sorted(os.sched_getaffinity(0)))
+    governor = governor_for(model, config, threads, CPU)
+    if governor is None:
+        return None
     started = time.perf_counter()
     with competing_process():
         while time.perf_counter() - started < limit_s:

@@ -14,14 +14,14 @@ from neorec.common.wait_policy import WAIT_POLICY, WAIT_VARIABLES, prefer_short_
 def test_short_waits_unless_the_user_chose() -> None:
     environ: dict[str, str] = {}
     assert prefer_short_waits(environ)
-    assert environ == {"GOMP_SPINCOUNT": "1000", "KMP_BLOCKTIME": "0"} == WAIT_POLICY
+    assert environ == {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "0"} == WAIT_POLICY
     for name in WAIT_VARIABLES:
         chosen = {name: "7"}
         assert not prefer_short_waits(chosen)
         assert chosen == {name: "7"}
 
 
-@pytest.mark.parametrize("preset, expected", [({}, "- 1000 0"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE - -")])
+@pytest.mark.parametrize("preset, expected", [({}, "- 10000 0"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE - -")])
 def test_importing_neorec_sets_it_before_torch_loads(preset: dict[str, str], expected: str) -> None:
     """torch's OpenMP runtime reads the policy when it loads: importing neorec first must
     have set it by then, and a child process inherits it."""
