@@ -37,6 +37,24 @@ def service(tmp_path):
     server.stop()
 
 
+def _write_held_in_the_service(monkeypatch, tier: RemoteTier, value: int) -> tuple[threading.Thread, threading.Event]:
+    """A thread writing ``value`` to rows 0 and 1 of ``tier``, its call held inside the
+    service (the piece's lock taken) until the returned event is set; started, and in."""
+    writing, release = threading.Event(), threading.Event()
+    write = SegmentTier.write
+
+    def slow_write(self, rows, data):
+        writing.set()
+        release.wait(10)
+        write(self, rows, data)
+
+    monkeypatch.setattr(SegmentTier, "write", slow_write)
+    in_flight = threading.Thread(target=tier.write, args=(np.arange(2), np.full((2, WIDTH), value, dtype=np.uint8)))
+    in_flight.start()
+    assert writing.wait(10)
+    return in_flight, release
+
+
 def _raw(client: StoreClient, method: str, request, reply):
     call = client.channel.unary_unary(f"/{SERVICE_NAME}/{method}", request_serializer=lambda r: r,
                                       response_deserializer=reply.FromString)
@@ -145,18 +163,7 @@ def test_a_reopened_piece_refuses_its_former_holder(tmp_path, service):
 def test_a_new_open_waits_for_the_call_in_flight_under_the_old_lease(service, monkeypatch):
     _, client = service
     stale = client.open_tier("t@0", ROWS, WIDTH, reset=True, owner="/runs/a")
-    writing, release = threading.Event(), threading.Event()
-    write = SegmentTier.write
-
-    def slow_write(self, rows, data):
-        writing.set()
-        release.wait(10)
-        write(self, rows, data)
-
-    monkeypatch.setattr(SegmentTier, "write", slow_write)
-    in_flight = threading.Thread(target=stale.write, args=(np.arange(2), np.full((2, WIDTH), 3, dtype=np.uint8)))
-    in_flight.start()
-    assert writing.wait(10)
+    in_flight, release = _write_held_in_the_service(monkeypatch, stale, 3)
     opened = []
     opener = threading.Thread(target=lambda: opened.append(client.open_tier("t@0", ROWS, WIDTH, owner="/runs/a")))
     opener.start()
@@ -176,18 +183,7 @@ def test_shutdown_waits_for_the_call_in_flight_and_keeps_its_rows(tmp_path, monk
     server.start()
     client = StoreClient(server.address)
     tier = client.open_tier("t@0", ROWS, WIDTH, reset=True, owner="/runs/a")
-    writing, release = threading.Event(), threading.Event()
-    write = SegmentTier.write
-
-    def slow_write(self, rows, data):
-        writing.set()
-        release.wait(10)
-        write(self, rows, data)
-
-    monkeypatch.setattr(SegmentTier, "write", slow_write)
-    in_flight = threading.Thread(target=tier.write, args=(np.arange(2), np.full((2, WIDTH), 5, dtype=np.uint8)))
-    in_flight.start()
-    assert writing.wait(10)
+    in_flight, release = _write_held_in_the_service(monkeypatch, tier, 5)
     closing = threading.Thread(target=server.servicer.close)  # the shutdown, its grace period over
     closing.start()
     closing.join(0.5)
