@@ -82,15 +82,17 @@ def run(quick: bool = False) -> dict[str, Any]:
         cases = {"default": default, "fixed": default, "one_thread": 1}
         rates: dict[tuple[str, bool], list[float]] = {(c, q): [] for c in cases for q in (False, True)}
         batch_stream = itertools.cycle(batches)
+        governed = False  # whether the trainer would govern this model's threads (governor_for), as each round finds
         for _ in range(rounds):
             for contended in (False, True):
                 with competing_process() if contended else nullcontext():
                     for case, threads in cases.items():
                         set_threads(threads)
                         governor = governor_for(model, config, threads, CPU) if case == "default" else None
+                        if case == "default":
+                            governed = governor is not None
                         _rate(model, optimizers, batch_stream, governor, SETTLE_S)
                         rates[case, contended].append(_rate(model, optimizers, batch_stream, governor, seconds))
-        governed = governor_for(model, config, default, CPU) is not None
         reaction = _reaction_seconds(model, config, optimizers, batch_stream, default) if governed else None
         set_threads(0)
     qps = {key: statistics.median(values) for key, values in rates.items()}

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from neorec.common.durable import fsync_directory, fsync_file
+from neorec.common.durable import fsync_directory, fsync_file, remove_quietly
 from neorec.common.errors import UserError
 from neorec.common.dir_lock import DirectoryLock
 
@@ -255,13 +255,17 @@ class SegmentTier:
         ids, body = rows.astype("<i8").tobytes(), data.tobytes()
         header = HEADER.pack(MAGIC, self.row_bytes, rows.size, zlib.crc32(body, zlib.crc32(ids)))
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(header)
-            f.write(ids)
-            f.write(body)
-            if sync:
-                f.flush()
-                os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(ids)
+                f.write(body)
+                if sync:
+                    f.flush()
+                    os.fsync(f.fileno())
+        except BaseException:  # a full disk: the rows stay buffered, the part-written file goes
+            remove_quietly(tmp)
+            raise
         os.replace(tmp, path)
         if not sync:
             self._unsynced.add(number)

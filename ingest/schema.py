@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from neorec.common.durable import write_durably
 from neorec.ingest.errors import DataError, DatasetNotFoundError
 
 DATASET_FORMAT = "neorec-dataset/1"
@@ -147,9 +148,7 @@ class Dataset:
             "oracle": self.oracle,
             "generator": self.generator,
         }
-        tmp = self.root / (DATASET_FILE + ".tmp")
-        tmp.write_text(json.dumps(obj, indent=2) + "\n")
-        tmp.replace(self.root / DATASET_FILE)
+        write_durably(self.root / DATASET_FILE, (json.dumps(obj, indent=2) + "\n").encode())
 
     @classmethod
     def load(cls, root: str | Path) -> "Dataset":

@@ -3,9 +3,13 @@ and reopenings reads back the newest value of every row; corrupt segments are na
 
 from __future__ import annotations
 
+import errno
+import os
+
 import numpy as np
 import pytest
 
+from neorec.embedding_store import segments
 from neorec.embedding_store.segments import SegmentError, SegmentTier
 
 ROWS, WIDTH = 5000, 24
@@ -69,6 +73,25 @@ def test_a_half_written_segment_is_never_taken_for_one(tmp_path):
     found, data = reopened.read(np.arange(12, dtype=np.int64))
     assert found.tolist() == [True] * 10 + [False] * 2 and (data[:10] == 7).all()
     assert not (tmp_path / "00000099.seg.tmp").exists()
+
+
+def test_a_flush_on_a_full_disk_keeps_the_rows_buffered_and_no_part_written_file(tmp_path, monkeypatch):
+    tier = SegmentTier(tmp_path, ROWS, WIDTH)
+    tier.write(np.arange(10, dtype=np.int64), np.full((10, WIDTH), 7, dtype=np.uint8))
+
+    def full(descriptor):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(segments.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        tier.flush(sync=True)
+    assert list(tmp_path.glob("*.tmp")) == []  # the part-written segment holds no space
+    found, data = tier.read(np.arange(10, dtype=np.int64))
+    assert found.all() and (data == 7).all()  # still buffered
+    monkeypatch.undo()  # the disk has room again
+    tier.close()
+    found, data = SegmentTier(tmp_path, ROWS, WIDTH).read(np.arange(10, dtype=np.int64))
+    assert found.all() and (data == 7).all()
 
 
 def test_rows_outside_the_table_are_refused(tmp_path):

@@ -120,9 +120,8 @@ def _write_rank(job: CheckpointJob) -> RankRecord:
     try:
         return _write_rank_files(job)
     except OSError:
-        for name in (rank_file(job.rank), DENSE_FILE if job.dense is not None else None, rank_record(job.rank)):
-            if name is not None:
-                remove_quietly(job.directory / name)
+        for name in (rank_file(job.rank), rank_record(job.rank), *([DENSE_FILE] if job.dense is not None else [])):
+            remove_quietly(job.directory / name)
         raise
 
 
