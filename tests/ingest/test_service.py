@@ -224,11 +224,12 @@ def test_sigterm_drains_then_exits_cleanly(criteo_dataset):
             health = health_pb2_grpc.HealthStub(channel)
             watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=30)
             assert next(watch).status == SERVING
-            # An open stream the client reads slowly, far longer than the transport buffers (on
-            # loopback they held 10-17 of these 0.7 MB batches): the service must wait for it,
-            # then end it.
-            request = _request(criteo_dataset, batch_size=100, num_batches=200)
-            request.batch_size = 4000  # 200 batches of 4,000 (4,800 rows, then padding): ~140 MB
+            # An open stream the client reads slowly, far longer than the transport buffers: the
+            # service must wait for it, then end it. The buffers (flow-control windows grown by
+            # gRPC's bandwidth probing, and the sockets') have held 10-17 MB on loopback, so a
+            # stream that fits in them ends with OK within the grace period (a 16 MB one did).
+            request = _request(criteo_dataset, batch_size=100, num_batches=None)
+            request.batch_size = 40_000  # 48 batches (4,800 rows, then padding) of 3.3 MB: 158 MB
             stream = ingest_pb2_grpc.ReaderStub(channel).Read(request, timeout=30)
             first = next(stream)
             assert first.step == 0
@@ -244,9 +245,9 @@ def test_sigterm_drains_then_exits_cleanly(criteo_dataset):
                 _read_all(channel, _request(criteo_dataset))
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert _status(channel).shutting_down
-            with pytest.raises(grpc.RpcError) as ended:  # 200 batches at 10 a second outlast the grace period
+            with pytest.raises(grpc.RpcError) as ended:  # 48 batches at 5 a second outlast the grace period
                 for _ in stream:
-                    time.sleep(0.1)
+                    time.sleep(0.2)
             assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
         assert worker.process.wait(timeout=15) == 0
         assert time.monotonic() - started < 10
@@ -289,7 +290,7 @@ def test_streams_beyond_the_limit_are_refused_and_health_keeps_answering(criteo_
     server = ReaderServer(threads=1, max_streams=64, data_roots=DATA_ROOTS)
     server.start()
     request = _request(criteo_dataset, batch_size=100, num_batches=48)
-    request.batch_size = 4000  # ~34 MB a stream: none finishes while nobody reads it
+    request.batch_size = 4000  # 16 MB a stream, 1 GB in all on one connection: none finishes unread
     try:
         with grpc.insecure_channel(server.address) as channel:
             reader = ingest_pb2_grpc.ReaderStub(channel)
