@@ -388,7 +388,7 @@ def _train_rank(config: "TrainConfig", context: "DistributedContext", overwrite:
         if bar.total != report.total_steps:
             bar.total = report.total_steps
         bar.update(1)
-        bar.set_postfix(epoch=report.epoch, loss=f"{report.loss:.4f}", qps=f"{report.qps:,.0f}",
+        bar.set_postfix(epoch=report.epoch, loss=f"{report.loss:.4g}", qps=f"{report.qps:,.0f}",
                         **({"partition": report.partition} if report.partition else {}), refresh=False)
 
     try:
