@@ -31,7 +31,7 @@
     [split]
     kind = "chronological"           # chronological (by time_column), ordered (the files' order is
                                      # time order: the last rows are eval), random, or files
-    time_column = "timestamp"
+    time_column = "timestamp"       # numbers, or ISO 8601 timestamps or dates (with or without an offset)
     eval_fraction = 0.2
     seed = 0
     eval_files = []                  # kind = "files": these files are the eval split

@@ -64,11 +64,14 @@ class FileSource:
         self.files = expand(spec.input.files)
 
     def blocks(self, columns: list[str]) -> Iterator[Block]:
-        """Categorical, dense and label columns are read as strings (the numbers parsed when
-        encoded: a type inferred from a file's first block, e.g. int64 for ratings all whole
-        there or null for a column empty there, would refuse the numbers of a later one)."""
+        """Categorical, dense, label and time columns are read as strings (the numbers and
+        times parsed when used: a type inferred from a file's first block, e.g. int64 for
+        ratings or times all whole there, or null for a column empty there, would refuse the
+        values of a later one)."""
         given = self.spec.input
-        strings = [c for c in (*self.spec.feature_columns, *self.spec.dense.columns, self.spec.label.column)
+        split = self.spec.split
+        time = (split.time_column,) if split.kind == "chronological" else ()
+        strings = [c for c in (*self.spec.feature_columns, *self.spec.dense.columns, self.spec.label.column, *time)
                    if c in columns]
         for file in self.files:
             yield from read_blocks(file, given.format, header=given.header, column_names=given.column_names,
@@ -242,16 +245,45 @@ def _inputs(spec: ImportSpec) -> str:
 
 
 def _times(block: Block, column: str) -> np.ndarray:
+    """float64 ``[rows]``: a time column's values, to be ordered. Numbers are taken as they
+    are; timestamps and dates (typed, or ISO 8601 text, with or without an offset) become
+    seconds since the epoch."""
     values = _column(block, column)
-    if pa.types.is_timestamp(values.type) or pa.types.is_date(values.type):
-        values = values.cast(pa.int64())
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        values = _parsed_times(block, column, values)
     if values.null_count:
         raise DataError("missing time", file=block.file, column=column, row=_row(block, values.is_null()))
+    if pa.types.is_timestamp(values.type) or pa.types.is_date(values.type):
+        nanoseconds = values.cast(pa.timestamp("ns", tz=getattr(values.type, "tz", None))).cast(pa.int64())
+        return nanoseconds.to_numpy(zero_copy_only=False) / 1e9
     try:
         return pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False)
-    except pa.ArrowInvalid:
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         raise DataError(f"not a time (a number or timestamp): {values.type}", file=block.file, column=column) \
             from None
+
+
+TIME_KINDS = (pa.float64(), pa.timestamp("ns"), pa.timestamp("ns", tz="UTC"))
+"""What a time column's text may hold, all of a block alike: numbers, ISO 8601 timestamps
+without an offset (or dates), ISO 8601 timestamps with one."""
+
+
+def _parsed_times(block: Block, column: str, text: pa.Array) -> pa.Array:
+    """A time column read as text, as the first of :data:`TIME_KINDS` that all the block's
+    values read as; where none does, a :class:`DataError` naming the first value that is not
+    of the kind of the block's first."""
+    text = _lenient(text)
+    for kind in TIME_KINDS:
+        try:
+            return pc.cast(text, kind)
+        except pa.ArrowInvalid:
+            continue
+    first = text.drop_null()[:1]
+    kind = next((k for k in TIME_KINDS if _parses(first, k)), TIME_KINDS[0])
+    at = _first_unparsed(text, kind)
+    raise DataError(f"not a time like the column's first (numbers or ISO 8601 timestamps, with an offset "
+                    f"or without, all alike): {text[at].as_py()!r}", file=block.file, column=column,
+                    row=_row_at(block, at))
 
 
 # ------------------------------------------------------------------------------- counting
@@ -397,22 +429,22 @@ def _lenient(strings: pa.Array) -> pa.Array:
     return pc.if_else(ones, pa.scalar("1", trimmed.type), pc.if_else(zeros, pa.scalar("0", trimmed.type), trimmed))
 
 
-def _parses(strings: pa.Array) -> bool:
-    """Whether every one of ``strings`` is a number (or missing)."""
+def _parses(strings: pa.Array, kind: pa.DataType = pa.float64()) -> bool:
+    """Whether every one of ``strings`` reads as a ``kind`` (or is missing)."""
     try:
-        pc.cast(strings, pa.float64())
+        pc.cast(strings, kind)
     except pa.ArrowInvalid:
         return False
     return True
 
 
-def _first_unparsed(strings: pa.Array) -> int:
-    """The index of the first of ``strings`` (not all numbers) that is not a number: a
-    bisection, each half cast whole."""
+def _first_unparsed(strings: pa.Array, kind: pa.DataType = pa.float64()) -> int:
+    """The index of the first of ``strings`` (not all ``kind``) that does not read as a
+    ``kind``: a bisection, each half cast whole."""
     low, high = 0, len(strings)  # it lies in [low, high)
     while high - low > 1:
         middle = (low + high) // 2
-        if _parses(strings.slice(low, middle - low)):
+        if _parses(strings.slice(low, middle - low), kind):
             low = middle
         else:
             high = middle

@@ -225,3 +225,45 @@ def test_a_value_that_is_not_a_number_is_named_by_its_row_in_a_later_block(tmp_p
     path.write_text("user,item,count,genres,ts,rating\n" + "\n".join(lines) + "\n")
     with pytest.raises(DataError, match="column 'count', row 42: a dense column must hold numbers, got '4x'"):
         import_dataset(spec(path), tmp_path / "out")
+
+
+
+def _split_by(times: list[str], tmp_path: Path, name: str) -> tuple[list[int], list[int]]:
+    """The rows (0-based, in the file) of each split, train then eval, when a log whose ``ts``
+    column holds ``times`` is split chronologically, a quarter to eval."""
+    path = tmp_path / f"{name}.csv"
+    path.write_text("user,item,count,genres,ts,rating\n"
+                    + "\n".join(f"u{i},1,{i},a,{t},4" for i, t in enumerate(times)) + "\n")
+    dataset = import_dataset(spec(path, dense={"transform": "none"}), tmp_path / name)
+    train, eval_ = ([int(r["count"]) for r in rows_of(dataset, split)] for split in ("train", "eval"))
+    return sorted(train), sorted(eval_)
+
+
+LATEST_QUARTER_FIRST = (list(range(15, 60)), list(range(15)))
+"""60 rows, the later a row the earlier its time: the first 15 rows are eval."""
+
+
+def test_a_time_column_whole_in_the_first_blocks_may_be_fractional_in_a_later_one(tmp_path, monkeypatch):
+    monkeypatch.setattr("neorec.ingest.sources.BLOCK_BYTES", 256)  # blocks of a few rows
+    times = [str(1000 - i) for i in range(60)]
+    times[45] = "1.5"  # the earliest; type inference on the first block alone says int64
+    assert _split_by(times, tmp_path, "fractional") == LATEST_QUARTER_FIRST
+
+
+def test_iso_timestamps_read_as_text_order_the_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr("neorec.ingest.sources.BLOCK_BYTES", 256)
+    naive = [f"2014-10-{21 + i // 24:02d} {i % 24:02d}:00:00" for i in reversed(range(60))]
+    assert _split_by(naive, tmp_path, "naive") == LATEST_QUARTER_FIRST
+    offset = [f"2014-10-21T{i // 4:02d}:{15 * (i % 4):02d}:00+01:00" for i in reversed(range(60))]
+    assert _split_by(offset, tmp_path, "offset") == LATEST_QUARTER_FIRST
+
+
+def test_a_time_that_is_not_one_is_named_by_its_row(tmp_path, monkeypatch):
+    monkeypatch.setattr("neorec.ingest.sources.BLOCK_BYTES", 256)
+    times = [f"2014-10-21 {i % 24:02d}:00:00" for i in range(60)]
+    times[41] = "yesterday"
+    path = tmp_path / "log.csv"
+    path.write_text("user,item,count,genres,ts,rating\n"
+                    + "\n".join(f"u{i},1,{i},a,{t},4" for i, t in enumerate(times)) + "\n")
+    with pytest.raises(DataError, match="column 'ts', row 42: not a time like the column's first .*'yesterday'"):
+        import_dataset(spec(path), tmp_path / "out")
