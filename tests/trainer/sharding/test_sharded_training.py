@@ -121,7 +121,7 @@ def train_single(path: str, world: int) -> dict:
     return {"predictions": torch.stack(predictions), "state": model.state_dict()}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks on 2 cores: ~45 s
 def test_sharded_training_matches_single_process_and_repeats_exactly(criteo_dataset, world):
     path = str(criteo_dataset.root)
     first = run_ranks(train_sharded, world, path)
