@@ -234,18 +234,10 @@ def _synth(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    import tomllib
-
     from neorec.ingest.import_spec import ImportSpec
-    from neorec.orchestration.config import apply_override
+    from neorec.orchestration.config import apply_override, read_toml
 
-    raw: dict = {}
-    if args.spec:
-        try:
-            with user_paths():
-                raw = tomllib.loads(Path(args.spec).read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{args.spec}: not valid TOML: {err}") from None
+    raw = read_toml(args.spec, "import spec") if args.spec else {}
     flags = {"input.files": args.files, "input.format": args.format, "label.column": args.label,
              "label.transform": args.label_transform, "split.kind": args.split,
              "split.time_column": args.time_column, "split.eval_fraction": args.eval_fraction,

@@ -15,20 +15,30 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
     """Read ``path``, apply ``section.key=value`` overrides (values in TOML syntax; a bare
     word is a string) and validate. Errors name the file or override and the key."""
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} not found") from None
-    except OSError as err:  # a directory, no permission, …
-        raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    raw = read_toml(path, "config file")
     for override in overrides:
         apply_override(raw, override)
     try:
         return TrainConfig.from_dict(raw)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
+
+
+def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    """The TOML table of the file ``path`` (a ``what``: "config file", "import spec"); a
+    missing or unreadable file, text that is not UTF-8 or not TOML is a :class:`ConfigError`
+    naming it."""
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} not found") from None
+    except OSError as err:  # a directory, no permission, …
+        raise ConfigError(f"cannot read {what} {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.object[err.start:err.start + 1]!r}); "
+                          f"TOML files are UTF-8") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:

@@ -37,6 +37,13 @@ def test_bad_config_names_the_key(tmp_path, text, message):
         load_config(_write(tmp_path, text))
 
 
+def test_a_config_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xff\xfe[train]\n")  # UTF-16's byte order mark
+    with pytest.raises(ConfigError, match=r"bom.toml: not UTF-8 text \(byte 0: b'\\xff'\); TOML files are UTF-8"):
+        load_config(path)
+
+
 def test_sharding_overrides_load():
     config = load_config("configs/demo.toml", ["sharding.tables={t_C1='row_wise', t_C2='table_wise:1'}"])
     assert config.sharding.tables == {"t_C1": "row_wise", "t_C2": "table_wise:1"}

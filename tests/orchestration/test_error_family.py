@@ -74,7 +74,13 @@ def test_unreadable_user_paths_are_named_not_tracebacks(tmp_path):
     result = _run([sys.executable, "-m", "neorec", "data", "import", str(spec), "--out", str(tmp_path / "o")],
                   timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert f"{spec}: Is a directory" in result.stderr
+    assert f"cannot read import spec {spec}: Is a directory" in result.stderr
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b"# caf\xe9\n[input]\n")
+    result = _run([sys.executable, "-m", "neorec", "data", "import", str(latin1), "--out", str(tmp_path / "o")],
+                  timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"{latin1}: not UTF-8 text (byte 5: b'\\xe9')" in result.stderr
 
 
 def test_the_errors_that_judge_input_are_one_family():

@@ -3,7 +3,9 @@ import itertools
 import numpy as np
 import pytest
 
+from neorec.trainer.run.run_dir import RunDirError
 from neorec.ingest.metrics import auc, log_loss, normalized_entropy
+from neorec.trainer.run.metrics import MetricsLog
 
 
 def _pairwise_auc(y, s):
@@ -29,3 +31,10 @@ def test_logloss_and_ne():
     base = -(0.75 * np.log(0.75) + 0.25 * np.log(0.25))
     assert normalized_entropy(y, p) == pytest.approx(expected / base)
     assert normalized_entropy(y, np.full(4, 0.75)) == pytest.approx(1.0)
+
+
+def test_a_metrics_log_on_a_full_disk_names_its_file_once_and_closes():
+    log = MetricsLog("/dev/full")  # every write: no space left on device
+    with pytest.raises(RunDirError, match="cannot write /dev/full: no space left on device"):
+        log.write({"step": 1})
+    log.close()  # the record still buffered is not raised again (a cleanup must not mask the error)

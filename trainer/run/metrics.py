@@ -23,6 +23,7 @@ class MetricsLog:
 
     def __init__(self, path: str | Path | None, keep_bytes: int | None = None) -> None:
         self._file = None
+        self._failed = False
         self.path = None if path is None else Path(path)
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         """Also called with every record written (e.g. a TensorBoard writer)."""
@@ -53,13 +54,21 @@ class MetricsLog:
                 self._file.write(json.dumps(record, sort_keys=True) + "\n")
                 self._file.flush()
             except OSError as err:
+                self._failed = True
                 raise RunDirError(f"cannot write {self.path}: {describe(err)}") from None
             for listener in self.listeners:
                 listener(record)
 
     def close(self) -> None:
-        if self._file is not None:
+        """Close the file; a record a failed ``write`` left buffered (already reported) is
+        dropped rather than raised again."""
+        if self._file is None:
+            return
+        try:
             self._file.close()
+        except OSError as err:
+            if not self._failed:
+                raise RunDirError(f"cannot write {self.path}: {describe(err)}") from None
 
 
 @torch.no_grad()
