@@ -30,7 +30,7 @@ from typing import Any, Sequence
 from neorec.common.errors import UserError
 from neorec.ingest.decoder import open_files
 from neorec.ingest.errors import DataError, UnreadableFileError
-from neorec.ingest.schema import Dataset
+from neorec.ingest.schema import Dataset, metrics_field
 
 PARTITIONS = "partitions"
 MARKER = "_SUCCESS"
@@ -114,9 +114,23 @@ def open_partition(root: str | Path, name: str) -> Partition:
     if described.is_file():
         try:
             info = json.loads(described.read_text())
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, RecursionError) as err:  # UnicodeDecodeError, JSONDecodeError: ValueErrors
             raise PartitionError(f"not a readable JSON file: {err}", file=str(described)) from None
+        try:
+            info = _checked_info(info)
+        except ValueError as err:
+            raise PartitionError(str(err), file=str(described)) from None
     return Partition(name, tuple(f"{PARTITIONS}/{name}/{f}" for f in files), marker_time, info)
+
+
+def _checked_info(info: Any) -> dict[str, Any]:
+    """A partition's description with the fields the trainer reads checked (ValueError)."""
+    if not isinstance(info, dict):
+        raise ValueError("expected a JSON object")
+    for key in ("oracle", "late_oracle"):
+        if key in info:
+            info[key] = metrics_field(info[key], key)
+    return info
 
 
 def next_partition(root: str | Path, done: Sequence[str]) -> Partition | None:

@@ -161,7 +161,7 @@ class Dataset:
             raise DatasetNotFoundError(f"{path} not found: not a neorec dataset directory")
         try:
             obj = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
             raise DataError(f"not a readable JSON file: {err}", file=str(path)) from None
         if not isinstance(obj, dict):
             raise DataError("expected a JSON object", file=str(path))
@@ -178,10 +178,32 @@ class Dataset:
                 root=root,
                 schema=DatasetSchema.from_json(obj["schema"]),
                 splits={str(k): list(v) for k, v in splits.items()},
-                rows=dict(obj.get("rows") or {}),
+                rows=counts_field(obj.get("rows"), "rows"),
                 profile=obj.get("profile", ""),
-                oracle=obj.get("oracle"),
+                oracle=metrics_field(obj.get("oracle"), "oracle"),
                 generator=obj.get("generator"),
             )
         except (ValueError, TypeError) as err:
             raise DataError(str(err), file=str(path)) from None
+
+
+def metrics_field(value: Any, name: str) -> dict[str, float] | None:
+    """A described dataset's or partition's metrics (``oracle``: ``{"eval_auc": 0.8, …}``),
+    checked: absent (None) or an object of numbers; ValueError naming ``name`` otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in value.items()):
+        raise ValueError(f"{name!r} must be an object of numbers (metric: value)")
+    return {k: float(v) for k, v in value.items()}
+
+
+def counts_field(value: Any, name: str) -> dict[str, int]:
+    """Counts by name (``rows``: ``{"train": 1000, …}``), checked: absent or an object of
+    whole numbers at least 0; ValueError naming ``name`` otherwise."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in value.items()):
+        raise ValueError(f"{name!r} must be an object of counts (name: whole number)")
+    return dict(value)

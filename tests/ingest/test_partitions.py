@@ -42,6 +42,14 @@ def test_synth_writes_marked_partitions_with_their_oracle(dataset):
     assert dataset.splits == {}
 
 
+@pytest.mark.parametrize("oracle", ["high", {"auc": "x"}, {"auc": True}])
+def test_a_partition_description_whose_oracle_is_not_numbers_is_named(dataset, oracle):
+    described = dataset.root / "partitions" / partition_name(1) / "partition.json"
+    described.write_text(json.dumps({**json.loads(described.read_text()), "oracle": oracle}))
+    with pytest.raises(PartitionError, match=f"{described}: 'oracle' must be an object of numbers"):
+        open_partition(dataset.root, partition_name(1))
+
+
 def test_drift_changes_the_labels_of_later_partitions_only_as_asked(tmp_path):
     def labels(drift, index):
         root = tmp_path / f"d{drift}"

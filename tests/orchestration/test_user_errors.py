@@ -57,6 +57,8 @@ def dataset_copy(criteo_dataset, tmp_path):
     (lambda obj: {**obj, "schema": {**obj["schema"], "sparse": [{**obj["schema"]["sparse"][0], "cardinality": "big"}]}},
      "cardinality must be a positive integer"),
     (lambda obj: {**obj, "schema": {**obj["schema"], "sparse": []}}, "a DLRM needs at least one sparse"),
+    (lambda obj: {**obj, "oracle": {**obj["oracle"], "eval_auc": "x"}}, "'oracle' must be an object of numbers"),
+    (lambda obj: "[" * 100_000, "not a readable JSON file: maximum recursion depth"),
 ])
 def test_a_bad_dataset_json_is_named(dataset_copy, tmp_path, damage, expected):
     path = dataset_copy / "dataset.json"
