@@ -36,6 +36,16 @@ def fsync_directories(path: str | Path, up_to: str | Path) -> None:
         path = path.parent
 
 
+def fsync_tree(root: str | Path) -> None:
+    """Fsync every file and directory under ``root`` (``root`` too), each directory after
+    what it holds: a tree written without fsyncs made durable before it is renamed into
+    place."""
+    for directory, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_file(os.path.join(directory, name))
+        fsync_directory(directory)
+
+
 def write_durably(path: str | Path, data: bytes) -> None:
     """``path`` holds ``data`` once this returns, or is as it was: written to a temporary
     sibling, fsynced, renamed into place, and the directory fsynced. A write that fails (a

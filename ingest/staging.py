@@ -1,19 +1,29 @@
-"""Writing a dataset directory all at once: the output goes to a temporary sibling and is
-renamed into place only when complete, so a failed or interrupted ``neorec data import``,
-``convert`` or ``synth`` leaves the directory as it was (empty, absent, or the old dataset).
-A non-empty output directory is refused unless the caller means to replace it."""
+"""Writing a dataset directory all at once: the output goes to a temporary sibling, is
+fsynced, and is renamed into place only when complete, so a failed or interrupted ``neorec
+data import``, ``convert`` or ``synth`` leaves the directory as it was (empty, absent, or
+the old dataset). A non-empty output directory is refused unless the caller means to
+replace it.
+
+The temporary sibling is removed when the write fails, is interrupted (Ctrl-C) or is
+terminated (SIGTERM: removed, then the signal takes its default course). One whose writer
+was killed outright (SIGKILL, a crash) names its host and process, and the next write of the
+same output on that host removes it once that process is gone."""
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
+import signal
+import socket
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from neorec.common.durable import fsync_directory
+from neorec.common.durable import fsync_directory, fsync_tree
 from neorec.common.errors import FULL_OR_READ_ONLY, PathError, UserError, describe
 
 
@@ -34,23 +44,73 @@ def staged_output(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise OutputExistsError(f"{out} is not empty: give --overwrite to replace what it holds, or another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(out)
     staging = _staging_directory(out)
     try:
-        yield staging
+        with _sigterm_raises():
+            yield staging
+        fsync_tree(staging)
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(err, _Terminated):
+            os.kill(os.getpid(), signal.SIGTERM)  # its default action again: the process ends as it would have
         if isinstance(err, OSError) and err.errno in FULL_OR_READ_ONLY:  # Arrow's writers name no file
             raise PathError(f"cannot write the dataset {out}: {describe(err)}") from None
         raise
     _swap_in(staging, out)
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived while a dataset was being written."""
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises :class:`_Terminated` in the main thread while the block runs, where
+    SIGTERM would otherwise end the process at once (its default action)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _staging_directory(out: Path) -> Path:
-    """A new empty directory beside ``out``, made by a plain ``mkdir``: it becomes ``out``,
-    so it gets the mode the umask gives a directory (``tempfile.mkdtemp``'s is 0700)."""
-    staging = out.parent / f".{out.name}.{secrets.token_hex(8)}.partial"
+    """A new empty directory beside ``out``, named for this host and process, made by a
+    plain ``mkdir``: it becomes ``out``, so it gets the mode the umask gives a directory
+    (``tempfile.mkdtemp``'s is 0700)."""
+    staging = out.parent / f".{out.name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(8)}.partial"
     staging.mkdir()
     return staging
+
+
+def _remove_abandoned(out: Path) -> None:
+    """Remove the staging directories of ``out`` left by writers on this host that were
+    killed (their process is gone)."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(?P<host>.+)\.(?P<pid>[0-9]+)\.[0-9a-f]{{16}}\.partial")
+    host = socket.gethostname()
+    for entry in os.scandir(out.parent):
+        found = pattern.fullmatch(entry.name)
+        if found and found["host"] == host and entry.is_dir(follow_symlinks=False) and not _alive(int(found["pid"])):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _swap_in(staging: Path, out: Path) -> None:

@@ -8,9 +8,12 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import signal
+import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,3 +100,55 @@ def test_a_full_disk_is_named_with_the_output_and_leaves_nothing_behind(tmp_path
     with pytest.raises(ValueError, match="not a write the disk refused"):  # anything else passes through
         with staged_output(out):
             raise ValueError("not a write the disk refused")
+
+
+def test_the_staged_files_are_fsynced_before_the_output_is_renamed_into_place(tmp_path, monkeypatch):
+    synced = []
+
+    def fsync_file(path):
+        synced.append((Path(path).relative_to(tmp_path), (tmp_path / "data").exists()))
+
+    monkeypatch.setattr("neorec.common.durable.fsync_file", fsync_file)
+    with staged_output(tmp_path / "data") as staging:
+        (staging / "vocab").mkdir()
+        (staging / "vocab" / "C1.parquet").write_bytes(b"ids")
+        (staging / "train-00000.parquet").write_bytes(b"rows")
+    inside = [str(path.relative_to(staging.name)) for path, renamed in synced if not renamed]
+    assert sorted(inside) == [".", "train-00000.parquet", "vocab", "vocab/C1.parquet"]
+    assert inside.index("vocab/C1.parquet") < inside.index("vocab") < inside.index(".")  # a directory after its files
+    assert inside.index("train-00000.parquet") < inside.index(".")
+    assert [str(path) for path, renamed in synced if renamed] == ["."]  # then the parent, holding the new name
+
+
+def test_a_terminated_write_removes_its_staging_directory_and_ends_by_the_signal(tmp_path):
+    out = tmp_path / "data"
+    writer = subprocess.Popen([sys.executable, "-m", "neorec.orchestration.cli", "data", "synth", "--rows",
+                               "5000000", "--out", str(out)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.name.endswith(".partial") for p in tmp_path.iterdir()):
+            assert writer.poll() is None and time.monotonic() < deadline, writer.stderr.read()
+            time.sleep(0.05)
+        time.sleep(0.5)  # well into writing
+        writer.send_signal(signal.SIGTERM)
+        assert writer.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        writer.kill()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_writers_staging_directory_is_removed_by_the_next_write_on_its_host(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    host = socket.gethostname()
+    abandoned = tmp_path / f".data.{host}.{dead_pid}.{'a1' * 8}.partial"
+    running = tmp_path / f".data.{host}.{os.getpid()}.{'b2' * 8}.partial"  # a writer still at work
+    elsewhere = tmp_path / f".data.other-host.{dead_pid}.{'c3' * 8}.partial"  # not ours to judge
+    other_output = tmp_path / f".data2.{host}.{dead_pid}.{'d4' * 8}.partial"
+    for directory in (abandoned, running, elsewhere, other_output):
+        directory.mkdir()
+        (directory / "train-00000.parquet").write_bytes(b"part")
+    with staged_output(tmp_path / "data") as staging:
+        (staging / "dataset.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["data", running.name, elsewhere.name, other_output.name])
