@@ -14,7 +14,8 @@ from neorec.trainer.run.run_dir import CHECKPOINTS, CONFIG
 def describe(directory: str | Path, verify: bool = False) -> dict[str, Any]:
     """The checkpoints under a run directory (or its checkpoints directory), oldest first:
     name, step, epoch, kind, chain, bits, bytes, rows touched of all rows, stall and write
-    seconds; with ``verify``, whether every file matches its size and SHA-256.
+    seconds; with ``verify``, whether every file matches its size and SHA-256 and the
+    checkpoints of its chain are complete.
     :class:`CheckpointError` when the directory holds no checkpoint, complete or not, and is
     not a run's (an empty listing for a run that has written none yet)."""
     root, _ = checkpoints_root(directory)
@@ -33,6 +34,8 @@ def describe(directory: str | Path, verify: bool = False) -> dict[str, Any]:
                  "snapshot_s": manifest.stats.get("snapshot_s"), "write_s": manifest.stats.get("write_s")}
         if verify:
             try:
+                for link in manifest.chain[:-1]:  # the checkpoints it is restored from, complete
+                    read_manifest(root / link)
                 layout.verify(path, manifest)
                 entry["verified"] = True
             except CheckpointError as err:

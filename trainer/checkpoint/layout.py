@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -41,6 +42,10 @@ PREFIX = "step-"
 class CheckpointError(UserError, ValueError):
     """A checkpoint cannot be restored: missing, incomplete, corrupt (the message names the
     file), or made for another model."""
+
+
+CHAIN_LINK = re.compile(rf"{PREFIX}[0-9]{{9,}}")
+"""A checkpoint's name, as a chain holds it (a sibling directory, nothing else)."""
 
 
 def step_name(step: int) -> str:
@@ -160,11 +165,32 @@ class Manifest:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "Manifest":
+        """The manifest ``obj`` describes; ValueError (TypeError, KeyError) where its position
+        or chain is not one a checkpoint writes."""
         fields = dict(obj)
         fields["files"] = [FileEntry(**f) for f in obj["files"]]
         fields["records"] = [RecordEntry(**r) for r in obj["records"]]
         fields["store"] = [StoreEntry.from_json(e) for e in obj.get("store", [])]
-        return cls(**fields)
+        manifest = cls(**fields)
+        manifest._check()
+        return manifest
+
+    def _check(self) -> None:
+        for key in ("step", "epoch", "step_in_epoch", "bits", "world_size", "sparse_steps"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{key} is {value!r}, not a whole number")
+        if self.name != step_name(self.step):
+            raise ValueError(f"name {self.name!r} is not that of step {self.step}")
+        if self.kind not in ("full", "incremental"):
+            raise ValueError(f"kind {self.kind!r} is neither 'full' nor 'incremental'")
+        chain = self.chain
+        if not isinstance(chain, list) or not chain or not all(isinstance(c, str) and CHAIN_LINK.fullmatch(c)
+                                                               for c in chain):
+            raise ValueError(f"chain {chain!r} is not a list of checkpoint names")
+        steps = [int(c[len(PREFIX):]) for c in chain]
+        if chain[-1] != self.name or steps != sorted(set(steps)) or (self.kind == "full") != (len(chain) == 1):
+            raise ValueError(f"chain {chain!r} does not lead from a full checkpoint to this {self.kind} one")
 
 
 def sha256_of(path: Path) -> str:
@@ -198,9 +224,12 @@ def read_manifest(directory: Path) -> Manifest:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} manifest")
     try:
-        return Manifest.from_json(obj)
-    except (KeyError, TypeError) as err:
+        manifest = Manifest.from_json(obj)
+    except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path} is corrupt: {err}") from None
+    if manifest.name != directory.name:
+        raise CheckpointError(f"{path} is that of {manifest.name}, not of the directory {directory.name}")
+    return manifest
 
 
 def complete(root: Path) -> list[Path]:

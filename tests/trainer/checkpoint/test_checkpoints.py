@@ -2,12 +2,14 @@
 works from a snapshot, corruption is named, old checkpoints are pruned."""
 
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from tests.trainer.checkpoint.helpers import assert_same_state, checkpointer, module, state, train_steps
+from neorec.trainer.checkpoint.inspect import describe
 from neorec.trainer.checkpoint.layout import CheckpointError, complete, read_manifest
 from neorec.trainer.checkpoint.restore import choose, open_checkpoint, restore_embeddings
 
@@ -114,6 +116,41 @@ def test_a_corrupt_or_truncated_file_is_named_and_fallback_restores_the_one_befo
     fresh = module(seed=5)
     restore_embeddings(fallen_back, fresh.shard_views())
     assert torch.equal(fresh.weights, first["weights"])
+
+
+@pytest.mark.parametrize("damage,expected", [
+    ({"chain": ["../../etc", "step-000000002"]}, "is not a list of checkpoint names"),
+    ({"chain": ["step-000000002"]}, "does not lead from a full checkpoint"),
+    ({"chain": ["step-000000003", "step-000000002"]}, "does not lead from a full checkpoint"),
+    ({"step": "x"}, "step is 'x', not a whole number"),
+    ({"step": 7}, "name 'step-000000002' is not that of step 7"),
+    ({"name": "step-000000001", "step": 1, "chain": ["step-000000001"], "kind": "full"}, "not of the directory"),
+])
+def test_a_manifest_whose_position_or_chain_no_checkpoint_writes_is_named(tmp_path, damage, expected):
+    embeddings = module()
+    writer = checkpointer(tmp_path, embeddings, mode="incremental")
+    for step in (1, 2):
+        train_steps(embeddings, 1, seed=step)
+        writer.save(global_step=step, epoch=0, step_in_epoch=step, dense=None, wait=True)
+    path = tmp_path / "step-000000002" / "manifest.json"
+    obj = json.loads(path.read_text())
+    assert obj["chain"] == ["step-000000001", "step-000000002"]
+    path.write_text(json.dumps({**obj, **damage}))
+    for read in (open_checkpoint, describe):  # restoring it, inspecting it
+        with pytest.raises(CheckpointError, match=f"{path}.*{re.escape(expected)}"):
+            read(tmp_path)
+
+
+def test_inspect_verify_fails_a_checkpoint_whose_chain_is_not_complete(tmp_path):
+    embeddings = module()
+    writer = checkpointer(tmp_path, embeddings, mode="incremental")
+    for step in (1, 2):
+        train_steps(embeddings, 1, seed=step)
+        writer.save(global_step=step, epoch=0, step_in_epoch=step, dense=None, wait=True)
+    (tmp_path / "step-000000001" / "manifest.json").unlink()
+    [verified] = describe(tmp_path, verify=True)["checkpoints"]
+    assert verified["name"] == "step-000000002" and not verified["verified"]
+    assert "step-000000001 is not a complete checkpoint" in verified["error"]
 
 
 def test_old_checkpoints_are_pruned_but_not_the_chains_that_are_kept(tmp_path):
