@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from neorec.common.durable import fsync_directory, fsync_tree
+from neorec.common.durable import fsync_directory, fsync_file, fsync_tree
 from neorec.common.errors import FULL_OR_READ_ONLY, PathError, UserError, describe
 
 
@@ -46,11 +46,16 @@ def staged_output(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(out)
     staging = _staging_directory(out)
+    writeback = _Writeback(staging)
     try:
         with _sigterm_raises():
             yield staging
+        error = writeback.stop()
+        if error is not None:
+            raise error
         fsync_tree(staging)
     except BaseException as err:
+        writeback.stop()
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(err, _Terminated):
             os.kill(os.getpid(), signal.SIGTERM)  # its default action again: the process ends as it would have
@@ -58,6 +63,40 @@ def staged_output(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
             raise PathError(f"cannot write the dataset {out}: {describe(err)}") from None
         raise
     _swap_in(staging, out)
+
+
+WRITEBACK_PERIOD_S = 1.0
+
+
+class _Writeback:
+    """Fsyncs the files under ``root`` every :data:`WRITEBACK_PERIOD_S` while a dataset is
+    written there, so that the disk takes them while the writer computes and the final fsync
+    finds little left to write (fsyncing everything at the end made an import ~20% slower on
+    a slow disk). ``stop`` returns the first error an fsync met (the kernel may report a
+    failed write-back once only, so it must not be lost)."""
+
+    def __init__(self, root: Path) -> None:
+        self._stopping = threading.Event()
+        self._error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, args=(root,), name="dataset-writeback", daemon=True)
+        self._thread.start()
+
+    def _run(self, root: Path) -> None:
+        while not self._stopping.wait(WRITEBACK_PERIOD_S):
+            for directory, _, files in os.walk(root):
+                for name in files:
+                    try:
+                        fsync_file(os.path.join(directory, name))
+                    except FileNotFoundError:  # replaced or removed by the writer meanwhile
+                        continue
+                    except OSError as err:
+                        self._error = err
+                        return
+
+    def stop(self) -> OSError | None:
+        self._stopping.set()
+        self._thread.join()
+        return self._error
 
 
 class _Terminated(BaseException):

@@ -109,6 +109,7 @@ def test_the_staged_files_are_fsynced_before_the_output_is_renamed_into_place(tm
         synced.append((Path(path).relative_to(tmp_path), (tmp_path / "data").exists()))
 
     monkeypatch.setattr("neorec.common.durable.fsync_file", fsync_file)
+    monkeypatch.setattr("neorec.ingest.staging.WRITEBACK_PERIOD_S", 3600.0)  # none while the block runs
     with staged_output(tmp_path / "data") as staging:
         (staging / "vocab").mkdir()
         (staging / "vocab" / "C1.parquet").write_bytes(b"ids")
@@ -118,6 +119,29 @@ def test_the_staged_files_are_fsynced_before_the_output_is_renamed_into_place(tm
     assert inside.index("vocab/C1.parquet") < inside.index("vocab") < inside.index(".")  # a directory after its files
     assert inside.index("train-00000.parquet") < inside.index(".")
     assert [str(path) for path, renamed in synced if renamed] == ["."]  # then the parent, holding the new name
+
+
+def test_files_are_fsynced_while_the_dataset_is_written_and_a_failed_write_back_is_raised(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr("neorec.ingest.staging.WRITEBACK_PERIOD_S", 0.01)
+    monkeypatch.setattr("neorec.ingest.staging.fsync_file", lambda path: synced.append(Path(path).name))
+    with staged_output(tmp_path / "data") as staging:
+        (staging / "train-00000.parquet").write_bytes(b"rows")
+        deadline = time.monotonic() + 30
+        while "train-00000.parquet" not in synced:  # written back before the writer is done
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    def failing(path):
+        raise OSError(errno.EIO, "Input/output error", str(path))
+
+    monkeypatch.setattr("neorec.ingest.staging.fsync_file", failing)
+    with pytest.raises(OSError, match="Input/output error"):  # reported, though the block itself succeeded
+        with staged_output(tmp_path / "data", overwrite=True) as staging:
+            (staging / "train-00000.parquet").write_bytes(b"other rows")
+            time.sleep(0.5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # the old dataset, nothing staged left
+    assert (tmp_path / "data" / "train-00000.parquet").read_bytes() == b"rows"
 
 
 def test_a_terminated_write_removes_its_staging_directory_and_ends_by_the_signal(tmp_path):
