@@ -49,6 +49,16 @@ def _request(dataset: Dataset, batch_size: int = 100, num_batches: int | None = 
     return reader.request_for(task)[0]
 
 
+def _request_longer_than_the_buffers(dataset: Dataset) -> ingest_pb2.ReadRequest:
+    """A request whose stream cannot finish unread: 48 batches (4,800 rows, then padding) of
+    3.3 MB, 158 MB. The transport's buffers (flow-control windows grown by gRPC's bandwidth
+    probing, and the sockets') have held 5-17 MB of a stream on loopback, so a shorter stream
+    a test means to keep open can end with OK on its own."""
+    request = _request(dataset, batch_size=100, num_batches=None)
+    request.batch_size = 40_000
+    return request
+
+
 def _read_all(channel: grpc.Channel, request: ingest_pb2.ReadRequest) -> list[ingest_pb2.Batch]:
     return list(ingest_pb2_grpc.ReaderStub(channel).Read(request, timeout=30))
 
@@ -224,12 +234,8 @@ def test_sigterm_drains_then_exits_cleanly(criteo_dataset):
             health = health_pb2_grpc.HealthStub(channel)
             watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=30)
             assert next(watch).status == SERVING
-            # An open stream the client reads slowly, far longer than the transport buffers: the
-            # service must wait for it, then end it. The buffers (flow-control windows grown by
-            # gRPC's bandwidth probing, and the sockets') have held 10-17 MB on loopback, so a
-            # stream that fits in them ends with OK within the grace period (a 16 MB one did).
-            request = _request(criteo_dataset, batch_size=100, num_batches=None)
-            request.batch_size = 40_000  # 48 batches (4,800 rows, then padding) of 3.3 MB: 158 MB
+            # An open stream the client reads slowly: the service must wait for it, then end it.
+            request = _request_longer_than_the_buffers(criteo_dataset)
             stream = ingest_pb2_grpc.ReaderStub(channel).Read(request, timeout=30)
             first = next(stream)
             assert first.step == 0
@@ -273,7 +279,7 @@ def test_streams_still_open_after_the_grace_period_end_unavailable(criteo_datase
     server = ReaderServer(threads=1, data_roots=DATA_ROOTS)
     server.start()
     with grpc.insecure_channel(server.address) as channel:
-        request = _request(criteo_dataset, batch_size=1, num_batches=4000)
+        request = _request_longer_than_the_buffers(criteo_dataset)
         stream = ingest_pb2_grpc.ReaderStub(channel).Read(request, timeout=30)
         assert next(stream).step == 0
         stopper = threading.Thread(target=server.stop, kwargs={"grace_s": 0.0})
@@ -287,14 +293,13 @@ def test_streams_still_open_after_the_grace_period_end_unavailable(criteo_datase
 
 
 def test_streams_beyond_the_limit_are_refused_and_health_keeps_answering(criteo_dataset):
-    server = ReaderServer(threads=1, max_streams=64, data_roots=DATA_ROOTS)
+    server = ReaderServer(threads=1, max_streams=16, data_roots=DATA_ROOTS)
     server.start()
-    request = _request(criteo_dataset, batch_size=100, num_batches=48)
-    request.batch_size = 4000  # 16 MB a stream, 1 GB in all on one connection: none finishes unread
+    request = _request_longer_than_the_buffers(criteo_dataset)  # none finishes and frees its place
     try:
         with grpc.insecure_channel(server.address) as channel:
             reader = ingest_pb2_grpc.ReaderStub(channel)
-            streams = [reader.Read(request, timeout=60) for _ in range(64)]
+            streams = [reader.Read(request, timeout=60) for _ in range(16)]
             for stream in streams:
                 assert next(stream).step == 0
             with pytest.raises(grpc.RpcError) as refused:
@@ -305,7 +310,7 @@ def test_streams_beyond_the_limit_are_refused_and_health_keeps_answering(criteo_
                 started = time.monotonic()
                 assert health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1).status == SERVING
                 assert time.monotonic() - started < 1.0
-            assert _status(channel).active_streams == 64
+            assert _status(channel).active_streams == 16
             for stream in streams:
                 stream.cancel()
     finally:
