@@ -278,7 +278,7 @@ def decode_sources(sources: Sequence[ColumnSource], wheres: Sequence["Where"], s
                 return
             for k, (where, n) in enumerate(zip(wheres, sizes)):
                 _map_ids(ids[k], options.table_rows[f], options.id_mapping, where, feature.name,
-                         lengths[k][f * n : (f + 1) * n])
+                         lengths[k][f * n : (f + 1) * n], sources[k])
         return work
 
     dense = [recycled.empty((n, len(schema.dense)), np.float32) for n in sizes]
@@ -397,21 +397,34 @@ def _bags(source: ColumnSource, name: str, where: Where) -> Bags:
     return Bags(lengths, ids.size, lambda out: np.copyto(out, ids, casting="unsafe"))
 
 
-def _map_ids(ids: np.ndarray, rows: int, mapping: str, where: Where, column: str, lengths: np.ndarray) -> None:
-    """Map raw ids into ``[0, rows)`` in place; name the row of the first bad id."""
+def _map_ids(ids: np.ndarray, rows: int, mapping: str, where: Where, column: str, lengths: np.ndarray,
+             source: ColumnSource) -> None:
+    """Map raw ids (int64 ``[n]``; a uint64 column's ids of 2^63 and above wrap to negative)
+    into ``[0, rows)`` in place; name the row of the first bad id."""
     if ids.size == 0:
         return
     low = ids.min()
     if low < 0:
-        raise where.error(f"negative id {low}", column, _row_of_id(lengths, int(np.argmax(ids < 0))))
+        if not _unsigned_ids(source, column):
+            raise where.error(f"negative id {low}", column, _row_of_id(lengths, int(np.argmax(ids < 0))))
+        ids = ids.view(np.uint64)
     high = ids.max()
     if high < rows:
         return
     if mapping == "modulo":
         np.remainder(ids, rows, out=ids)
         return
-    raise where.error(f"id {high} is out of range for a table of {rows} rows", column,
-                      _row_of_id(lengths, int(np.argmax(ids >= rows))))
+    first = int(np.argmax(ids >= rows))
+    raise where.error(f"id {ids[first]} is out of range for a table of {rows} rows", column,
+                      _row_of_id(lengths, first))
+
+
+def _unsigned_ids(source: ColumnSource, column: str) -> bool:
+    """Whether a sparse feature's column holds unsigned integers (or lists of them)."""
+    kind = source.schema.field(column).type
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        kind = kind.value_type
+    return pa.types.is_unsigned_integer(kind)
 
 
 def _row_of_id(lengths: np.ndarray, position: int) -> int:

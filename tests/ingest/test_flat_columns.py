@@ -219,7 +219,7 @@ LISTS = DatasetSchema(label="y", dense=(), sparse=(SparseFeature("s", 10), Spars
 
 @pytest.mark.parametrize("s,m,n,message", [
     ([-1, 2], [[1], [None]], [[1], [2]], r"column 's', row 0: negative id -1"),
-    ([1, 2], [[1], [11]], [[1], [None]], r"column 'm', row 1: id 11 is out of range"),
+    ([1, 2], [[11], [1, 12]], [[1], [None]], r"column 'm', row 0: id 11 is out of range"),
     ([1, 2], [[1], [None]], [[-4], [2]], r"column 'm', row 1: null id inside a list"),
 ])
 def test_the_first_bad_feature_in_schema_order_is_named_when_several_are_bad(s, m, n, message):
@@ -229,6 +229,24 @@ def test_the_first_bad_feature_in_schema_order_is_named_when_several_are_bad(s, 
                       "n": pa.array(n, pa.list_(pa.int64()))})
     with pytest.raises(DataError, match=message):
         decode_table(table, LISTS, DecodeOptions(table_rows=(10, 10, 10), id_mapping="strict"))
+
+
+UNSIGNED = [3, 2**63, 2**64 - 1]
+
+
+def _unsigned_table() -> pa.Table:
+    return pa.table({"y": pa.array([0, 1, 0]), "s": pa.array(UNSIGNED, pa.uint64()), "m": pa.array(
+        [[v] for v in UNSIGNED], pa.list_(pa.uint64())), "n": pa.array([[1]] * 3, pa.list_(pa.int64()))})
+
+
+def test_uint64_ids_of_2_63_and_above_are_mapped_as_unsigned_numbers():
+    batch = decode_table(_unsigned_table(), LISTS, DecodeOptions(table_rows=(10, 1000, 10)))
+    assert batch.values.tolist() == [v % 10 for v in UNSIGNED] + [v % 1000 for v in UNSIGNED] + [1] * 3
+
+
+def test_a_uint64_id_out_of_range_is_named_as_its_unsigned_value():
+    with pytest.raises(DataError, match=r"column 's', row 1: id 9223372036854775808 is out of range"):
+        decode_table(_unsigned_table(), LISTS, DecodeOptions(table_rows=(10, 10, 10), id_mapping="strict"))
 
 
 def test_an_array_whose_buffer_holds_more_bytes_than_its_values_decodes():
