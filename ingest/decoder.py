@@ -431,12 +431,18 @@ def _row_of_id(lengths: np.ndarray, position: int) -> int:
     return int(np.searchsorted(np.cumsum(lengths), position, side="right"))
 
 
+def open_parquet(path: str | Path, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:
+    """A dataset's Parquet file, whose pages' checksums are verified as they are read (a
+    page without one, as in files written before checksums were, is read unchecked)."""
+    return pq.ParquetFile(path, metadata=metadata, page_checksum_verification=True)
+
+
 def open_files(paths: Sequence[str | Path], schema: DatasetSchema) -> list[pq.ParquetFile]:
     """Open and schema-check every file; errors name the file."""
     opened = []
     for path in paths:
         try:
-            parquet_file = pq.ParquetFile(path)
+            parquet_file = open_parquet(path)
         except (OSError, ValueError) as err:
             raise UnreadableFileError(f"cannot open Parquet file: {err}", file=str(path)) from err
         check_file_schema(parquet_file, str(path), schema)

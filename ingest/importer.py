@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from neorec.ingest.errors import DataError
 from neorec.common.hashing import combine, splitmix64, unit_floats
 from neorec.ingest.import_spec import LABEL_TRANSFORM, ImportSpec
-from neorec.ingest.schema import RAW_CARDINALITY, Dataset, DatasetSchema, SparseFeature
+from neorec.ingest.schema import PARQUET_WRITE_OPTIONS, RAW_CARDINALITY, Dataset, DatasetSchema, SparseFeature
 from neorec.ingest.sources import Block, expand, read_blocks
 from neorec.ingest.vocab import ValueCounter, Vocabulary, as_strings, hash_encode
 
@@ -560,7 +560,7 @@ class SplitWriter:
         if self._writer is not None:
             self._writer.close()
         name = f"{self.split}-{len(self.files):05d}.parquet"
-        self._writer = pq.ParquetWriter(self.out / name, self.schema, compression="zstd")
+        self._writer = pq.ParquetWriter(self.out / name, self.schema, **PARQUET_WRITE_OPTIONS)
         self.files.append(name)
         self._in_file = 0
 

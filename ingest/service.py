@@ -33,7 +33,8 @@ import pyarrow.parquet as pq
 
 from neorec.ingest.batch import HostBatch
 from neorec.ingest.chunks import ChunkDecoder
-from neorec.ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS, DecodeOptions, open_files, read_row_group
+from neorec.ingest.decoder import (DENSE_TRANSFORMS, ID_MAPPINGS, DecodeOptions, open_files, open_parquet,
+                                   read_row_group)
 from neorec.ingest.errors import DataError
 from neorec.ingest.fingerprint import fingerprint
 from neorec.ingest.plan import ReadTask
@@ -362,7 +363,7 @@ class ReaderServicer(ingest_pb2_grpc.ReaderServicer):
 
             def read() -> pa.Table:
                 # A file object per read: reads run concurrently, footers are parsed once.
-                parquet_file = pq.ParquetFile(path, metadata=job.metadata[group.file_index])
+                parquet_file = open_parquet(path, job.metadata[group.file_index])
                 return read_row_group(parquet_file, path, group.row_group, schema)
 
             try:

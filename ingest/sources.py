@@ -194,7 +194,7 @@ def _line_of(file: SourceFile, text: str, encoding: str) -> int | None:
 
 def _parquet_blocks(file: SourceFile, columns: Sequence[str] | None) -> Iterator[Block]:
     with file.filesystem.open_input_file(file.path) as handle:
-        parquet = pq.ParquetFile(handle)
+        parquet = pq.ParquetFile(handle, page_checksum_verification=True)  # of pages that carry one
         first = 0
         for batch in parquet.iter_batches(columns=list(columns) if columns is not None else None):
             yield Block(batch, file.name, first)

@@ -56,7 +56,7 @@ from neorec.common.errors import UserError
 from neorec.common.hashing import SALT, combine, splitmix64
 from neorec.ingest.metrics import binary_metrics
 from neorec.ingest.partitions import MARKER, PARTITION_FILE, partitions_dir
-from neorec.ingest.schema import RAW_CARDINALITY, Dataset, DatasetSchema, SparseFeature
+from neorec.ingest.schema import PARQUET_WRITE_OPTIONS, RAW_CARDINALITY, Dataset, DatasetSchema, SparseFeature
 
 CRITEO_KAGGLE_CARDINALITIES = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
@@ -257,7 +257,7 @@ def _write_split(
         name = f"{split}-{file_index:05d}.parquet"
         files.append(name)
         file_end = min(rows, done + spec.file_rows)
-        with pq.ParquetWriter(out / name, arrow_schema, compression="zstd") as writer:
+        with pq.ParquetWriter(out / name, arrow_schema, **PARQUET_WRITE_OPTIONS) as writer:
             while done < file_end:
                 n = min(spec.row_group_rows, file_end - done)
                 seed = [spec.seed, split_id, done]

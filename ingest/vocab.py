@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from neorec.common.hashing import mix64_jit
+from neorec.ingest.schema import PARQUET_WRITE_OPTIONS
 
 MERGE_EVERY = 16
 """Batch counts merged into the running counts this many batches at a time."""
@@ -89,11 +90,11 @@ class Vocabulary:
         return pc.fill_null(pc.add(index.cast(pa.int64()), 1), 0).to_numpy(zero_copy_only=False)
 
     def save(self, path: Path) -> None:
-        pq.write_table(pa.table({"value": self.values, "count": self.counts}), path, compression="zstd")
+        pq.write_table(pa.table({"value": self.values, "count": self.counts}), path, **PARQUET_WRITE_OPTIONS)
 
     @classmethod
     def load(cls, path: Path) -> "Vocabulary":
-        table = pq.read_table(path)
+        table = pq.read_table(path, page_checksum_verification=True)
         return cls(table["value"].combine_chunks(), table["count"].combine_chunks())
 
 

@@ -17,6 +17,7 @@ import pytest
 from neorec.ingest.errors import DataError
 from neorec.ingest.import_spec import ImportSpec, SpecError
 from neorec.ingest.importer import import_dataset
+from tests.ingest.workers import with_a_bit_flipped_in_each_column
 
 ROWS = 3000
 
@@ -100,6 +101,17 @@ def test_import_equals_the_plain_python_reference(tmp_path):
     assert [f.multi_hot for f in dataset.schema.sparse] == [False, False, True]
     evals = expected["splits"]["eval"]
     assert any(r["user"] == 0 for r in evals)  # users first seen in the eval split are unseen: 0
+
+
+def test_imported_files_and_vocabularies_carry_page_checksums(tmp_path):
+    write_log(tmp_path / "log.csv")
+    dataset = import_dataset(spec(tmp_path / "log.csv"), tmp_path / "out")
+    written = [*dataset.files("train"), *dataset.files("eval"), *sorted((tmp_path / "out" / "vocab").glob("*.parquet"))]
+    assert len(written) > 3
+    for path in written:
+        for data in with_a_bit_flipped_in_each_column(path, row_group=0):
+            with pytest.raises(OSError, match="CRC checksum verification failed"):
+                pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True).read_row_group(0)
 
 
 def test_vocabularies_carry_over_to_new_data(tmp_path):

@@ -8,6 +8,7 @@ from neorec.ingest.decoder import DecodeOptions, decode_table
 from neorec.ingest.errors import DataError
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.schema import Dataset
+from tests.ingest.workers import with_a_bit_flipped_in_each_column
 
 
 def _samples(batch: HostBatch) -> list[tuple]:
@@ -148,6 +149,14 @@ def test_wrong_type_is_named(tmp_path, criteo_dataset):
     columns["C2"] = pa.array(["a", "b", "c", "d"])
     with pytest.raises(DataError, match=r"column 'C2'.*expected int64"):
         _read_all(_dataset_with(tmp_path, criteo_dataset, columns))
+
+
+def test_a_bit_flipped_in_any_column_chunk_is_named_by_file_and_row_group(tmp_path, criteo_dataset):
+    """A dataset's pages carry checksums: a flip that zstd would decompress into other
+    values is caught as well as one it would notice."""
+    for data in with_a_bit_flipped_in_each_column(criteo_dataset.files("train")[0], row_group=1):
+        with pytest.raises(DataError, match=r"bad.parquet, row group 1: .*CRC checksum verification failed"):
+            _read_all(_dataset_with(tmp_path, criteo_dataset, None, raw_bytes=data))
 
 
 def test_negative_id_names_row_group_column_and_row(tmp_path, criteo_dataset):

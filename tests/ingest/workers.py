@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 
 from neorec.ingest.batch import HostBatch
 from neorec.orchestration.processes import ServiceProcess, start_reader_service
@@ -45,3 +48,16 @@ def scramble_data_pages(path) -> None:
     footer = int.from_bytes(data[-8:-4], "little") + 8
     data[4:-footer] = np.random.default_rng(0).bytes(len(data) - footer - 4)
     path.write_bytes(bytes(data))
+
+
+def with_a_bit_flipped_in_each_column(path: Path, row_group: int) -> Iterator[bytes]:
+    """The file's bytes, once per column, with a bit of the last byte of that column's
+    chunk in ``row_group`` flipped: in the last page's body, past its header."""
+    original = path.read_bytes()
+    group = pq.ParquetFile(path).metadata.row_group(row_group)
+    for c in range(group.num_columns):
+        chunk = group.column(c)
+        start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+        data = bytearray(original)
+        data[start + chunk.total_compressed_size - 1] ^= 0x04
+        yield bytes(data)
