@@ -162,12 +162,16 @@ def csv_batches(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOpt
 
 
 def _wrong_width(file: SourceFile, row: pacsv.InvalidRow, read: pacsv.ReadOptions) -> DataError:
-    """The error of a row with the wrong number of fields, naming its (1-based, data) row."""
-    line = _line_of(file, row.text, read.encoding)
+    """The error of a row with the wrong number of fields, naming its (1-based, data) row:
+    the first line of its text (a row whose quoted field is never closed runs on over
+    the lines after it)."""
+    first_line, *more = row.text.rstrip("\r\n").split("\n", 1)
+    line = _line_of(file, first_line, read.encoding)
     header = read.skip_rows + (0 if read.column_names or read.autogenerate_column_names else 1)
-    fields = f"{row.actual_columns} field{'' if row.actual_columns == 1 else 's'}"
-    return DataError(f"{fields}, expected {row.expected_columns}", file=file.name,
-                     row=line - header if line is not None else None)
+    problem = f"{row.actual_columns} field{'' if row.actual_columns == 1 else 's'}, expected {row.expected_columns}"
+    if more and '"' in row.text:
+        problem += "; a quote opened in this row runs over the lines after it: is it closed?"
+    return DataError(problem, file=file.name, row=line - header if line is not None else None)
 
 
 def _line_of(file: SourceFile, text: str, encoding: str) -> int | None:

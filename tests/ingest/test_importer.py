@@ -166,6 +166,7 @@ def test_a_parquet_list_column_round_trips(tmp_path):
 @pytest.mark.parametrize("line,where", [
     ("u1,3,7,a,10,", "column 'rating', row 2: missing label"),
     ("u1,3,x7,a,10,4", "column 'count'"),
+    ('"u1,3,7,a,10,4', "row 2: 1 field, expected 6; a quote opened in this row runs over the lines after it"),
 ])
 def test_bad_rows_are_named(tmp_path, line, where):
     path = tmp_path / "bad.csv"
