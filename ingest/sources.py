@@ -19,6 +19,7 @@ import pyarrow.csv as pacsv
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from neorec.common.wording import counted
 from neorec.ingest.errors import DataError
 
 BLOCK_BYTES = 16 << 20
@@ -168,7 +169,7 @@ def _wrong_width(file: SourceFile, row: pacsv.InvalidRow, read: pacsv.ReadOption
     first_line, *more = row.text.rstrip("\r\n").split("\n", 1)
     line = _line_of(file, first_line, read.encoding)
     header = read.skip_rows + (0 if read.column_names or read.autogenerate_column_names else 1)
-    problem = f"{row.actual_columns} field{'' if row.actual_columns == 1 else 's'}, expected {row.expected_columns}"
+    problem = f"{counted(row.actual_columns, 'field')}, expected {row.expected_columns}"
     if more and '"' in row.text:
         problem += "; a quote opened in this row runs over the lines after it: is it closed?"
     return DataError(problem, file=file.name, row=line - header if line is not None else None)

@@ -119,6 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--hash-rows", type=at_least(0), default=0,
                          help="hash categoricals into this many rows instead of counting a vocabulary")
     convert.set_defaults(run=_convert)
+    verify = data.add_parser("verify", help="read a whole dataset once, as training would, and name every bad row "
+                                            "group (checksums, types, labels, values, ids)")
+    verify.add_argument("dataset")
+    verify.set_defaults(run=_verify)
 
     add_service_commands(commands)
 
@@ -283,6 +287,28 @@ def _convert(args: argparse.Namespace) -> int:
         eval_fraction=args.eval_fraction, eval_files=tuple(args.eval_files), min_count=args.min_count,
         hash_rows=args.hash_rows))
     return _write_import(spec, source, args, args.format)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from neorec.common.wording import counted
+    from neorec.ingest.errors import DataError
+    from neorec.ingest.schema import Dataset
+    from neorec.ingest.verify import verify_dataset
+
+    with user_paths():
+        dataset = Dataset.load(args.dataset)
+        with LazyBar(total=sum(dataset.rows.values()) or None, unit="rows", desc=f"verify {args.dataset}",
+                     unit_scale=True) as bar:
+            reports = verify_dataset(dataset, progress=bar.update)
+    for report in reports:
+        print(f"{report.split}: {counted(report.files, 'file')}, {counted(report.row_groups, 'row group')}, "
+              f"{counted(report.rows, 'row')}, {counted(len(report.problems), 'problem')}")
+    problems = [problem for report in reports for problem in report.problems]
+    for problem in problems:
+        print(f"neorec: {_one_line(problem)}", file=sys.stderr)
+    if problems:
+        raise DataError(f"{counted(len(problems), 'problem')} in {args.dataset}")
+    return 0
 
 
 def _write_import(spec, source, args: argparse.Namespace, profile: str) -> int:

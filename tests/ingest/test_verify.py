@@ -1,0 +1,91 @@
+"""``neorec data verify``: one pass over a dataset names every bad row group."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+
+from neorec.ingest.schema import DATASET_FILE, Dataset
+from neorec.ingest.synth import SynthSpec, generate
+from neorec.ingest.verify import verify_dataset
+from tests.ingest.workers import with_a_bit_flipped_in_each_column
+
+
+def _row_groups(paths) -> int:
+    return sum(pq.ParquetFile(p).metadata.num_row_groups for p in paths)
+
+
+def test_a_sound_dataset_is_read_whole_and_found_sound(criteo_dataset):
+    read = []
+    reports = verify_dataset(criteo_dataset, progress=read.append)
+    assert [r.split for r in reports] == ["train", "eval"]
+    for report in reports:
+        assert report.problems == []
+        assert report.rows == criteo_dataset.rows[report.split]
+        assert report.files == len(criteo_dataset.files(report.split))
+        assert report.row_groups == _row_groups(criteo_dataset.files(report.split))
+    assert sum(read) == sum(criteo_dataset.rows.values())
+
+
+def _copy(dataset: Dataset, to) -> Dataset:
+    shutil.copytree(dataset.root, to)
+    return Dataset.load(to)
+
+
+def test_every_bad_row_group_is_named_and_the_reading_goes_on(criteo_dataset, tmp_path):
+    dataset = _copy(criteo_dataset, tmp_path / "d")
+    first, last = dataset.files("train")[0], dataset.files("train")[-1]
+    first.write_bytes(next(with_a_bit_flipped_in_each_column(first, row_group=1)))
+    last.write_bytes(next(with_a_bit_flipped_in_each_column(last, row_group=0)))
+    described = json.loads((dataset.root / DATASET_FILE).read_text())
+    described["rows"]["eval"] += 1
+    (dataset.root / DATASET_FILE).write_text(json.dumps(described))
+    train, evaluation = verify_dataset(Dataset.load(dataset.root))
+    assert [(p.file, p.row_group) for p in train.problems] == [(str(first), 1), (str(last), 0)]
+    assert all("CRC checksum verification failed" in p.problem for p in train.problems)
+    assert train.rows == criteo_dataset.rows["train"]  # every row group was read
+    (mismatch,) = evaluation.problems
+    assert mismatch.file == str(dataset.root / DATASET_FILE)
+    assert f"holds {criteo_dataset.rows['eval']:,} rows, not the {criteo_dataset.rows['eval'] + 1:,}" in str(mismatch)
+
+
+def test_ids_beyond_a_features_cardinality_are_named(criteo_dataset, tmp_path):
+    dataset = _copy(criteo_dataset, tmp_path / "d")
+    described = json.loads((dataset.root / DATASET_FILE).read_text())
+    described["schema"]["sparse"][2]["cardinality"] = 1
+    (dataset.root / DATASET_FILE).write_text(json.dumps(described))
+    reports = verify_dataset(Dataset.load(dataset.root))
+    name = described["schema"]["sparse"][2]["name"]
+    problems = [p for r in reports for p in r.problems]
+    assert len(problems) == _row_groups([*dataset.files("train"), *dataset.files("eval")])
+    assert all(p.column == name and "is out of range for a table of 1 rows" in p.problem for p in problems)
+
+
+def test_partitions_and_raw_ids_are_verified(tmp_path):
+    partitioned = generate(SynthSpec(rows=3_000, row_group_rows=500, partitions=3, raw_ids=True, seed=2),
+                           tmp_path / "p")
+    reports = verify_dataset(partitioned)
+    assert [r.split for r in reports] == ["partitions/2026-01-01T00", "partitions/2026-01-01T01",
+                                          "partitions/2026-01-01T02"]
+    assert sum(r.rows for r in reports) == 3_000 and not any(r.problems for r in reports)
+
+
+def test_the_command_prints_a_line_a_split_and_exits_2_naming_each_problem(criteo_dataset, tmp_path):
+    command = [sys.executable, "-m", "neorec", "data", "verify"]
+    sound = subprocess.run([*command, str(criteo_dataset.root)], capture_output=True, text=True, timeout=120)
+    assert sound.returncode == 0, sound.stderr
+    assert sound.stdout.splitlines()[0] == (f"train: {len(criteo_dataset.files('train'))} files, "
+                                            f"{_row_groups(criteo_dataset.files('train'))} row groups, "
+                                            f"{criteo_dataset.rows['train']:,} rows, 0 problems")
+    dataset = _copy(criteo_dataset, tmp_path / "d")
+    victim = dataset.files("eval")[0]
+    victim.write_bytes(next(with_a_bit_flipped_in_each_column(victim, row_group=0)))
+    damaged = subprocess.run([*command, str(dataset.root)], capture_output=True, text=True, timeout=120)
+    assert damaged.returncode == 2, damaged.stderr
+    assert "eval: " in damaged.stdout and ", 1 problem\n" in damaged.stdout
+    errors = [line for line in damaged.stderr.splitlines() if line.startswith("neorec:")]
+    assert errors[0].startswith(f"neorec: file {victim}, row group 0: cannot read row group")
+    assert errors[-1] == f"neorec: error: 1 problem in {dataset.root}"
+    assert "Traceback" not in damaged.stderr
