@@ -297,8 +297,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     with user_paths():
         dataset = Dataset.load(args.dataset)
-        with LazyBar(total=sum(dataset.rows.values()) or None, unit="rows", desc=f"verify {args.dataset}",
-                     unit_scale=True) as bar:
+        with LazyBar(unit="rows", desc=f"verify {args.dataset}", unit_scale=True) as bar:
             reports = verify_dataset(dataset, progress=bar.update)
     for report in reports:
         print(f"{report.split}: {counted(report.files, 'file')}, {counted(report.row_groups, 'row group')}, "
