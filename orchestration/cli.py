@@ -43,7 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         die_with_parent()
         args = _parser().parse_args(argv)
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        # neorec's own lines from INFO, other libraries' from WARNING (torch logs INFO lines at exit)
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        log.setLevel(logging.INFO)
         return args.run(args)
     except KeyboardInterrupt:
         print("neorec: interrupted", file=sys.stderr)

@@ -101,3 +101,20 @@ def test_the_errors_that_judge_input_are_one_family():
                   EndpointError, IngestError, StoreServiceError, SegmentError, StoreError, TargetError):
         assert issubclass(error, UserError), error
     assert not issubclass(ValueError, UserError) and not issubclass(OSError, UserError)
+
+
+PLANT_LOG_LINES = """
+import atexit, logging, sys
+from neorec.orchestration.cli import main
+
+atexit.register(lambda: logging.getLogger("torch._subclasses.fake_tensor").info("a library's INFO line"))
+atexit.register(lambda: logging.getLogger("neorec.trainer").info("neorec's INFO line"))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_other_libraries_log_from_warning_and_neorec_from_info(criteo_dataset):
+    """torch logs INFO lines at exit (after an interrupted import they reached the terminal)."""
+    result = _run([sys.executable, "-c", PLANT_LOG_LINES, "data", "verify", str(criteo_dataset.root)], timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "neorec's INFO line" in result.stderr and "a library's INFO line" not in result.stderr
