@@ -126,3 +126,29 @@ def test_a_frozen_rank_is_named_by_the_others_within_the_collective_timeout(crit
                 pass
         if process.poll() is None:
             process.kill()
+
+
+@pytest.mark.slow  # four runs, two of two processes
+def test_another_rank_count_resumes_from_an_epoch_s_start_and_is_refused_inside_one(criteo_dataset, tmp_path):
+    """Each rank reads its own share of an epoch's rows: a run resumed at an epoch's start on
+    two processes trains every row of the next epoch once; inside an epoch it is refused."""
+    run = tmp_path / "run"
+    one = _neorec("train", "configs/demo.toml", *_settings(criteo_dataset, run), "--set", "train.epochs=1")
+    assert one.returncode == 0, one.stderr[-3000:]
+    first = json.loads((run / "summary.json").read_text())
+    two = _neorec("train", "configs/demo.toml", "--nproc", "2", "--resume", str(run), *_settings(criteo_dataset, run),
+                  "--set", "train.epochs=2")
+    assert two.returncode == 0, two.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    rows = criteo_dataset.rows["train"]
+    assert first["train_samples"] == rows // 128 * 128
+    assert summary["train_samples"] == first["train_samples"] + rows // 256 * 256  # the second epoch, once
+
+    inside = tmp_path / "inside"
+    cut = _neorec("train", "configs/demo.toml", *_settings(criteo_dataset, inside), "--set", "train.epochs=1",
+                  "--set", "checkpoint.every_steps=10", "--set", "checkpoint.final=false")
+    assert cut.returncode == 0, cut.stderr[-3000:]
+    refused = _neorec("train", "configs/demo.toml", "--nproc", "2", "--resume", str(inside),
+                      *_settings(criteo_dataset, inside))
+    assert refused.returncode != 0
+    assert "made by 1 rank, 30 steps into its epoch (or partition), and this run has 2" in refused.stderr

@@ -16,7 +16,9 @@ from typing import Any, Callable
 import torch
 
 from neorec.common.durable import write_durably
-from neorec.trainer.checkpoint.layout import BEST, CheckpointError, best_checkpoint, read_manifest, step_name
+from neorec.common.wording import counted
+from neorec.trainer.checkpoint.layout import (BEST, CheckpointError, Manifest, best_checkpoint, read_manifest,
+                                              step_name)
 from neorec.trainer.checkpoint.snapshot import take_snapshot
 from neorec.trainer.checkpoint.store import snapshot_store
 from neorec.trainer.checkpoint.writer import CheckpointJob, CheckpointWriter, manifest_fields
@@ -179,6 +181,21 @@ def check_resumable(saved: dict[str, Any], config: TrainConfig) -> None:
     keys += [(section, key) for section, names in RESUMABLE_KEYS.items() for key in names]
     _check_same(saved, current, keys, "--resume", "a resumed run keeps the model, optimizers and data of the run it "
                                                   "continues")
+
+
+def check_position_carries_over(manifest: Manifest, world_size: int) -> None:
+    """Raise :class:`~neorec.trainer.checkpoint.layout.CheckpointError` when the checkpoint
+    lies inside an epoch (or a followed partition) and was made by another number of ranks
+    than ``world_size``. Each rank reads a contiguous share of an epoch's rows of its own
+    (:func:`neorec.ingest.plan.plan_epoch`), so with another count the rows read so far are
+    not a position the epoch can go on from: some would be trained twice, others never."""
+    if manifest.world_size != world_size and manifest.step_in_epoch != 0:
+        raise CheckpointError(
+            f"--resume: checkpoint {manifest.name} was made by {counted(manifest.world_size, 'rank')}, "
+            f"{counted(manifest.step_in_epoch, 'step')} into its epoch (or partition), and this run has {world_size}: "
+            f"each rank reads its own share of an epoch's rows, so another number of ranks cannot go on from the same "
+            f"rows. Resume with {counted(manifest.world_size, 'rank')}, or from a checkpoint at the start of an epoch "
+            f"or partition")
 
 
 def check_evaluable(saved: dict[str, Any], config: TrainConfig) -> None:

@@ -34,7 +34,7 @@ from neorec.trainer.batch import Batch, DistributedSparse
 from neorec.trainer.run.build import (build_model, decode_options, dense_optimizer, sparse_optimizer, store_settings,
                                       table_configs)
 from neorec.trainer.checkpoint import restore_model
-from neorec.trainer.checkpoint.checkpointer import Checkpointer, check_resumable
+from neorec.trainer.checkpoint.checkpointer import Checkpointer, check_position_carries_over, check_resumable
 from neorec.trainer.checkpoint.restore import choose
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.distributed import (DenseGradientSum, DistributedContext, check_same_steps, gather_arrays,
@@ -106,9 +106,7 @@ class TrainingRun:
             self.acquired.callback(self.eval_reader.close)
             check_splits(self.train_reader.plan(0), self.eval_reader.plan(0), config)
             self.steps_per_epoch = self.train_reader.plan(0).num_batches
-            self.total_steps = self.steps_per_epoch * loop.epochs
-            if loop.max_steps:
-                self.total_steps = min(self.total_steps, loop.max_steps)
+            self._count_total_steps(LoopState())
         self.run_dir = Path(config.run.dir)
         if context.is_main:
             run_directory.check_claim(self.run_dir, overwrite=overwrite, resume=resume)
@@ -414,6 +412,15 @@ class TrainingRun:
                                dense=dense, wait=wait, best=best)
         state.checkpoint_seconds += time.perf_counter() - started
 
+    def _count_total_steps(self, state: LoopState) -> None:
+        """The global step the run stops at: the steps up to ``state``'s epoch, then the
+        epochs left, ``train.max_steps`` at most. The epochs before may have had steps of
+        another size (a run resumed at an epoch's start with another number of ranks)."""
+        loop = self.config.train
+        self.total_steps = state.global_step - state.step_in_epoch + (loop.epochs - state.epoch) * self.steps_per_epoch
+        if loop.max_steps:
+            self.total_steps = min(self.total_steps, loop.max_steps)
+
     def _restore(self) -> None:
         """Continue from the newest complete checkpoint of the run directory."""
         context, config = self.context, self.config
@@ -430,10 +437,13 @@ class TrainingRun:
                 log.warning("--resume: skipped checkpoint %s (%s); resuming from %s, the steps after it are trained "
                             "again", name, reason, restorable.manifest.name)
         check_resumable(restorable.manifest.config, config)
+        check_position_carries_over(restorable.manifest, context.world_size)
         dense = restore_model(restorable, self.dlrm)
         self.optimizer.load_state_dict(dense["optimizer"])
         torch.set_rng_state(dense["rng"].cpu())
         self.state = LoopState(**dense["state"])
+        if self.follower is None:
+            self._count_total_steps(self.state)
         Interval.resume(self.state, context)
         self.metrics_bytes = dense["metrics_bytes"]
         touched = [sum(m.stats.get("touched", {}).values()) for m in restorable.chain[1:]]

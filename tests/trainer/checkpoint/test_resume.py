@@ -99,3 +99,23 @@ def test_a_cut_interval_resumed_on_fewer_ranks_goes_to_rank_0():
     state = LoopState(interval_loss_shares=0.5, interval_samples=64, interval_by_rank=[0.5, 0.25, 64.0, 60.0])
     Interval.resume(state, SINGLE_PROCESS)
     assert (state.interval_loss_shares, state.interval_samples) == (0.75, 124)
+
+
+def _manifest(world_size: int, step_in_epoch: int):
+    from neorec.trainer.checkpoint.layout import Manifest
+
+    return Manifest(name="step-000000030", step=30, epoch=0, step_in_epoch=step_in_epoch, kind="full",
+                    chain=["step-000000030"], bits=32, world_size=world_size, config={}, plan=None, tables={},
+                    files=[], records=[], sparse_steps=30)
+
+
+def test_another_rank_count_resumes_only_from_an_epoch_s_start():
+    """Each rank reads its own share of an epoch: inside an epoch, another rank count
+    would train some rows twice and others never."""
+    from neorec.trainer.checkpoint.checkpointer import check_position_carries_over
+    from neorec.trainer.checkpoint.layout import CheckpointError
+
+    check_position_carries_over(_manifest(1, 30), 1)
+    check_position_carries_over(_manifest(2, 0), 1)
+    with pytest.raises(CheckpointError, match="made by 1 rank, 30 steps into its epoch .* this run has 2"):
+        check_position_carries_over(_manifest(1, 30), 2)
