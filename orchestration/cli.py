@@ -16,6 +16,7 @@ from neorec.ingest.staging import staged_output
 from neorec.orchestration.cli_args import add_client_security, at_least, client_security, port, seconds
 from neorec.orchestration.progress import LazyBar
 from neorec.orchestration.nodes import add_node_arguments, nodes_from_args, uses_torchrun
+from neorec.orchestration.processes import USER_ERROR, record_rank_exit
 from neorec.orchestration.supervisor import die_with_parent
 
 if TYPE_CHECKING:
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("neorec")
 
 
-USER_ERROR = 2
 INTERRUPTED = 130
 BAD_ARGUMENTS = 1
 """``neorec status``'s exit status for bad arguments (grpc_health_probe's)."""
@@ -39,7 +39,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     service that refuses) is one line on stderr and exit status 2; Ctrl-C is one line and
     130 from the moment ``main`` runs, the commands' modules (torch, Numba, gRPC) being
     imported inside it (this module's own imports take a few tens of milliseconds);
-    anything else is a bug: it keeps its traceback and exits 1."""
+    anything else is a bug: it keeps its traceback and exits 1. A rank under
+    ``neorec train --nproc`` leaves its status for that command to report."""
+    code = _command(argv)
+    record_rank_exit(code)
+    return code
+
+
+def _command(argv: Sequence[str] | None) -> int:
     try:
         die_with_parent()
         args = _parser().parse_args(argv)
@@ -344,8 +351,10 @@ def _train(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if uses_torchrun(args.nproc, nodes) and not launched_by_torchrun():
+        from neorec.ingest.schema import Dataset
         from neorec.trainer.run.warmup import compile_kernels
 
+        Dataset.load(config.data.path)  # a wrong path named once, before the ranks start
         compile_kernels(config)  # the ranks then load Numba's cache instead of racing to write it
         flags = (["--overwrite"] if args.overwrite else []) + (["--resume", args.resume] if args.resume else [])
         if args.status_port is not None:

@@ -44,6 +44,7 @@ import grpc
 from neorec.common.errors import user_paths
 from neorec.common.health import HealthProbe
 from neorec.common.transport import ClientSecurity, bracketed
+from neorec.orchestration.processes import USER_ERROR
 from neorec.orchestration.status import SERVICES_FILE
 from neorec.orchestration.supervisor import ManagedProcess
 from neorec.protos import trainer_pb2, trainer_pb2_grpc
@@ -53,7 +54,6 @@ from neorec.trainer.run.run_dir import CHECKPOINTS
 
 TICK_S = 0.25
 STOP_GRACE_S = 3.0
-USER_ERROR = 2
 INGEST_SERVICE = "neorec.ingest.Reader"
 STORE_SERVICE = "neorec.store.Store"
 STORE_SERVICE_DIR = "store-service"

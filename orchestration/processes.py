@@ -8,13 +8,21 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from neorec.common.cpus import available_cpus
 from neorec.orchestration.nodes import ONE_NODE, Nodes
 
 _READY = re.compile(r"serving on (\S+)")
+RANK_EXITS = "NEOREC_RANK_EXITS"
+"""The environment variable naming the directory where each rank torchrun started leaves
+its exit status (a file ``rank-R`` holding it), for :func:`run_torchrun` to tell a user's
+error, which the rank named, from a failure."""
+USER_ERROR = 2
+"""The exit status of a user's error: one line naming it (:func:`neorec.orchestration.cli.main`)."""
 
 
 @dataclass
@@ -60,22 +68,52 @@ def start_reader_service(*args: str, host: str = "127.0.0.1", data_roots: Sequen
     return ServiceProcess(process, match.group(1))
 
 
-def torchrun_command(nproc: int, module: str, args: list[str], nodes: Nodes = ONE_NODE) -> list[str]:
+def torchrun_command(nproc: int, module: str, args: list[str], nodes: Nodes = ONE_NODE,
+                     log_dir: Path | None = None) -> list[str]:
     """The command running ``python -m MODULE ARGS`` as ``nproc`` ranks on this host under
     torchrun: this host's share of the job ``nodes`` describes (default: the whole job,
-    torchrun's standalone rendezvous on a free local port)."""
-    return [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_flags(), f"--nproc-per-node={nproc}",
-            "--module", module, *args]
+    torchrun's standalone rendezvous on a free local port); torchrun's files in ``log_dir``
+    (default: a ``torchelastic_*`` directory of its own, which it leaves behind)."""
+    logs = [f"--log-dir={log_dir}"] if log_dir is not None else []
+    return [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_flags(), *logs,
+            f"--nproc-per-node={nproc}", "--module", module, *args]
+
+
+def record_rank_exit(code: int) -> None:
+    """Leave this rank's exit status where :func:`run_torchrun` reads it (nothing outside
+    a rank it started)."""
+    directory, rank = os.environ.get(RANK_EXITS), os.environ.get("RANK")
+    if directory and rank is not None:
+        try:
+            (Path(directory) / f"rank-{int(rank)}").write_text(str(code))
+        except (OSError, ValueError):  # the status is a hint: the rank's own message stands
+            pass
+
+
+def _rank_exits(directory: Path) -> list[int]:
+    """The exit statuses the ranks left in ``directory``."""
+    return [int(path.read_text()) for path in sorted(directory.glob("rank-*"))]
 
 
 def run_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes = ONE_NODE) -> int:
     """Run ``neorec NEOREC_ARGS`` as ``nproc`` ranks on this host under torchrun (this
-    node's share of ``nodes``); returns torchrun's exit status, or 128 + the number of the
-    signal (SIGINT, SIGTERM) that stopped it: then the ranks' own statuses are not told
-    apart (torchrun exits 1 when signalled, whether or not a rank failed as it stopped)."""
+    node's share of ``nodes``); returns torchrun's exit status (2, a user's error, when a rank
+    exited so: torchrun's own is 1 for any failed rank), or 128 + the number of the signal
+    (SIGINT, SIGTERM) that stopped it: then the ranks' own statuses are not told apart
+    (torchrun exits 1 when signalled, whether or not a rank failed as it stopped).
+    torchrun's files and the ranks' statuses lie in a temporary directory, removed after."""
+    with tempfile.TemporaryDirectory(prefix="neorec-torchrun-") as scratch:
+        exits = Path(scratch) / "exits"
+        exits.mkdir()
+        code = _wait_for_torchrun(nproc, neorec_args, nodes, Path(scratch) / "logs", exits)
+        return USER_ERROR if code == 1 and USER_ERROR in _rank_exits(exits) else code
+
+
+def _wait_for_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes, log_dir: Path, exits: Path) -> int:
     threads = str(max(1, available_cpus() // nproc))  # the ranks share the CPUs this process may use
-    command = torchrun_command(nproc, "neorec.orchestration.cli", neorec_args, nodes)
-    process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": threads, **nodes.worker_environment()})
+    command = torchrun_command(nproc, "neorec.orchestration.cli", neorec_args, nodes, log_dir)
+    process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": threads, RANK_EXITS: str(exits),
+                                             **nodes.worker_environment()})
     # Ctrl-C reaches torchrun and the ranks from the terminal, and SIGTERM is passed on:
     # either way the ranks stop as they choose (following partitions: after a checkpoint),
     # so this process waits for them instead of killing them; stopped by a signal, it exits

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -152,3 +153,21 @@ def test_another_rank_count_resumes_from_an_epoch_s_start_and_is_refused_inside_
                       *_settings(criteo_dataset, inside))
     assert refused.returncode != 0
     assert "made by 1 rank, 30 steps into its epoch (or partition), and this run has 2" in refused.stderr
+
+
+def _torchrun_dirs() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).iterdir()
+            if p.name.startswith(("torchelastic_", "neorec-torchrun-"))}
+
+
+def test_a_user_error_in_the_ranks_exits_2_and_torchrun_leaves_no_files(criteo_dataset, tmp_path):
+    before = _torchrun_dirs()
+    missing = _neorec("train", "configs/demo.toml", "--nproc", "2", "--set", "data.path='/nonexistent'",
+                      "--set", f"run.dir='{tmp_path / 'missing'}'")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
+    assert missing.stderr.count("neorec: error:") == 1 and "/nonexistent" in missing.stderr
+    refused = _neorec("train", "configs/demo.toml", "--nproc", "2", *_settings(criteo_dataset, tmp_path / "run"),
+                      "--set", "train.batch_size=100000")  # found by the ranks: their one line, torchrun's report
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "neorec: error: split 'train'" in refused.stderr
+    assert _torchrun_dirs() == before
