@@ -157,6 +157,17 @@ def next_partition(root: str | Path, done: Sequence[str]) -> Partition | None:
     return open_partition(root, later[0])
 
 
+def blocking_partition(root: str | Path, done: Sequence[str]) -> tuple[str, int] | None:
+    """The partition to train after ``done`` when it is not ready while later ones are: its
+    name and how many ready partitions wait behind it (None otherwise)."""
+    last = done[-1] if done else None
+    later = [n for n in partition_names(root) if last is None or n > last]
+    if not later or is_ready(root, later[0]):
+        return None
+    behind = sum(1 for name in later[1:] if is_ready(root, name))
+    return (later[0], behind) if behind else None
+
+
 def partition_view(dataset: Dataset, partition: Partition) -> Dataset:
     """``dataset`` with ``partition`` as one more split, named :attr:`Partition.split`."""
     return replace(dataset, splits={**dataset.splits, partition.split: list(partition.files)})

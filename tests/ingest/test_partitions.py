@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from neorec.ingest.partitions import (MARKER, PartitionError, PartitionOrderError, PartitionSchemaError,
-                                      check_partition_schema, next_partition, open_partition, partition_names,
+                                      blocking_partition, check_partition_schema, next_partition, open_partition, partition_names,
                                       with_partition_split)
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.decoder import DecodeOptions
@@ -93,6 +93,11 @@ def test_the_first_partition_not_trained_is_waited_for_even_when_a_later_one_is_
     assert next_partition(root, [partition_name(0), partition_name(1)]) is None
     assert next_partition(root, []).name == partition_name(0)
     assert next_partition(root, [partition_name(0)]).name == partition_name(1)
+    assert blocking_partition(root, [partition_name(0), partition_name(1)]) == ("2026-01-01T03", 1)
+    assert blocking_partition(root, [partition_name(0)]) is None  # the next one is ready
+    assert blocking_partition(root, [partition_name(0), partition_name(1), "2026-01-01T03"]) is None
+    (later / MARKER).unlink()
+    assert blocking_partition(root, [partition_name(0), partition_name(1)]) is None  # nothing ready behind it
 
 
 def test_hidden_directories_and_files_are_not_partitions(dataset):

@@ -44,8 +44,10 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch.distributed as dist
 
 from neorec.common.errors import ConfigError
-from neorec.ingest.partitions import (Partition, PartitionError, PartitionOrderError, check_partition_schema,
-                                      first_ready, next_partition, open_partition, partition_view)
+from neorec.common.wording import counted
+from neorec.ingest.partitions import (MARKER, Partition, PartitionError, PartitionOrderError, blocking_partition,
+                                      check_partition_schema, first_ready, next_partition, open_partition,
+                                      partition_view)
 from neorec.ingest.reader import BatchReader
 from neorec.trainer.distributed import gather_arrays, global_sum
 from neorec.trainer.run.background import BackgroundIterator
@@ -278,6 +280,7 @@ class Follower:
         run, state = self.run, self.run.state
         started = time.monotonic()
         announced = False
+        told_blocked: tuple[str, int] | None = None  # the partition last said to hold the others up
         while True:
             if self._stop_agreed("while waiting for a partition"):
                 return None
@@ -288,10 +291,21 @@ class Follower:
                 raise PartitionOrderError(detail)
             if kind == "error":
                 raise PartitionError(detail)
+            blocked = blocking_partition(self.root, state.partitions_done) if run.context.is_main else None
             if kind == "idle":
                 self.stopped_by = "idle"
-                log.info("no new partition for %.0f s: stopping (data.idle_exit_s)", time.monotonic() - started)
+                if blocked is None:
+                    log.info("no new partition for %.0f s: stopping (data.idle_exit_s)", time.monotonic() - started)
+                else:
+                    log.warning("partition %s was not marked ready (%s) for %.0f s, and %s wait behind it: stopping "
+                                "(data.idle_exit_s)", blocked[0], MARKER, time.monotonic() - started,
+                                counted(blocked[1], "ready partition"))
                 return None
+            if blocked is not None and blocked != told_blocked:
+                log.warning("partition %s is not marked ready (%s) and %s wait behind it: partitions are trained in "
+                            "name order, so the run waits for it", blocked[0], MARKER,
+                            counted(blocked[1], "ready partition"))
+                told_blocked = blocked
             if not announced:
                 log.info("waiting for the partition after %s", (state.partitions_done or ["(none)"])[-1])
                 announced = True
