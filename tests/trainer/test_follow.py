@@ -133,6 +133,21 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_to_resume_from(tmp_path):
     assert_same_run(whole, tmp_path / "stopped")
 
 
+def test_a_partition_whose_files_changed_since_the_checkpoint_inside_it_is_refused_on_resume(tmp_path):
+    """Its plan would be another (other rows at the same step): some trained twice, others never."""
+    data = partitioned(tmp_path / "data", 2)
+    config = follow_config(data, tmp_path / "run", checkpoint={"every_steps": 4})
+    with pytest.raises(Crash):
+        train(config, progress=crash_at(step=STEPS + 5))  # checkpoint at step 12, 3 steps into partition 1
+    directory = data / "partitions" / partition_name(1)
+    added = directory / "part-00001.parquet"
+    added.write_bytes((data / "partitions" / partition_name(0) / "part-00000.parquet").read_bytes())
+    with pytest.raises(PartitionError, match=f"training partition '{partition_name(1)}', and a file of it was added"):
+        train(config, resume=True)
+    added.unlink()
+    assert train(config, resume=True)["partitions"] == 2  # as it was: the resume goes on
+
+
 def test_idle_exit_and_a_partition_landing_out_of_order(tmp_path):
     data = partitioned(tmp_path / "data", 0)
     write_partition(SPEC, data, 0)

@@ -46,8 +46,8 @@ import torch.distributed as dist
 from neorec.common.errors import ConfigError
 from neorec.common.wording import counted
 from neorec.ingest.partitions import (MARKER, Partition, PartitionError, PartitionOrderError, blocking_partition,
-                                      check_partition_schema, first_ready, next_partition, open_partition,
-                                      partition_view)
+                                      check_partition_schema, check_unchanged, first_ready, next_partition,
+                                      open_partition, partition_fingerprints, partition_view)
 from neorec.ingest.reader import BatchReader
 from neorec.trainer.distributed import gather_arrays, global_sum
 from neorec.trainer.run.background import BackgroundIterator
@@ -182,6 +182,8 @@ class Follower:
         except PartitionError as err:
             raise PartitionError(f"the run was training partition {name!r}, which can no longer be read: "
                                  f"{err.problem}", file=err.file) from None
+        if self.run.state.partition_files:  # (checkpoints before they were kept hold none)
+            check_unchanged(self.root, partition, self.run.state.partition_files)
         check_partition_schema(self.run.dataset, partition)
         return partition
 
@@ -226,6 +228,7 @@ class Follower:
             run.eval_reader = None
         state.eval_metrics = metrics or state.eval_metrics
         state.partition = partition.name
+        state.partition_files = partition_fingerprints(self.root, partition)
         state.epoch = len(state.partitions_done)
         state.step_in_epoch = 0
 
@@ -255,6 +258,7 @@ class Follower:
             hook(partition.name)
         state.partitions_done.append(partition.name)
         state.partition = ""
+        state.partition_files = {}
         state.epoch = len(state.partitions_done)
         state.step_in_epoch = 0
         lag = time.time() - partition.marker_time
