@@ -384,7 +384,7 @@ def _train(args: argparse.Namespace) -> int:
         if summary.get("oracle_auc") is not None:
             line += f" (oracle {summary['oracle_auc']:.4f}, gap {summary['oracle_auc'] - summary['eval_auc']:.4f})"
         if config.data.follow:
-            line += f" (progressive, partition {summary['last_partition'] or '-'})"
+            line += f" (progressive, partition {summary['eval_partition'] or '-'})"
         print(f"{line}; run directory {config.run.dir}")
     return _exit_status(summary.get("stopped_by", ""))
 

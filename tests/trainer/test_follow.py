@@ -127,6 +127,8 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_to_resume_from(tmp_path):
 
     summary = train(config, progress=interrupt)
     assert summary["steps"] == 12 and summary["stopped_by"] == "SIGINT"
+    # its eval metrics: the progressive validation of the partition it was training, not the last one finished
+    assert (summary["last_partition"], summary["eval_partition"]) == (partition_name(0), partition_name(1))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
     summary = train(follow_config(data, tmp_path / "stopped"), resume=True)
     assert summary["steps"] == 2 * STEPS

@@ -172,7 +172,7 @@ class Follower:
     def summary(self) -> dict[str, Any]:
         state = self.run.state
         return {"partitions": len(state.partitions_done), "last_partition": (state.partitions_done or [""])[-1],
-                "stopped_by": self.stopped_by}
+                "eval_partition": state.eval_partition, "stopped_by": self.stopped_by}
 
     # ------------------------------------------------------------- partitions
     def _reopen(self, name: str) -> Partition:
@@ -226,7 +226,8 @@ class Follower:
         finally:
             reader.close()
             run.eval_reader = None
-        state.eval_metrics = metrics or state.eval_metrics
+        if metrics:
+            state.eval_metrics, state.eval_partition = metrics, partition.name
         state.partition = partition.name
         state.partition_files = partition_fingerprints(self.root, partition)
         state.epoch = len(state.partitions_done)

@@ -47,6 +47,8 @@ class LoopState:
     progressive metrics are logged), "" between partitions."""
     partitions_done: list[str] = field(default_factory=list)
     """Following partitions: those trained, in order."""
+    eval_partition: str = ""
+    """Following partitions: the partition whose progressive metrics ``eval_metrics`` are."""
     partition_files: dict[str, list[int]] = field(default_factory=dict)
     """Following partitions: the files of the one being trained when it was planned, each
     ``[size, CRC-32 of its footer]`` (:func:`neorec.ingest.partitions.partition_fingerprints`)."""
