@@ -3,6 +3,7 @@ that announces the address it bound (port 0 lets the OS choose)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -15,6 +16,8 @@ from typing import Sequence
 
 from neorec.common.cpus import available_cpus
 from neorec.orchestration.nodes import ONE_NODE, Nodes
+
+log = logging.getLogger(__name__)
 
 _READY = re.compile(r"serving on (\S+)")
 RANK_EXITS = "NEOREC_RANK_EXITS"
@@ -112,6 +115,9 @@ def run_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes = ONE_NODE) ->
 def _wait_for_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes, log_dir: Path, exits: Path) -> int:
     threads = str(max(1, available_cpus() // nproc))  # the ranks share the CPUs this process may use
     command = torchrun_command(nproc, "neorec.orchestration.cli", neorec_args, nodes, log_dir)
+    if not nodes.standalone:  # torchrun prints nothing while it waits for the other nodes
+        log.info("node %d of %d: meeting the other nodes at %s (job %s); the ranks start once all %d are there",
+                 nodes.rank, nodes.count, nodes.rendezvous, nodes.run_id, nodes.count)
     process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": threads, RANK_EXITS: str(exits),
                                              **nodes.worker_environment()})
     # Ctrl-C reaches torchrun and the ranks from the terminal, and SIGTERM is passed on:
