@@ -44,7 +44,8 @@ def plan_tables(tables: list[TableSpec], topology: Topology, batch_size: int,
     """
     constraints = constraints or {}
     _check_names(tables, constraints)
-    message = explain_total(tables, topology)
+    message = explain_total(tables, topology, {name: c.cache_fraction for name, c in constraints.items()
+                                               if c.cache_fraction is not None})
     if message:
         raise PlanError(message)
     candidates = [_candidates(t, topology, batch_size, constraints.get(t.name)) for t in tables]
@@ -60,6 +61,7 @@ def plan_tables(tables: list[TableSpec], topology: Topology, batch_size: int,
             table, topology, err.free_memory,
             None if constraint is None else constraint.sharding_type,
             float(assignment.memory.sum()),
+            None if constraint is None else constraint.cache_fraction,
         )) from None
     moves = assignment.refine()
     return _result(tables, topology, batch_size, assignment, moves)

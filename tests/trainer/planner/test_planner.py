@@ -9,7 +9,7 @@ import pytest
 
 from neorec.trainer.planner.enumerate import Constraint, enumerate_options
 from neorec.trainer.planner.estimate import estimate
-from neorec.trainer.planner.inputs import TableSpec, Topology, parse_bytes
+from neorec.trainer.planner.inputs import TableSpec, Topology, format_bytes, parse_bytes
 from neorec.trainer.planner.planner import plan_tables, round_robin
 from neorec.trainer.planner.render import render
 from neorec.trainer.sharding.plan import (COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_ROW_WISE, TABLE_WISE, PlanError,
@@ -156,6 +156,23 @@ def test_tables_too_big_for_all_ranks_are_explained():
     tables = [TableSpec(f"t{i}", 20_000_000, 128) for i in range(4)]
     with pytest.raises(PlanError, match=r"the 4 tables need .* but 2 ranks x 16.00 GiB hold 32.00 GiB"):
         plan_tables(tables, Topology(2, memory_per_rank=16 * GIB), 512)
+
+
+def test_a_table_s_own_store_fraction_and_a_dynamic_table_s_id_map_are_counted_as_placed():
+    from neorec.trainer.embedding.dynamic.config import DynamicTableConfig
+
+    tables = [TableSpec(f"t{i}", 20_000_000, 128) for i in range(4)]
+    on_store = {f"t{i}": Constraint(None, cache_fraction=0.1) for i in range(4)}  # ~1 GiB of each in memory
+    assert plan_tables(tables, Topology(2, memory_per_rank=16 * GIB), 512, on_store).plan.of("t0")
+    dynamic = TableSpec("d", 200_000_000, 16, dynamic=DynamicTableConfig(capacity=200_000_000, shards=1))
+    with pytest.raises(PlanError) as err:
+        plan_tables([dynamic], Topology(1, memory_per_rank=16 * GIB, store_fraction=0.01), 512)
+    message = str(err.value)
+    assert f"its id map and admission sketch {format_bytes(dynamic.index_bytes)} of that" in message
+    assert "Options: a smaller model.dynamic.d.capacity" in message
+    # the map counts on the store too: what is named is what is counted
+    assert f"the largest is 'd' ({format_bytes(200_000_000 // 100 * dynamic.row_bytes(16) + dynamic.index_bytes)}" \
+           f" on the store" in message
 
 
 # ---------------------------------------------------------------------------- plan checks
