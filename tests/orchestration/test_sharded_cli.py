@@ -160,6 +160,7 @@ def _torchrun_dirs() -> set[str]:
             if p.name.startswith(("torchelastic_", "neorec-torchrun-"))}
 
 
+@pytest.mark.slow  # two runs of two processes
 def test_a_user_error_in_the_ranks_exits_2_and_torchrun_leaves_no_files(criteo_dataset, tmp_path):
     before = _torchrun_dirs()
     missing = _neorec("train", "configs/demo.toml", "--nproc", "2", "--set", "data.path='/nonexistent'",
