@@ -34,7 +34,8 @@ SIZES_BYTES = (1 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 def run(quick: bool = False, nproc: int = 2) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "collectives.json"
-        command = torchrun_command(nproc, "neorec.benchmarks.collectives_bench", [str(out), "quick" if quick else "full"])
+        command = torchrun_command(nproc, "neorec.benchmarks.collectives_bench", [str(out), "quick" if quick else "full"],
+                                   log_dir=Path(tmp) / "torchrun")
         result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")

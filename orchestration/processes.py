@@ -94,8 +94,8 @@ def record_rank_exit(code: int) -> None:
 
 
 def _rank_exits(directory: Path) -> list[int]:
-    """The exit statuses the ranks left in ``directory``."""
-    return [int(path.read_text()) for path in sorted(directory.glob("rank-*"))]
+    """The exit statuses the ranks left in ``directory`` (one cut short by a kill: none)."""
+    return [int(text) for text in (path.read_text() for path in sorted(directory.glob("rank-*"))) if text.isdigit()]
 
 
 def run_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes = ONE_NODE) -> int:
