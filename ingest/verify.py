@@ -70,14 +70,15 @@ def _verify_files(dataset: Dataset, split: str, paths: list[Path], options: Deco
             continue
         with parquet_file:
             for group in range(parquet_file.num_row_groups):
+                rows = parquet_file.metadata.row_group(group).num_rows
                 report.row_groups += 1
-                report.rows += parquet_file.metadata.row_group(group).num_rows
+                report.rows += rows
                 try:
                     table = read_row_group(parquet_file, str(path), group, dataset.schema)
                     decode_table(table, dataset.schema, options, file=str(path), row_group=group)
                 except DataError as err:
                     report.problems.append(err)
-                progress(parquet_file.metadata.row_group(group).num_rows)
+                progress(rows)
     if expected_rows is not None and expected_rows != report.rows and not report.problems:
         report.problems.append(DataError(f"{split!r} holds {report.rows:,} rows, not the {expected_rows:,} this file "
                                          "gives", file=str(described_in)))

@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from neorec.common.hashing import mix64_jit
+from neorec.ingest.decoder import open_parquet
 from neorec.ingest.schema import PARQUET_WRITE_OPTIONS
 
 MERGE_EVERY = 16
@@ -94,7 +95,7 @@ class Vocabulary:
 
     @classmethod
     def load(cls, path: Path) -> "Vocabulary":
-        table = pq.read_table(path, page_checksum_verification=True)
+        table = open_parquet(path).read()
         return cls(table["value"].combine_chunks(), table["count"].combine_chunks())
 
 
