@@ -31,7 +31,7 @@ from neorec.common.errors import UserError
 from neorec.ingest.decoder import open_files
 from neorec.ingest.errors import DataError, UnreadableFileError
 from neorec.ingest.fingerprint import fingerprint
-from neorec.ingest.schema import Dataset, metrics_field
+from neorec.ingest.schema import DATASET_FILE, Dataset, count_field, metrics_field
 
 PARTITIONS = "partitions"
 MARKER = "_SUCCESS"
@@ -131,6 +131,8 @@ def _checked_info(info: Any) -> dict[str, Any]:
     for key in ("oracle", "late_oracle"):
         if key in info:
             info[key] = metrics_field(info[key], key)
+    if "rows" in info:
+        info["rows"] = count_field(info["rows"], "rows")
     return info
 
 
@@ -197,8 +199,24 @@ def blocking_partition(root: str | Path, done: Sequence[str]) -> tuple[str, int]
 
 
 def partition_view(dataset: Dataset, partition: Partition) -> Dataset:
-    """``dataset`` with ``partition`` as one more split, named :attr:`Partition.split`."""
-    return replace(dataset, splits={**dataset.splits, partition.split: list(partition.files)})
+    """``dataset`` with ``partition`` as one more split, named :attr:`Partition.split`, and
+    its rows when its ``partition.json`` gives them."""
+    rows = dataset.rows if "rows" not in partition.info else {**dataset.rows, partition.split: partition.info["rows"]}
+    return replace(dataset, splits={**dataset.splits, partition.split: list(partition.files)}, rows=rows)
+
+
+def row_count_problem(dataset: Dataset, split: str, found: int) -> DataError | None:
+    """The error when the files of ``split`` (a split, or a partition as
+    :func:`partition_view` adds it) hold ``found`` rows, not the count their description
+    gives (``dataset.json``, or the partition's ``partition.json``): a file lost, cut
+    short or added since they were written. None when they agree or no count is given."""
+    expected = dataset.rows.get(split)
+    if expected is None or expected == found:
+        return None
+    described_in = (partitions_dir(dataset.root) / split[len(SPLIT_PREFIX):] / PARTITION_FILE
+                    if split.startswith(SPLIT_PREFIX) else dataset.root / DATASET_FILE)
+    return DataError(f"{split!r} holds {found:,} rows in its files, not the {expected:,} this file gives (a file "
+                     "lost, cut short or added since the data was written?)", file=str(described_in))
 
 
 def with_partition_split(dataset: Dataset, split: str) -> Dataset:

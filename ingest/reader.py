@@ -11,6 +11,7 @@ import pyarrow as pa
 from neorec.ingest.batch import BatchPieces, HostBatch, Piece
 from neorec.ingest.chunks import ChunkDecoder
 from neorec.ingest.decoder import DecodeOptions, open_files, read_row_group
+from neorec.ingest.partitions import row_count_problem
 from neorec.ingest.plan import RankPlan, ReadTask, plan_epoch, row_groups_of
 from neorec.ingest.rows import RowGroupInfo, RowSpan
 from neorec.ingest.schema import Dataset, DatasetSchema
@@ -47,7 +48,9 @@ class BatchReader(Protocol):
 
 
 class SplitPlanner:
-    """Plans one rank's epochs of one split of a dataset from the files' Parquet footers."""
+    """Plans one rank's epochs of one split of a dataset from the files' Parquet footers;
+    :class:`DataError` when they hold another number of rows than the dataset gives
+    (:func:`~neorec.ingest.partitions.row_count_problem`)."""
 
     def __init__(self, dataset: Dataset, split: str, config: ReaderConfig) -> None:
         self.dataset = dataset
@@ -55,6 +58,10 @@ class SplitPlanner:
         self.paths = [str(p) for p in dataset.files(split)]
         self.files = open_files(self.paths, dataset.schema)
         self.groups = row_groups_of(self.files)
+        miscounted = row_count_problem(dataset, split, sum(g.num_rows for g in self.groups))
+        if miscounted is not None:
+            self.close()
+            raise miscounted
 
     def plan(self, epoch: int) -> RankPlan:
         c = self.config

@@ -203,12 +203,23 @@ def metrics_field(value: Any, name: str) -> dict[str, float] | None:
     return {k: float(v) for k, v in value.items()}
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def count_field(value: Any, name: str) -> int:
+    """A count (a partition's ``rows``), checked: a whole number at least 0; ValueError
+    naming ``name`` otherwise."""
+    if not _is_count(value):
+        raise ValueError(f"{name!r} must be a whole number at least 0")
+    return value
+
+
 def counts_field(value: Any, name: str) -> dict[str, int]:
     """Counts by name (``rows``: ``{"train": 1000, …}``), checked: absent or an object of
     whole numbers at least 0; ValueError naming ``name`` otherwise."""
     if value is None:
         return {}
-    if not isinstance(value, dict) or not all(
-            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in value.items()):
+    if not isinstance(value, dict) or not all(isinstance(k, str) and _is_count(v) for k, v in value.items()):
         raise ValueError(f"{name!r} must be an object of counts (name: whole number)")
     return dict(value)

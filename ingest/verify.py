@@ -12,14 +12,13 @@ gives is reported too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from neorec.ingest.decoder import DecodeOptions, decode_table, open_files, read_row_group
 from neorec.ingest.errors import DataError
-from neorec.ingest.partitions import (PARTITION_FILE, SPLIT_PREFIX, PartitionError, is_ready, open_partition,
-                                      partition_names, partitions_dir)
-from neorec.ingest.schema import DATASET_FILE, RAW_CARDINALITY, Dataset
+from neorec.ingest.partitions import (SPLIT_PREFIX, PartitionError, is_ready, open_partition, partition_names,
+                                      partition_view, row_count_problem)
+from neorec.ingest.schema import RAW_CARDINALITY, Dataset
 
 
 @dataclass
@@ -39,9 +38,7 @@ def verify_dataset(dataset: Dataset, progress: Callable[[int], object] = lambda 
     raw = tuple(f.name for f in dataset.schema.sparse if f.cardinality == RAW_CARDINALITY)
     options = DecodeOptions(table_rows=tuple(1 if f.name in raw else f.cardinality for f in dataset.schema.sparse),
                             id_mapping="strict", raw_features=raw)
-    reports = [_verify_files(dataset, split, dataset.files(split), options, progress,
-                             dataset.rows.get(split), dataset.root / DATASET_FILE)
-               for split in dataset.splits]
+    reports = [_verify_files(dataset, split, options, progress) for split in dataset.splits]
     for name in partition_names(dataset.root):
         if not is_ready(dataset.root, name):
             continue
@@ -50,17 +47,14 @@ def verify_dataset(dataset: Dataset, progress: Callable[[int], object] = lambda 
         except PartitionError as err:
             reports.append(SplitReport(SPLIT_PREFIX + name, problems=[err]))
             continue
-        files = [dataset.root / f for f in partition.files]
-        described_in = partitions_dir(dataset.root) / name / PARTITION_FILE
-        reports.append(_verify_files(dataset, partition.split, files, options, progress, partition.info.get("rows"),
-                                     described_in))
+        reports.append(_verify_files(partition_view(dataset, partition), partition.split, options, progress))
     return reports
 
 
-def _verify_files(dataset: Dataset, split: str, paths: list[Path], options: DecodeOptions,
-                  progress: Callable[[int], object], expected_rows: int | None, described_in: Path) -> SplitReport:
-    """Read ``paths``, the files of ``split``, whose rows ``described_in`` gives as
-    ``expected_rows`` (None: it gives none)."""
+def _verify_files(dataset: Dataset, split: str, options: DecodeOptions,
+                  progress: Callable[[int], object]) -> SplitReport:
+    """Read the files of ``split``."""
+    paths = dataset.files(split)
     report = SplitReport(split, files=len(paths))
     for path in paths:
         try:
@@ -79,7 +73,7 @@ def _verify_files(dataset: Dataset, split: str, paths: list[Path], options: Deco
                 except DataError as err:
                     report.problems.append(err)
                 progress(rows)
-    if expected_rows is not None and expected_rows != report.rows and not report.problems:
-        report.problems.append(DataError(f"{split!r} holds {report.rows:,} rows, not the {expected_rows:,} this file "
-                                         "gives", file=str(described_in)))
+    miscounted = None if report.problems else row_count_problem(dataset, split, report.rows)
+    if miscounted is not None:
+        report.problems.append(miscounted)
     return report

@@ -50,6 +50,14 @@ def test_a_partition_description_whose_oracle_is_not_numbers_is_named(dataset, o
         open_partition(dataset.root, partition_name(1))
 
 
+@pytest.mark.parametrize("rows", [-1, 1.5, "1200", True])
+def test_a_partition_description_whose_rows_is_not_a_count_is_named(dataset, rows):
+    described = dataset.root / "partitions" / partition_name(1) / "partition.json"
+    described.write_text(json.dumps({**json.loads(described.read_text()), "rows": rows}))
+    with pytest.raises(PartitionError, match=f"{described}: 'rows' must be a whole number at least 0"):
+        open_partition(dataset.root, partition_name(1))
+
+
 def test_drift_changes_the_labels_of_later_partitions_only_as_asked(tmp_path):
     def labels(drift, index):
         root = tmp_path / f"d{drift}"
@@ -158,6 +166,16 @@ def test_a_partition_reads_as_a_split(dataset):
         reader.close()
     assert rows == 1200
     assert json.loads((dataset.root / "dataset.json").read_text())["splits"] == {}  # the view is not saved
+
+
+def test_a_partition_holding_other_rows_than_its_description_gives_is_refused_by_name(dataset):
+    split = f"partitions/{partition_name(1)}"
+    described = dataset.root / split / "partition.json"
+    described.write_text(json.dumps({**json.loads(described.read_text()), "rows": 1201}))
+    with pytest.raises(DataError, match=rf"{described}: '{split}' holds 1,200 rows in its files, not the 1,201"):
+        InProcessReader(with_partition_split(dataset, split), split,
+                        DecodeOptions(table_rows=tuple(f.cardinality for f in dataset.schema.sparse)),
+                        ReaderConfig(batch_size=100))
 
 
 def test_a_split_a_partitioned_dataset_lacks_is_named_with_what_it_has(dataset):

@@ -127,6 +127,17 @@ def test_unreadable_file_is_named(tmp_path, criteo_dataset):
         _read_all(dataset)
 
 
+@pytest.mark.parametrize("rows", [3, 5])
+def test_a_split_holding_other_rows_than_the_dataset_gives_is_refused_by_name(tmp_path, criteo_dataset, rows):
+    """A file cut short, or rewritten longer, since dataset.json counted its split."""
+    dataset = _dataset_with(tmp_path, criteo_dataset, _good_columns(criteo_dataset, n=rows))
+    counted = Dataset(root=tmp_path, schema=dataset.schema, splits=dataset.splits, rows={"train": 4})
+    with pytest.raises(DataError, match=rf"{tmp_path / 'dataset.json'}: 'train' holds {rows} rows in its files, not "
+                                        "the 4 this file gives"):
+        _read_all(counted)
+    assert len(_read_all(dataset)) == (rows + 1) // 2  # with no count given, nothing is compared
+
+
 def test_missing_column_is_named(tmp_path, criteo_dataset):
     columns = _good_columns(criteo_dataset)
     del columns["C7"]

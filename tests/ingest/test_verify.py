@@ -48,7 +48,7 @@ def test_every_bad_row_group_is_named_and_the_reading_goes_on(criteo_dataset, tm
     assert train.rows == criteo_dataset.rows["train"]  # every row group was read
     (mismatch,) = evaluation.problems
     assert mismatch.file == str(dataset.root / DATASET_FILE)
-    assert f"holds {criteo_dataset.rows['eval']:,} rows, not the {criteo_dataset.rows['eval'] + 1:,}" in str(mismatch)
+    assert f"holds {criteo_dataset.rows['eval']:,} rows in its files, not the {criteo_dataset.rows['eval'] + 1:,}" in str(mismatch)
 
 
 def test_ids_beyond_a_features_cardinality_are_named(criteo_dataset, tmp_path):
