@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from neorec.common.abandoned import remove_abandoned
 from neorec.common.durable import fsync_directory, fsync_file, fsync_tree
 from neorec.common.errors import FULL_OR_READ_ONLY, PathError, UserError, describe
 
@@ -134,22 +135,8 @@ def _staging_directory(out: Path) -> Path:
 def _remove_abandoned(out: Path) -> None:
     """Remove the staging directories of ``out`` left by writers on this host that were
     killed (their process is gone)."""
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.(?P<host>.+)\.(?P<pid>[0-9]+)\.[0-9a-f]{{16}}\.partial")
-    host = socket.gethostname()
-    for entry in os.scandir(out.parent):
-        found = pattern.fullmatch(entry.name)
-        if found and found["host"] == host and entry.is_dir(follow_symlinks=False) and not _alive(int(found["pid"])):
-            shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
+    remove_abandoned(out.parent, re.compile(
+        rf"\.{re.escape(out.name)}\.(?P<host>.+)\.(?P<pid>[0-9]+)\.[0-9a-f]{{16}}\.partial"))
 
 
 def _swap_in(staging: Path, out: Path) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from neorec.common.abandoned import remove_abandoned
 from neorec.common.cpus import available_cpus
 from neorec.orchestration.nodes import ONE_NODE, Nodes
 
@@ -98,14 +99,20 @@ def _rank_exits(directory: Path) -> list[int]:
     return [int(text) for text in (path.read_text() for path in sorted(directory.glob("rank-*"))) if text.isdigit()]
 
 
+_SCRATCH = re.compile(r"neorec-torchrun-(?P<pid>[0-9]+)-[^/]+")
+"""The temporary directory of :func:`run_torchrun` (by the PID of the process that made it)."""
+
+
 def run_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes = ONE_NODE) -> int:
     """Run ``neorec NEOREC_ARGS`` as ``nproc`` ranks on this host under torchrun (this
     node's share of ``nodes``); returns torchrun's exit status (2, a user's error, when a rank
     exited so: torchrun's own is 1 for any failed rank), or 128 + the number of the signal
     (SIGINT, SIGTERM) that stopped it: then the ranks' own statuses are not told apart
     (torchrun exits 1 when signalled, whether or not a rank failed as it stopped).
-    torchrun's files and the ranks' statuses lie in a temporary directory, removed after."""
-    with tempfile.TemporaryDirectory(prefix="neorec-torchrun-") as scratch:
+    torchrun's files and the ranks' statuses lie in a temporary directory, removed after
+    (one left by a process killed outright is removed by the next run on this host)."""
+    remove_abandoned(tempfile.gettempdir(), _SCRATCH)
+    with tempfile.TemporaryDirectory(prefix=f"neorec-torchrun-{os.getpid()}-") as scratch:
         exits = Path(scratch) / "exits"
         exits.mkdir()
         code = _wait_for_torchrun(nproc, neorec_args, nodes, Path(scratch) / "logs", exits)
