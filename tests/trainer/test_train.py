@@ -101,13 +101,13 @@ def test_eval_split_is_read_in_file_order_whatever_the_train_shuffle(criteo_data
 def test_empty_eval_split_is_a_named_error_before_training(criteo_dataset, tmp_path):
     shutil.copytree(criteo_dataset.root, tmp_path / "data")
     copy = Dataset.load(tmp_path / "data")
-    copy.splits["eval"] = []
+    copy.splits["eval"], copy.rows["eval"] = [], 0
     copy.save()
     with pytest.raises(DataError, match="split 'eval' of .* holds no rows"):
         train(_config(copy, tmp_path / "run"))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
-    copy.splits["train"] = copy.splits["train"][:1]
-    copy.splits["eval"] = copy.splits["train"]
+    copy.splits["train"] = copy.splits["eval"] = copy.splits["train"][:1]
+    copy.rows["train"] = copy.rows["eval"] = 2100
     copy.save()
     with pytest.raises(DataError, match="split 'train' of .* holds 2100 rows, fewer than one step of 1 x 4096"):
         train(_config(copy, tmp_path / "run", batch_size=4096))
