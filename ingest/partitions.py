@@ -215,8 +215,9 @@ def row_count_problem(dataset: Dataset, split: str, found: int) -> DataError | N
         return None
     described_in = (partitions_dir(dataset.root) / split[len(SPLIT_PREFIX):] / PARTITION_FILE
                     if split.startswith(SPLIT_PREFIX) else dataset.root / DATASET_FILE)
-    return DataError(f"{split!r} holds {found:,} rows in its files, not the {expected:,} this file gives (a file "
-                     "lost, cut short or added since the data was written?)", file=str(described_in))
+    return DataError(f"{split!r} holds {found:,} rows in its files, not the {expected:,} this file gives: a file "
+                     "lost, cut short or added since the data was written? (If its files were changed on purpose, "
+                     "correct its 'rows'.)", file=str(described_in))
 
 
 def with_partition_split(dataset: Dataset, split: str) -> Dataset:
