@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import operator
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
@@ -112,9 +113,10 @@ def import_dataset(spec: ImportSpec, out_dir: str | Path, *, source: BlockSource
     splitter = Splitter.build(spec, source)
     encoding = load_encoding(spec, Path(vocab_from)) if vocab_from else count(spec, source, splitter)
     schema = dataset_schema(spec, encoding)
-    writers = {split: SplitWriter(out, split, arrow_schema(schema), spec.output.row_group_rows,
-                                  spec.output.file_rows) for split in ("train", "eval")}
-    try:
+    with ExitStack() as open_writers:
+        writers = {split: open_writers.enter_context(SplitWriter(out, split, arrow_schema(schema),
+                                                                 spec.output.row_group_rows, spec.output.file_rows))
+                   for split in ("train", "eval")}
         for block in source.blocks(needed_columns(spec)):
             table = encode_block(spec, encoding, block)
             is_eval = splitter.is_eval(block)
@@ -122,9 +124,6 @@ def import_dataset(spec: ImportSpec, out_dir: str | Path, *, source: BlockSource
                 writers[split].write(table.filter(pa.array(mask)))
             if progress is not None:
                 progress(block.batch.num_rows)
-    finally:
-        for writer in writers.values():
-            writer.close()
     rows = {split: writer.rows for split, writer in writers.items()}
     for split, count_ in rows.items():
         if count_ == 0:
@@ -524,7 +523,8 @@ def arrow_schema(schema: DatasetSchema) -> pa.Schema:
 # -------------------------------------------------------------------------------- writing
 class SplitWriter:
     """One split's rows into ``SPLIT-00000.parquet``, … of ``file_rows`` rows each, in row
-    groups of ``row_group_rows``."""
+    groups of ``row_group_rows``. As a context manager, it is closed when the block ends
+    (:meth:`close`, or :meth:`abandon` when the block raised)."""
 
     def __init__(self, out: Path, split: str, schema: pa.Schema, row_group_rows: int, file_rows: int) -> None:
         self.out = out
@@ -569,3 +569,21 @@ class SplitWriter:
             self._flush(self._pending_rows)
         if self._writer is not None:
             self._writer.close()
+
+    def __enter__(self) -> "SplitWriter":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Close the file being written, after a failure: what closing it raises (a writer
+        the disk already refused fails again) would hide the failure itself."""
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except (OSError, pa.ArrowException):
+                pass

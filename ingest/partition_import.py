@@ -7,9 +7,10 @@ out-of-vocabulary id 0, and is counted per column (``partition.json``'s ``oov``,
 ``values``, the values present). Every row goes to the partition (no train/eval split:
 following evaluates each partition before training on it).
 
-The files are written into ``partitions/NAME/`` and the ``_SUCCESS`` marker last
-(:mod:`neorec.ingest.partitions`), so a follower never reads a partition half written; a
-directory left without its marker by an import that failed is written again.
+The files are written into ``partitions/NAME/`` and fsynced, and the ``_SUCCESS`` marker is
+written last (:mod:`neorec.ingest.partitions`), so a follower never reads a partition half
+written, even after a power loss; a directory left without its marker by an import that
+failed is written again.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from neorec.common.durable import fsync_directories, fsync_tree, write_durably
 from neorec.ingest.errors import DataError
 from neorec.ingest.import_spec import ImportSpec
 from neorec.ingest.importer import (BlockSource, FileSource, ProgressFn, SplitWriter, arrow_schema, VocabMisses,
@@ -59,22 +61,21 @@ def import_partition(spec: ImportSpec, dataset_dir: str | Path, name: str, *, so
     for stale in directory.iterdir():  # an earlier import that failed before its marker
         if stale.is_file():
             stale.unlink()
-    writer = SplitWriter(directory, PART_PREFIX, arrow_schema(schema), spec.output.row_group_rows,
-                         spec.output.file_rows)
     misses = VocabMisses({column: 0 for column in encoding.vocabularies}, {c: 0 for c in encoding.vocabularies})
-    try:
+    with SplitWriter(directory, PART_PREFIX, arrow_schema(schema), spec.output.row_group_rows,
+                     spec.output.file_rows) as writer:
         for block in (source or FileSource(spec)).blocks(needed_columns(spec)):
             writer.write(encode_block(spec, encoding, block, misses))
             if progress is not None:
                 progress(block.batch.num_rows)
-    finally:
-        writer.close()
     if writer.rows == 0:
         raise DataError(f"partition {name!r}: the input holds no rows", file=str(directory))
     info = {"rows": writer.rows, "oov": misses.unseen, "values": misses.present,
             "seconds": time.perf_counter() - started}
     (directory / PARTITION_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    (directory / MARKER).touch()
+    fsync_tree(directory)  # the files, then the directory's entry, are on the disk before the marker
+    fsync_directories(directory.parent, up_to=root)
+    write_durably(directory / MARKER, b"")
     return info
 
 

@@ -3,6 +3,7 @@
 schema changes."""
 
 import csv
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -67,3 +68,21 @@ def test_a_partition_left_half_written_is_not_read_and_is_written_again(imported
     import_partition(spec(imported / "new.csv"), imported / "data", "2026-01-02T00")
     assert (directory / MARKER).is_file() and not (directory / "part-00003.parquet").exists()
     assert open_partition(imported / "data", "2026-01-02T00").files == ("partitions/2026-01-02T00/part-00000.parquet",)
+
+
+def test_the_partition_is_on_the_disk_before_its_marker(imported, monkeypatch):
+    """A power loss after the marker was written must not find the files it marks missing."""
+    synced = []
+    partition = imported / "data" / "partitions" / "2026-01-02T00"
+
+    def fsync_file(path):
+        synced.append((str(Path(path).relative_to(imported / "data")), (partition / MARKER).exists()))
+
+    monkeypatch.setattr("neorec.common.durable.fsync_file", fsync_file)
+    import_partition(spec(imported / "new.csv", output={"row_group_rows": 250, "file_rows": 250}), imported / "data", "2026-01-02T00")
+    before_marker = [path for path, marked in synced if not marked]
+    files = [f"partitions/2026-01-02T00/{name}" for name in ("part-00000.parquet", "part-00001.parquet",
+                                                             "part-00002.parquet", "partition.json")]
+    assert set(files) <= set(before_marker)
+    assert before_marker[-3:] == ["partitions/2026-01-02T00", "partitions", "."]  # then the entries above them
+    assert [path for path, marked in synced if marked] == ["partitions/2026-01-02T00"]  # the marker's name
