@@ -21,7 +21,7 @@ import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from neorec.common.abandoned import remove_abandoned
 from neorec.common.durable import fsync_directory, fsync_file, fsync_tree
@@ -33,17 +33,21 @@ class OutputExistsError(UserError):
 
 
 @contextmanager
-def staged_output(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+def staged_output(out: str | Path, overwrite: bool = False, inputs: Sequence[str | Path] = ()) -> Iterator[Path]:
     """A new empty directory beside ``out`` to write the dataset into; when the block ends
     without an exception it becomes ``out`` (the old ``out``, if any, removed only then),
     else it is removed and ``out`` is untouched (a write the disk refused, a full one, is a
     :class:`PathError` naming ``out``). :class:`OutputExistsError` for a non-empty ``out``
-    unless ``overwrite``."""
-    out = Path(out)
+    unless ``overwrite``, and for an ``out`` to overwrite that holds one of ``inputs`` (the
+    files, directories or glob patterns the dataset is made from) or the current directory."""
+    named, out = out, Path(os.path.abspath(out))  # "." and ".." have no name to stage beside
     if out.exists() and not out.is_dir():
-        raise OutputExistsError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise OutputExistsError(f"{out} is not empty: give --overwrite to replace what it holds, or another --out")
+        raise OutputExistsError(f"{named} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise OutputExistsError(f"{named} is not empty: give --overwrite to replace what it holds, or another "
+                                    "--out")
+        _check_replaceable(named, out, inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(out)
     staging = _staging_directory(out)
@@ -61,7 +65,7 @@ def staged_output(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
         if isinstance(err, _Terminated):
             os.kill(os.getpid(), signal.SIGTERM)  # its default action again: the process ends as it would have
         if isinstance(err, OSError) and err.errno in FULL_OR_READ_ONLY:  # Arrow's writers name no file
-            raise PathError(f"cannot write the dataset {out}: {describe(err)}") from None
+            raise PathError(f"cannot write the dataset {named}: {describe(err)}") from None
         raise
     _swap_in(staging, out)
 
@@ -130,6 +134,20 @@ def _staging_directory(out: Path) -> Path:
     staging = out.parent / f".{out.name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(8)}.partial"
     staging.mkdir()
     return staging
+
+
+def _check_replaceable(named: str | Path, out: Path, inputs: Sequence[str | Path]) -> None:
+    """:class:`OutputExistsError` when replacing ``out`` would remove one of ``inputs`` (a
+    pattern's directory part is what is compared) or the current directory."""
+    inside = out.resolve()
+    for given in inputs:
+        fixed = re.split(r"[*?[]", str(given), maxsplit=1)[0]  # a pattern's part before its first wildcard
+        if "://" not in fixed and Path(os.path.abspath(fixed or ".")).resolve().is_relative_to(inside):
+            raise OutputExistsError(f"{given} lies in {named}, which --overwrite would replace: write the dataset to "
+                                    "another --out")
+    if Path.cwd().resolve().is_relative_to(inside):
+        raise OutputExistsError(f"{named} holds the current directory, which --overwrite would remove: run the "
+                                "command from another directory, or give another --out")
 
 
 def _remove_abandoned(out: Path) -> None:

@@ -322,9 +322,11 @@ def _verify(args: argparse.Namespace) -> int:
 def _write_import(spec, source, args: argparse.Namespace, profile: str) -> int:
     from neorec.ingest.importer import import_dataset
 
-    with user_paths(), staged_output(args.out, args.overwrite) as staging, \
+    vocab_from = getattr(args, "vocab_from", None)
+    inputs = [*spec.input.files, *spec.split.eval_files, *(args.files or ()), *([vocab_from] if vocab_from else [])]
+    with user_paths(), staged_output(args.out, args.overwrite, inputs) as staging, \
             LazyBar(unit="rows", desc=f"{profile} → {args.out}", unit_scale=True) as bar:
-        dataset = import_dataset(spec, staging, source=source, vocab_from=getattr(args, "vocab_from", None),
+        dataset = import_dataset(spec, staging, source=source, vocab_from=vocab_from,
                                  progress=bar.update, profile=profile)
     print(json.dumps({"out": args.out, "rows": dataset.rows,
                       "tables": {f.table: f.cardinality for f in dataset.schema.sparse}}, indent=2))

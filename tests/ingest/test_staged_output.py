@@ -16,11 +16,14 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from neorec.common.errors import PathError
 from neorec.ingest.staging import staged_output
-from tests.ingest.test_importer import write_log
+from neorec.ingest.importer import import_dataset
+from tests.ingest.test_importer import spec, write_log
 
 IMPORT_FLAGS = ["--format", "csv", "--label", "rating", "--label-transform", ">= 4", "--dense", "count",
                 "--categorical", "user,item", "--split", "ordered", "--eval-fraction", "0.25",
@@ -100,6 +103,58 @@ def test_a_full_disk_is_named_with_the_output_and_leaves_nothing_behind(tmp_path
     with pytest.raises(ValueError, match="not a write the disk refused"):  # anything else passes through
         with staged_output(out):
             raise ValueError("not a write the disk refused")
+
+
+def test_a_disk_that_refuses_an_imported_file_is_named_and_not_hidden_by_closing_it(tmp_path, monkeypatch):
+    """The disk fills as a row group is written; Arrow's writer then holds a closed file, so
+    flushing its rows again as the import stops raises "operation on a closed file", which
+    must not replace the disk's error (as on a full tmpfs)."""
+    class DiskFills(pq.ParquetWriter):
+        failed = False
+
+        def write_table(self, table, row_group_size=None) -> None:
+            if self.failed:
+                raise pa.ArrowInvalid("Operation on closed file")
+            if str(self.where).endswith("train-00000.parquet"):
+                self.failed = True
+                raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+            super().write_table(table, row_group_size=row_group_size)
+
+    monkeypatch.setattr(pq, "ParquetWriter", DiskFills)
+    write_log(tmp_path / "log.csv")
+    out = tmp_path / "data"
+    with pytest.raises(PathError, match=f"^cannot write the dataset {out}: no space left on device$"):
+        with staged_output(out) as staging:
+            import_dataset(spec(tmp_path / "log.csv"), staging)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.csv"]
+
+
+@pytest.mark.parametrize("inside", ["log.csv", "*.csv", "."])
+def test_overwrite_refuses_an_output_that_holds_an_input_or_the_current_directory(tmp_path, monkeypatch, inside):
+    out = tmp_path / "data"
+    assert _neorec("data", "synth", "--rows", "300", "--out", str(out)).returncode == 0
+    write_log(out / "log.csv")
+    before = _contents(out)
+    monkeypatch.chdir(out)
+    command = (["data", "synth", "--rows", "200", "--out", "."] if inside == "." else
+               ["data", "import", "--files", str(out / inside), *IMPORT_FLAGS, "--out", str(out)])
+    line = _error_line(_neorec(*command, "--overwrite"))
+    if inside == ".":
+        assert line == "neorec: error: . holds the current directory, which --overwrite would remove: run the " \
+                       "command from another directory, or give another --out"
+    else:
+        assert line == f"neorec: error: {out / inside} lies in {out}, which --overwrite would replace: write the " \
+                       "dataset to another --out"
+    assert _contents(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_an_output_named_by_a_relative_path_is_staged_beside_it(tmp_path, monkeypatch):
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path / "runs")
+    with staged_output("../data") as staging:
+        assert staging.parent == tmp_path
+        (staging / "f").write_bytes(b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "runs"] and (tmp_path / "data" / "f").is_file()
 
 
 def test_the_staged_files_are_fsynced_before_the_output_is_renamed_into_place(tmp_path, monkeypatch):
