@@ -1,4 +1,5 @@
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -38,3 +39,26 @@ def test_a_metrics_log_on_a_full_disk_names_its_file_once_and_closes():
     with pytest.raises(RunDirError, match="cannot write /dev/full: no space left on device"):
         log.write({"step": 1})
     log.close()  # the record still buffered is not raised again (a cleanup must not mask the error)
+
+
+@pytest.mark.parametrize("left", ["cut_in_a_line", "removed"])
+def test_a_resumed_log_shorter_than_its_checkpoint_counted_goes_on_after_its_whole_lines(tmp_path, caplog, left):
+    """A power loss (the log is not fsynced, the checkpoint is) or a person may leave the
+    log shorter than the length the checkpoint kept: no padding, every line JSON."""
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path)
+    for step in range(3):
+        log.write({"step": step})
+    counted = log.size()
+    log.close()
+    if left == "removed":
+        path.unlink()
+    else:
+        path.write_bytes(path.read_bytes()[: counted - 3])
+    resumed = MetricsLog(path, keep_bytes=counted)
+    resumed.write({"step": 3})
+    resumed.close()
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps == ([0, 1, 3] if left == "cut_in_a_line" else [3])
+    assert f"the checkpoint counted: the records after its {2 if left == 'cut_in_a_line' else 0} whole lines are " \
+           "lost" in caplog.text

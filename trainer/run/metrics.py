@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -13,6 +14,8 @@ from neorec.ingest.metrics import binary_metrics
 from neorec.trainer.batch import Batch
 from neorec.common.errors import describe
 from neorec.trainer.run.run_dir import RunDirError
+
+log = logging.getLogger(__name__)
 
 
 class MetricsLog:
@@ -33,11 +36,28 @@ class MetricsLog:
                 if keep_bytes is None:
                     self._file = self.path.open("w")
                 else:
+                    keep_bytes = self._whole_lines(keep_bytes)
                     self._file = self.path.open("r+" if self.path.exists() else "w")
                     self._file.truncate(keep_bytes)
                     self._file.seek(keep_bytes)
             except OSError as err:
                 raise RunDirError(f"cannot write {self.path}: {describe(err)}") from None
+
+    def _whole_lines(self, keep_bytes: int) -> int:
+        """``keep_bytes``, or when the log is shorter than that (lines a power loss or a
+        person took after the checkpoint recorded its length), its whole lines: the run
+        goes on without the records lost, said in a warning."""
+        try:
+            with self.path.open("rb") as f:
+                held = f.read(keep_bytes)
+        except FileNotFoundError:
+            held = b""
+        if len(held) == keep_bytes:
+            return keep_bytes
+        whole = held.rfind(b"\n") + 1
+        log.warning("%s holds %d of the %d bytes the checkpoint counted: the records after its %d whole lines are "
+                    "lost, and the log goes on from there", self.path, len(held), keep_bytes, held.count(b"\n"))
+        return whole
 
     def flush(self) -> None:
         if self._file is not None:
