@@ -13,6 +13,7 @@ import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 PARQUET_MAGIC = b"PAR1"
 
@@ -38,3 +39,23 @@ def fingerprint(path: str | Path) -> Fingerprint:
         f.seek(size - 8 - footer_length)
         footer = f.read(footer_length)
     return Fingerprint(size, zlib.crc32(footer))
+
+
+def fingerprints(root: str | Path, names: Iterable[str]) -> dict[str, list[int]]:
+    """Each of the files ``names`` (relative to ``root``) and its ``[size, footer CRC-32]``
+    (JSON-ready, for a checkpoint); ``OSError`` or ``ValueError`` as :func:`fingerprint`."""
+    prints = {}
+    for name in names:
+        found = fingerprint(Path(root) / name)
+        prints[name] = [found.size, found.footer_crc32]
+    return prints
+
+
+def first_change(before: dict[str, list[int]], now: dict[str, list[int]]) -> tuple[str, str] | None:
+    """The first file (in name order) whose fingerprint differs between ``before`` and
+    ``now`` (:func:`fingerprints`), and how: ``added``, ``removed`` or ``rewritten``; None
+    when none does."""
+    for name in sorted(before.keys() | now.keys()):
+        if before.get(name) != now.get(name):
+            return name, "added" if name not in before else "removed" if name not in now else "rewritten"
+    return None

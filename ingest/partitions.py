@@ -30,7 +30,7 @@ from typing import Any, Sequence
 from neorec.common.errors import UserError
 from neorec.ingest.decoder import open_files
 from neorec.ingest.errors import DataError, UnreadableFileError
-from neorec.ingest.fingerprint import fingerprint
+from neorec.ingest.fingerprint import fingerprints, first_change
 from neorec.ingest.schema import DATASET_FILE, Dataset, count_field, metrics_field
 
 PARTITIONS = "partitions"
@@ -166,11 +166,10 @@ def partition_fingerprints(root: str | Path, partition: Partition) -> dict[str, 
     prints = {}
     for name in partition.files:
         try:
-            found = fingerprint(Path(root) / name)
+            prints.update(fingerprints(root, [name]))
         except (OSError, ValueError) as err:
             raise PartitionError(f"partition {partition.name!r} holds a file that cannot be read: {err}",
                                  file=str(Path(root) / name)) from None
-        prints[name] = [found.size, found.footer_crc32]
     return prints
 
 
@@ -178,13 +177,12 @@ def check_unchanged(root: str | Path, partition: Partition, planned: dict[str, l
     """Raise :class:`PartitionError` naming a file of ``partition`` added, removed or
     rewritten since its files were ``planned`` (:func:`partition_fingerprints`): a run
     resumed inside it would go on in another plan of other rows."""
-    now = partition_fingerprints(root, partition)
-    for name in sorted(planned.keys() | now.keys()):
-        if planned.get(name) != now.get(name):
-            change = "added" if name not in planned else "removed" if name not in now else "rewritten"
-            raise PartitionError(f"the run was training partition {partition.name!r}, and a file of it was {change} "
-                                 f"since: a partition must not change once it is marked ready ({MARKER})",
-                                 file=str(Path(root) / name))
+    changed = first_change(planned, partition_fingerprints(root, partition))
+    if changed is not None:
+        name, change = changed
+        raise PartitionError(f"the run was training partition {partition.name!r}, and a file of it was {change} "
+                             f"since: a partition must not change once it is marked ready ({MARKER})",
+                             file=str(Path(root) / name))
 
 
 def blocking_partition(root: str | Path, done: Sequence[str]) -> tuple[str, int] | None:

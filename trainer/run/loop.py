@@ -27,6 +27,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from neorec.ingest.errors import DataError
+from neorec.ingest.fingerprint import first_change, fingerprints
 from neorec.ingest.schema import Dataset
 from neorec.trainer.run import run_dir as run_directory
 from neorec.trainer.run.affinity import pin_rank, schedule_as_batch
@@ -35,6 +37,7 @@ from neorec.trainer.run.build import (build_model, decode_options, dense_optimiz
                                       table_configs)
 from neorec.trainer.checkpoint import restore_model
 from neorec.trainer.checkpoint.checkpointer import Checkpointer, check_position_carries_over, check_resumable
+from neorec.trainer.checkpoint.layout import CheckpointError
 from neorec.trainer.checkpoint.restore import choose
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.distributed import (DenseGradientSum, DistributedContext, check_same_steps, gather_arrays,
@@ -137,7 +140,7 @@ class TrainingRun:
         self.store_report: dict[str, float] = {}
         """The store's counters once training ended (for the summary)."""
         self.optimizer = dense_optimizer(self.dlrm, config)
-        self.state = LoopState()
+        self.state = LoopState(split_files=self._split_files())
         self.metrics_bytes: int | None = None
         self.logged_loss = 0.0
         """The mean loss of the last logging interval (the progress reports' loss)."""
@@ -421,6 +424,30 @@ class TrainingRun:
         if loop.max_steps:
             self.total_steps = min(self.total_steps, loop.max_steps)
 
+    def _split_files(self) -> dict[str, list[int]]:
+        """The train and eval splits' files and their fingerprints (none when following)."""
+        if self.follower is not None:
+            return {}
+        data = self.config.data
+        names = dict.fromkeys([*self.dataset.splits[data.train_split], *self.dataset.splits[data.eval_split]])
+        try:
+            return fingerprints(self.dataset.root, names)
+        except (OSError, ValueError) as err:
+            raise DataError(f"cannot read a file of the dataset: {err}", file=str(self.dataset.root)) from None
+
+    def _check_same_splits(self, checkpoint_name: str) -> None:
+        """Raise :class:`~neorec.trainer.checkpoint.layout.CheckpointError` naming a file of
+        the splits added, removed or rewritten since the run began (the path alone, which
+        ``check_resumable`` compares, does not tell a dataset written again in its place)."""
+        if not self.state.split_files:  # following partitions, or a checkpoint from before they were kept
+            return
+        changed = first_change(self.state.split_files, self._split_files())
+        if changed is not None:
+            name, change = changed
+            raise CheckpointError(f"--resume: {self.dataset.root / name} was {change} since the run that made "
+                                  f"checkpoint {checkpoint_name} began: a resumed run goes on with the data of the "
+                                  f"run it continues")
+
     def _restore(self) -> None:
         """Continue from the newest complete checkpoint of the run directory."""
         context, config = self.context, self.config
@@ -442,6 +469,7 @@ class TrainingRun:
         self.optimizer.load_state_dict(dense["optimizer"])
         torch.set_rng_state(dense["rng"].cpu())
         self.state = LoopState(**dense["state"])
+        self._check_same_splits(restorable.manifest.name)
         if self.follower is None:
             self._count_total_steps(self.state)
         Interval.resume(self.state, context)

@@ -52,6 +52,10 @@ class LoopState:
     partition_files: dict[str, list[int]] = field(default_factory=dict)
     """Following partitions: the files of the one being trained when it was planned, each
     ``[size, CRC-32 of its footer]`` (:func:`neorec.ingest.partitions.partition_fingerprints`)."""
+    split_files: dict[str, list[int]] = field(default_factory=dict)
+    """Training on splits: the files of the train and eval splits when the run began, each
+    ``[size, CRC-32 of its footer]`` (:func:`neorec.ingest.fingerprint.fingerprints`): a
+    resumed run goes on only on the same data."""
 
 
 class Interval:

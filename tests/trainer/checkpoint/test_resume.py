@@ -1,6 +1,7 @@
 """A run stopped mid-way and resumed from its newest checkpoint ends exactly as the run that
 was never stopped: weights, optimizer states and metrics, bit for bit."""
 
+import shutil
 from dataclasses import asdict
 
 import pytest
@@ -9,6 +10,8 @@ import torch.distributed as dist
 from tests.trainer.run_records import records
 from tests.trainer.spawn import run_ranks
 from tests.trainer.test_train import final_state, untimed
+from neorec.ingest.schema import Dataset
+from neorec.ingest.synth import SynthSpec, generate
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.distributed import SINGLE_PROCESS, DistributedContext
 from neorec.trainer.run.state import Interval, LoopState
@@ -65,6 +68,26 @@ def test_resuming_refuses_another_model_and_a_directory_without_a_run(criteo_dat
         train(other, resume=True)
     with pytest.raises(RunDirError, match="holds no run to resume"):
         train(config_for(criteo_dataset, tmp_path / "empty"), resume=True)
+
+
+def test_resuming_refuses_a_dataset_written_again_at_the_same_path(criteo_dataset, tmp_path):
+    """The path is the same, the rows are not: the resumed run would go on with other data."""
+    from neorec.trainer.checkpoint.layout import CheckpointError
+
+    data = tmp_path / "data"
+    shutil.copytree(criteo_dataset.root, data)
+    config = config_for(Dataset.load(data), tmp_path / "run")
+    with pytest.raises(Crash):
+        train(config, progress=crash_after(6))
+    other = generate(SynthSpec(rows=6_000, row_group_rows=700, file_rows=2_100, seed=4), tmp_path / "other")
+    rewritten = other.splits["train"][1]
+    assert rewritten == Dataset.load(data).splits["train"][1]  # same name, same rows, other values
+    shutil.copy(other.root / rewritten, data / rewritten)
+    with pytest.raises(CheckpointError, match=rf"--resume: {data / rewritten} was rewritten since the run that made "
+                                              "checkpoint step-0+5 began"):
+        train(config, resume=True)
+    shutil.copy(criteo_dataset.root / rewritten, data / rewritten)  # the same file again: the run goes on
+    assert train(config, resume=True)["steps"] == 2 * (criteo_dataset.rows["train"] // 128)
 
 
 def _interval_across_a_checkpoint(rank: int, world: int) -> dict:
