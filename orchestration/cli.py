@@ -208,7 +208,9 @@ def _parser() -> argparse.ArgumentParser:
         dest="checkpoint", required=True)
     inspect = checkpoints.add_parser("inspect", help="list a run's checkpoints: chains, bytes, bits, touched rows")
     inspect.add_argument("directory", help="a run directory or its checkpoint directory")
-    inspect.add_argument("--verify", action="store_true", help="also check every file's size and SHA-256")
+    inspect.add_argument("--verify", action="store_true",
+                         help="also check every file's size and SHA-256, and each checkpoint's chain (exit 2 when "
+                              "one cannot be restored)")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     inspect.set_defaults(run=_checkpoint_inspect)
 
@@ -479,12 +481,18 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_inspect(args: argparse.Namespace) -> int:
+    from neorec.common.wording import counted
     from neorec.trainer.checkpoint.inspect import describe, render
+    from neorec.trainer.checkpoint.layout import CheckpointError
 
     with user_paths():
         described = describe(args.directory, verify=args.verify)
     print(json.dumps(described, indent=2) if args.json else render(described))
-    return 0 if all(c.get("verified", True) for c in described["checkpoints"]) else 1
+    broken = [c["name"] for c in described["checkpoints"] if not c.get("verified", True)]
+    if broken:
+        raise CheckpointError(f"{counted(len(broken), 'checkpoint')} of {len(described['checkpoints'])} in "
+                              f"{described['root']} cannot be restored: {', '.join(broken)}")
+    return 0
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -14,13 +14,14 @@ from neorec.trainer.run.run_dir import CHECKPOINTS, CONFIG
 def describe(directory: str | Path, verify: bool = False) -> dict[str, Any]:
     """The checkpoints under a run directory (or its checkpoints directory), oldest first:
     name, step, epoch, kind, chain, bits, bytes, rows touched of all rows, stall and write
-    seconds; with ``verify``, whether every file matches its size and SHA-256 and the
-    checkpoints of its chain are complete.
+    seconds; with ``verify``, whether it can be restored: every file of it and of the
+    checkpoints of its chain matches its size and SHA-256 (``error`` says which does not).
     :class:`CheckpointError` when the directory holds no checkpoint, complete or not, and is
     not a run's (an empty listing for a run that has written none yet)."""
     root, _ = checkpoints_root(directory)
     latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
     checkpoints = []
+    found: dict[str, str | None] = {}
     for path in complete(root):
         manifest = read_manifest(path)
         total = sum(t["rows"] for t in manifest.tables.values())
@@ -33,20 +34,33 @@ def describe(directory: str | Path, verify: bool = False) -> dict[str, Any]:
                  "touched_fraction": touched / total if total else 0.0,
                  "snapshot_s": manifest.stats.get("snapshot_s"), "write_s": manifest.stats.get("write_s")}
         if verify:
-            try:
-                for link in manifest.chain[:-1]:  # the checkpoints it is restored from, complete
-                    read_manifest(root / link)
-                layout.verify(path, manifest)
-                entry["verified"] = True
-            except CheckpointError as err:
-                entry["verified"] = False
-                entry["error"] = str(err)
+            error = _chain_error(root, manifest, found)
+            entry["verified"] = error is None
+            if error is not None:
+                entry["error"] = error
         checkpoints.append(entry)
     incomplete = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")
                         and p not in complete(root)) if root.is_dir() else []
     if not checkpoints and not incomplete and not _holds_a_run(Path(directory), root):
         raise CheckpointError(f"{directory}: no checkpoints, and not a run directory or its checkpoint directory")
     return {"root": str(root), "latest": latest, "checkpoints": checkpoints, "incomplete": incomplete}
+
+
+def _chain_error(root: Path, manifest: layout.Manifest, found: dict[str, str | None]) -> str | None:
+    """Why the checkpoint ``manifest`` describes cannot be restored: the first checkpoint of
+    its chain (the ones it is restored from, then itself) that is incomplete or holds a file
+    that is not whole; None when all are whole. ``found`` keeps each checkpoint's own
+    verdict, so that a chain's base is read once for all the increments on it."""
+    for name in manifest.chain:
+        if name not in found:
+            try:
+                layout.verify(root / name, manifest if name == manifest.name else read_manifest(root / name))
+                found[name] = None
+            except CheckpointError as err:
+                found[name] = str(err)
+        if found[name] is not None:
+            return found[name] if name == manifest.name else f"restored from {name}, which is not whole: {found[name]}"
+    return None
 
 
 def _holds_a_run(directory: Path, root: Path) -> bool:

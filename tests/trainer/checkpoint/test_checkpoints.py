@@ -3,6 +3,8 @@ works from a snapshot, corruption is named, old checkpoints are pruned."""
 
 import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -151,6 +153,29 @@ def test_inspect_verify_fails_a_checkpoint_whose_chain_is_not_complete(tmp_path)
     [verified] = describe(tmp_path, verify=True)["checkpoints"]
     assert verified["name"] == "step-000000002" and not verified["verified"]
     assert "step-000000001 is not a complete checkpoint" in verified["error"]
+
+
+def test_inspect_verify_marks_every_increment_on_a_corrupt_base_and_the_command_exits_2(tmp_path):
+    embeddings = module()
+    writer = checkpointer(tmp_path, embeddings, mode="incremental")
+    for step in (1, 2, 3):
+        train_steps(embeddings, 1, seed=step)
+        writer.save(global_step=step, epoch=0, step_in_epoch=step, dense=None, wait=True)
+    base = tmp_path / "step-000000001"
+    damaged = next(p for p in sorted(base.iterdir()) if p.name != "manifest.json" and p.stat().st_size)
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    checkpoints = describe(tmp_path, verify=True)["checkpoints"]
+    assert [c["verified"] for c in checkpoints] == [False, False, False]
+    assert f"{damaged}" in checkpoints[0]["error"]
+    assert all(c["error"].startswith(f"restored from step-000000001, which is not whole: {damaged}")
+               for c in checkpoints[1:])
+    command = subprocess.run([sys.executable, "-m", "neorec", "checkpoint", "inspect", "--verify", str(tmp_path)],
+                             capture_output=True, text=True, timeout=120)
+    assert command.returncode == 2 and "Traceback" not in command.stderr, command.stderr
+    assert command.stderr.strip() == (f"neorec: error: 3 checkpoints of 3 in {tmp_path} cannot be restored: "
+                                      "step-000000001, step-000000002, step-000000003")
 
 
 def test_old_checkpoints_are_pruned_but_not_the_chains_that_are_kept(tmp_path):
