@@ -139,6 +139,22 @@ def test_overwrite_removes_a_linked_run_file_as_a_link_and_nothing_it_points_to(
         claim(run)
 
 
+def test_a_run_without_a_complete_checkpoint_is_not_offered_to_resume(tmp_path):
+    """A run killed before its first checkpoint: --resume would be refused, so the refusal
+    of a new run there does not offer it."""
+    from neorec.trainer.run.run_dir import CHECKPOINTS, CONFIG, RunDirError, check_claim
+
+    run = tmp_path / "run"
+    (run / CHECKPOINTS / "step-000000005").mkdir(parents=True)  # written, never committed (no manifest)
+    (run / CONFIG).write_text("{}")
+    with pytest.raises(RunDirError, match=r"\(config.json, checkpoint\); it holds no complete checkpoint to resume "
+                                          r"from: pass --overwrite to replace it, or choose another run.dir$"):
+        check_claim(run)
+    (run / CHECKPOINTS / "step-000000005" / "manifest.json").write_text("{}")
+    with pytest.raises(RunDirError, match=r"pass --overwrite to replace it, --resume to continue it, or choose"):
+        check_claim(run)
+
+
 def test_an_unwritable_run_directory_is_found_before_training(criteo_dataset, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -23,6 +23,7 @@ from typing import Any
 from neorec.common.durable import write_durably
 from neorec.common.errors import UserError, describe
 from neorec.common.dir_lock import DirectoryLock
+from neorec.trainer.checkpoint import layout as checkpoint_layout
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,12 @@ def check_claim(directory: str | Path, overwrite: bool = False, resume: bool = F
     if resume and not held:
         raise RunDirError(f"run directory {path} holds no run to resume")
     if held and not (overwrite or resume):
-        raise RunDirError(f"run directory {path} already holds a run ({', '.join(held)}): pass --overwrite to "
-                          f"replace it, --resume to continue it, or choose another run.dir")
+        if checkpoint_layout.complete(path / CHECKPOINTS):
+            choices = "pass --overwrite to replace it, --resume to continue it"
+        else:  # --resume would be refused: nothing to restore
+            choices = "it holds no complete checkpoint to resume from: pass --overwrite to replace it"
+        raise RunDirError(f"run directory {path} already holds a run ({', '.join(held)}); {choices}, or choose "
+                          f"another run.dir")
     return held
 
 
