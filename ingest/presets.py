@@ -142,10 +142,9 @@ class MovieLensSource:
             yield from _delimited(self.ratings, "\t", names)
         elif self.kind == "1m":
             yield from _double_colon(self.ratings, names)
-        else:
-            types = {"userId": pa.string(), "movieId": pa.string(), "rating": pa.float64(), "timestamp": pa.int64()}
-            for batch in _csv(self.ratings, types):  # typed, not inferred from the first block
-                yield pa.RecordBatch.from_arrays([batch.column(i) for i in range(4)], names=names)
+        else:  # by the header's names; the numbers are parsed (a bad one named by its row) by the importer
+            for batch in _csv(self.ratings, ["userId", "movieId", "rating", "timestamp"]):
+                yield pa.RecordBatch.from_arrays(batch.columns, names=names)
 
     def _users(self) -> pa.Table | None:
         if self.kind == "100k":
@@ -163,7 +162,8 @@ class MovieLensSource:
             flags = [f"g{i}" for i in range(len(MOVIELENS_GENRES_100K))]
             table = _read_all(_delimited(self.directory / "u.item", "|",
                                          ["item", "title", "released", "video", "url", *flags], latin1=True))
-            matrix = np.stack([pc.cast(table[f], pa.int64()).to_numpy(zero_copy_only=False) for f in flags], axis=1)
+            matrix = np.stack([_genre_flags(table[f], genre, self.directory / "u.item")
+                               for f, genre in zip(flags, MOVIELENS_GENRES_100K)], axis=1)
             rows, which = np.nonzero(matrix == 1)
             offsets = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=table.num_rows))])
             genres = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)),
@@ -173,7 +173,7 @@ class MovieLensSource:
         if self.kind == "1m":
             table = _read_all(_double_colon(self.directory / "movies.dat", ["item", "title", "genres"]))
         else:
-            table = _read_all(_csv(self.directory / "movies.csv", {"movieId": pa.string(), "genres": pa.string()}))
+            table = _read_all(_csv(self.directory / "movies.csv", ["movieId", "title", "genres"]))
             table = table.rename_columns(["item", "title", "genres"])
         genres = pc.split_pattern(pc.replace_substring(table["genres"], "(no genres listed)", ""), "|")
         return pa.table({"item": table["item"], "genres": genres})
@@ -187,11 +187,22 @@ def _delimited(path: Path, delimiter: str, names: list[str], latin1: bool = Fals
                         pacsv.ConvertOptions(column_types={n: pa.string() for n in names}))
 
 
-def _csv(path: Path, types: dict[str, pa.DataType]) -> Iterator[pa.RecordBatch]:
-    """A CSV file with a header (``ratings.csv``, ``movies.csv``), ``types`` its columns' types
-    where given."""
+def _csv(path: Path, columns: list[str]) -> Iterator[pa.RecordBatch]:
+    """The ``columns`` (in this order, as text) of a CSV file with a header (``ratings.csv``,
+    ``movies.csv``), wherever the header puts them; one it lacks is named."""
     yield from _batches(path, pacsv.ReadOptions(block_size=BLOCK_BYTES), pacsv.ParseOptions(),
-                        pacsv.ConvertOptions(column_types=types))
+                        pacsv.ConvertOptions(include_columns=columns, column_types={c: pa.string() for c in columns}))
+
+
+def _genre_flags(flags: pa.ChunkedArray, genre: str, path: Path) -> np.ndarray:
+    """int64 ``[n]``: one genre's column of ``u.item`` (text ``0`` or ``1``); another value is
+    a :class:`DataError` naming its row and the genre."""
+    bad = pc.invert(pc.is_in(flags, value_set=pa.array(["0", "1"]))).to_numpy(zero_copy_only=False)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise DataError(f"a genre flag must be 0 or 1, got {flags[row].as_py()!r}", file=str(path), column=genre,
+                        row=row + 1)
+    return pc.cast(flags, pa.int64()).to_numpy(zero_copy_only=False)
 
 
 def _double_colon(path: Path, names: list[str]) -> Iterator[pa.RecordBatch]:
@@ -210,13 +221,27 @@ def _double_colon(path: Path, names: list[str]) -> Iterator[pa.RecordBatch]:
         yield pa.RecordBatch.from_arrays([pc.list_element(parts, i) for i in range(len(names))], names=names)
 
 
+LATIN1_BOM = b"\xef\xbb\xbf".decode("latin-1")
+"""A UTF-8 byte order mark as a Latin-1 file's first characters (Arrow drops it only from
+UTF-8 text)."""
+
+
 def _batches(path: Path, read: pacsv.ReadOptions, parse: pacsv.ParseOptions,
              convert: pacsv.ConvertOptions) -> Iterator[pa.RecordBatch]:
-    """The record batches of a file of the MovieLens directory (bad ones named)."""
+    """The record batches of a file of the MovieLens directory (bad ones named), without the
+    byte order mark a Latin-1 file may begin with."""
     if not path.is_file():
         raise DataError("missing from the MovieLens directory", file=str(path))
-    yield from csv_batches(SourceFile(str(path), str(path), pafs.LocalFileSystem()), read, parse, convert,
-                           "a MovieLens file")
+    batches = csv_batches(SourceFile(str(path), str(path), pafs.LocalFileSystem()), read, parse, convert,
+                          "a MovieLens file")
+    first = next(batches, None)
+    if first is None:
+        return
+    if read.encoding == "latin-1" and first.num_rows and (first.column(0)[0].as_py() or "").startswith(LATIN1_BOM):
+        unmarked = pc.replace_substring_regex(first.column(0), f"^{LATIN1_BOM}", "", max_replacements=1)
+        first = first.set_column(0, first.schema.field(0), unmarked)
+    yield first
+    yield from batches
 
 
 def _in_day_order(patterns: Sequence[str]) -> list[str]:

@@ -153,6 +153,7 @@ def csv_batches(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOpt
     parse = copy.copy(parse)
     parse.invalid_row_handler = remember
     try:
+        _check_text(file)
         with file.filesystem.open_input_stream(file.path, compression="detect") as stream, \
                 pacsv.open_csv(stream, read_options=read, parse_options=parse, convert_options=convert) as reader:
             yield from reader
@@ -160,6 +161,22 @@ def csv_batches(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOpt
         if invalid:
             raise _wrong_width(file, invalid[0], read) from None
         raise DataError(f"cannot read it as {what}: {_first_line(err)}", file=file.name) from None
+
+
+SNIFFED_BYTES = 4096
+"""The bytes (decompressed) a delimited file's start is read for, to tell text from binary."""
+
+
+def _check_text(file: SourceFile) -> None:
+    """A :class:`DataError` naming ``file`` when its first bytes hold a NUL, which no
+    delimited text holds: a Parquet file (or another binary one) given as text, whose
+    lines Arrow would split and decode into garbage."""
+    with file.filesystem.open_input_stream(file.path, compression="detect") as stream:
+        head = stream.read(SNIFFED_BYTES)
+    if b"\0" in head:
+        kind = "a Parquet file" if head.startswith(b"PAR1") else "a binary file (it holds NUL bytes)"
+        raise DataError(f"{kind}, not delimited text: give text files here (Parquet is imported with "
+                        f"input.format = 'parquet')", file=file.name)
 
 
 def _wrong_width(file: SourceFile, row: pacsv.InvalidRow, read: pacsv.ReadOptions) -> DataError:

@@ -194,6 +194,12 @@ def test_movielens_refuses_eval_files(tmp_path):
     ("movielens-25m", ("movies.csv", None), "movies.csv: missing from the MovieLens directory"),
     ("movielens-1m", ("ratings.dat", lambda t: t.replace("::5::", "::x::", 1)),
      "ratings.dat, column 'rating', row 1: the label must be a number, got 'x'"),
+    ("movielens-25m", ("ratings.csv", lambda t: t.replace("5.0,1147880044", "x,1147880044", 1)),
+     "ratings.csv, column 'rating', row 1: the label must be a number, got 'x'"),
+    ("movielens-25m", ("ratings.csv", lambda t: "\n".join(",".join(line.split(",")[:3]) for line in t.split("\n"))),
+     "ratings.csv: cannot read it as a MovieLens file: Column 'timestamp' in include_columns does not exist"),
+    ("movielens-100k", ("u.item", lambda t: t.replace("|0|1|0|0|", "|0|x|0|0|", 1)),
+     "u.item, column 'Action', row 1: a genre flag must be 0 or 1, got 'x'"),
 ])
 def test_a_damaged_movielens_file_is_named(tmp_path, directory, damage, where):
     copy = Path(shutil.copytree(FIXTURES / directory, tmp_path / directory))
@@ -204,3 +210,32 @@ def test_a_damaged_movielens_file_is_named(tmp_path, directory, damage, where):
         (copy / name).write_bytes(change((copy / name).read_bytes().decode("latin-1")).encode("latin-1"))
     with pytest.raises(DataError, match=where):
         convert("movielens", copy, tmp_path / "out")
+
+
+def test_movielens_csv_columns_are_found_by_their_header_and_a_byte_order_mark_is_dropped(tmp_path):
+    """ratings.csv and movies.csv by their columns' names (reordered, one more); a .dat file
+    (Latin-1) that begins with a UTF-8 byte order mark reads as the same file without it."""
+    expected = rows(convert("movielens", FIXTURES / "movielens-25m", tmp_path / "plain", eval_fraction=0.25), "train")
+    copy = Path(shutil.copytree(FIXTURES / "movielens-25m", tmp_path / "reordered"))
+    lines = (copy / "ratings.csv").read_text().splitlines()
+    (copy / "ratings.csv").write_text("\n".join(",".join([f[2], f[1], f[3], f[0]]) for f in
+                                                (line.split(",") for line in lines)) + "\n")
+    text = (copy / "movies.csv").read_text().splitlines()  # a column more: the header says which is which
+    (copy / "movies.csv").write_text("\n".join([text[0] + ",year"] + [line + ",1995" for line in text[1:]]) + "\n")
+    assert rows(convert("movielens", copy, tmp_path / "out", eval_fraction=0.25), "train") == expected
+
+    plain = rows(convert("movielens", FIXTURES / "movielens-1m", tmp_path / "plain1m", eval_fraction=0.25), "train")
+    marked = Path(shutil.copytree(FIXTURES / "movielens-1m", tmp_path / "marked"))
+    for name in ("ratings.dat", "users.dat", "movies.dat"):
+        (marked / name).write_bytes(b"\xef\xbb\xbf" + (marked / name).read_bytes())
+    assert rows(convert("movielens", marked, tmp_path / "out1m", eval_fraction=0.25), "train") == plain
+
+
+def test_a_parquet_file_given_as_text_is_named_as_one(tmp_path):
+    dataset = convert("criteo", FIXTURES / "criteo_sample.tsv", tmp_path / "d", eval_fraction=0.5)
+    parquet = dataset.files("train")[0]
+    with pytest.raises(DataError, match=re.escape(f"file {parquet}: a Parquet file, not delimited text")):
+        convert("criteo", parquet, tmp_path / "out")
+    command = subprocess.run([sys.executable, "-m", "neorec", "data", "convert", "criteo", str(parquet), "--out",
+                              str(tmp_path / "out2")], capture_output=True, text=True, timeout=120)
+    assert command.returncode == 2 and len(command.stderr.strip().splitlines()) == 1, command.stderr
