@@ -48,6 +48,9 @@ def staged_output(out: str | Path, overwrite: bool = False, inputs: Sequence[str
             raise OutputExistsError(f"{named} is not empty: give --overwrite to replace what it holds, or another "
                                     "--out")
         _check_replaceable(named, out, inputs)
+    blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise OutputExistsError(f"{named} cannot be made: {blocking} is a file, not a directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(out)
     staging = _staging_directory(out)

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from neorec.common.errors import PathError
-from neorec.ingest.staging import staged_output
+from neorec.ingest.staging import OutputExistsError, staged_output
 from neorec.ingest.importer import import_dataset
 from tests.ingest.test_importer import spec, write_log
 
@@ -146,6 +146,15 @@ def test_overwrite_refuses_an_output_that_holds_an_input_or_the_current_director
         assert line == f"neorec: error: {out / inside} lies in {out}, which --overwrite would replace: write the " \
                        "dataset to another --out"
     assert _contents(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_an_output_below_a_file_is_named_with_the_file(tmp_path):
+    (tmp_path / "notes").write_text("mine")
+    with pytest.raises(OutputExistsError, match=f"^{tmp_path / 'notes/data/d'} cannot be made: "
+                                                f"{tmp_path / 'notes'} is a file, not a directory$"):
+        with staged_output(tmp_path / "notes" / "data" / "d"):
+            pass
+    assert (tmp_path / "notes").read_text() == "mine"
 
 
 def test_an_output_named_by_a_relative_path_is_staged_beside_it(tmp_path, monkeypatch):
