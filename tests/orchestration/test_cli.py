@@ -59,6 +59,7 @@ def test_bench_quick_times_both_sides_training_the_same_model(tmp_path):
     assert report["max_table_difference"] < 1e-3
 
 
+@pytest.mark.slow  # two torchrun jobs of two ranks, ~9 s: CI runs it with -m slow
 def test_bench_collectives_quick_times_two_sums_that_agree_at_every_size(tmp_path):
     out = tmp_path / "bench.json"
     result = _neorec("bench", "collectives", "--quick", "--nproc", "2", "--json", str(out))

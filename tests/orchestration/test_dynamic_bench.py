@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # the benchmark end to end, ~14 s: CI runs it with -m slow
 def test_bench_dynamic_reports_the_capacity_curve_the_step_ratio_the_map_and_the_memory(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", "bench", "dynamic", "--quick",

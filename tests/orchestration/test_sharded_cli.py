@@ -15,6 +15,7 @@ from tests.orchestration.test_cli import _neorec
 from tests.trainer.test_train import final_state
 
 
+@pytest.mark.slow  # two ranks end to end, ~14 s: CI runs it with -m slow
 def test_train_with_two_processes_writes_a_checkpoint_one_process_restores(criteo_dataset, tmp_path):
     run = tmp_path / "run"
     settings = ["--set", f"data.path='{criteo_dataset.root}'", "--set", "model.max_table_rows=2000",
