@@ -38,8 +38,9 @@ def staged_output(out: str | Path, overwrite: bool = False, inputs: Sequence[str
     without an exception it becomes ``out`` (the old ``out``, if any, removed only then),
     else it is removed and ``out`` is untouched (a write the disk refused, a full one, is a
     :class:`PathError` naming ``out``). :class:`OutputExistsError` for a non-empty ``out``
-    unless ``overwrite``, and for an ``out`` to overwrite that holds one of ``inputs`` (the
-    files, directories or glob patterns the dataset is made from) or the current directory."""
+    unless ``overwrite``, for an ``out`` to overwrite that holds one of ``inputs`` (the
+    files, directories or glob patterns the dataset is made from), and for an ``out`` that
+    holds the current directory (renamed away, it would leave the shell in a removed one)."""
     named, out = out, Path(os.path.abspath(out))  # "." and ".." have no name to stage beside
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"{named} exists and is not a directory")
@@ -47,7 +48,10 @@ def staged_output(out: str | Path, overwrite: bool = False, inputs: Sequence[str
         if not overwrite:
             raise OutputExistsError(f"{named} is not empty: give --overwrite to replace what it holds, or another "
                                     "--out")
-        _check_replaceable(named, out, inputs)
+        _check_inputs_outside(named, out, inputs)
+    if out.is_dir() and Path.cwd().resolve().is_relative_to(out.resolve()):
+        raise OutputExistsError(f"{named} holds the current directory, which the new dataset would replace: run "
+                                "the command from another directory, or give another --out")
     blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise OutputExistsError(f"{named} cannot be made: {blocking} is a file, not a directory")
@@ -139,18 +143,15 @@ def _staging_directory(out: Path) -> Path:
     return staging
 
 
-def _check_replaceable(named: str | Path, out: Path, inputs: Sequence[str | Path]) -> None:
+def _check_inputs_outside(named: str | Path, out: Path, inputs: Sequence[str | Path]) -> None:
     """:class:`OutputExistsError` when replacing ``out`` would remove one of ``inputs`` (a
-    pattern's directory part is what is compared) or the current directory."""
+    pattern's directory part is what is compared)."""
     inside = out.resolve()
     for given in inputs:
         fixed = re.split(r"[*?[]", str(given), maxsplit=1)[0]  # a pattern's part before its first wildcard
         if "://" not in fixed and Path(os.path.abspath(fixed or ".")).resolve().is_relative_to(inside):
             raise OutputExistsError(f"{given} lies in {named}, which --overwrite would replace: write the dataset to "
                                     "another --out")
-    if Path.cwd().resolve().is_relative_to(inside):
-        raise OutputExistsError(f"{named} holds the current directory, which --overwrite would remove: run the "
-                                "command from another directory, or give another --out")
 
 
 def _remove_abandoned(out: Path) -> None:

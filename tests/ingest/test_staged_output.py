@@ -140,12 +140,24 @@ def test_overwrite_refuses_an_output_that_holds_an_input_or_the_current_director
                ["data", "import", "--files", str(out / inside), *IMPORT_FLAGS, "--out", str(out)])
     line = _error_line(_neorec(*command, "--overwrite"))
     if inside == ".":
-        assert line == "neorec: error: . holds the current directory, which --overwrite would remove: run the " \
-                       "command from another directory, or give another --out"
+        assert line == "neorec: error: . holds the current directory, which the new dataset would replace: run " \
+                       "the command from another directory, or give another --out"
     else:
         assert line == f"neorec: error: {out / inside} lies in {out}, which --overwrite would replace: write the " \
                        "dataset to another --out"
     assert _contents(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_an_empty_output_holding_the_current_directory_is_refused(tmp_path, monkeypatch):
+    """``mkdir data && cd data && neorec data synth --out .``: the new dataset would take
+    the place of the directory the shell is in, leaving it in a removed one."""
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path / "data")
+    with pytest.raises(OutputExistsError, match="^. holds the current directory, which the new dataset would "
+                                                "replace"):
+        with staged_output("."):
+            pass
+    assert [p.name for p in tmp_path.iterdir()] == ["data"]
 
 
 def test_an_output_below_a_file_is_named_with_the_file(tmp_path):
