@@ -11,12 +11,14 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
 from neorec.common.abandoned import remove_abandoned
 from neorec.common.cpus import available_cpus
 from neorec.orchestration.nodes import ONE_NODE, Nodes
+from neorec.orchestration.supervisor import PARENT_DEATH_ENV, signal_on_parent_death
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +127,11 @@ def _wait_for_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes, log_dir
     if not nodes.standalone:  # torchrun prints nothing while it waits for the other nodes
         log.info("node %d of %d: meeting the other nodes at %s (job %s); the ranks start once all %d are there",
                  nodes.rank, nodes.count, nodes.rendezvous, nodes.run_id, nodes.count)
+    # torchrun stops the ranks when this process dies, even by SIGKILL (SIGTERM reaches it
+    # from the kernel), and the ranks die with torchrun: nothing outlives the command
     process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": threads, RANK_EXITS: str(exits),
-                                             **nodes.worker_environment()})
+                                             PARENT_DEATH_ENV: "1", **nodes.worker_environment()},
+                               preexec_fn=partial(signal_on_parent_death, signal.SIGTERM))
     # Ctrl-C reaches torchrun and the ranks from the terminal, and SIGTERM is passed on:
     # either way the ranks stop as they choose (following partitions: after a checkpoint),
     # so this process waits for them instead of killing them; stopped by a signal, it exits

@@ -31,11 +31,18 @@ _STOP_POLL_S = 0.02
 def die_with_parent() -> None:
     """If this process was started by a launcher (:data:`PARENT_DEATH_ENV`), have the kernel
     SIGKILL it when its parent exits (Linux; elsewhere nothing happens)."""
-    parent = os.environ.get(PARENT_DEATH_ENV)
-    if not parent or not sys.platform.startswith("linux"):
+    if os.environ.get(PARENT_DEATH_ENV):
+        signal_on_parent_death(signal.SIGKILL)
+
+
+def signal_on_parent_death(kind: signal.Signals) -> None:
+    """Have the kernel send this process ``kind`` when its parent exits (Linux; elsewhere
+    nothing happens); if the parent is gone already, exit at once. Also what a child runs
+    between fork and exec (``preexec_fn``), the request surviving the exec."""
+    if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    libc.prctl(_PR_SET_PDEATHSIG, kind, 0, 0, 0)
     if os.getppid() == 1:  # the parent died before the request took effect
         os._exit(1)
 

@@ -156,6 +156,46 @@ def test_another_rank_count_resumes_from_an_epoch_s_start_and_is_refused_inside_
     assert "made by 1 rank, 30 steps into its epoch (or partition), and this run has 2" in refused.stderr
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow  # two ranks, ~20 s
+def test_nothing_outlives_a_sigkilled_command(criteo_dataset, tmp_path):
+    """torchrun and the ranks stop when ``neorec train --nproc`` is killed outright (by a
+    user, or by a launcher that was): they would hold the run directory and go on writing."""
+    run = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "neorec.orchestration.cli", "train", "configs/demo.toml", "--nproc", "2",
+         "--set", "train.epochs=100000", *_settings(criteo_dataset, run)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.2)
+        ranks = list(_rank_processes(process.pid).values())
+        torchrun = {int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    for pid in ranks}
+        assert len(ranks) == 2 and len(torchrun) == 1 and process.pid not in torchrun
+        started = [*ranks, *torchrun]
+        process.kill()
+        process.wait()
+        deadline = time.monotonic() + 45  # torchrun gives the ranks 30 s to stop on its SIGTERM
+        while any(_running(pid) for pid in started):
+            assert time.monotonic() < deadline, [pid for pid in started if _running(pid)]
+            time.sleep(0.2)
+    finally:
+        process.kill()
+        for pid in filter(_running, started):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _torchrun_dirs() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).iterdir()
             if p.name.startswith(("torchelastic_", "neorec-torchrun-"))}
