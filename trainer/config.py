@@ -275,9 +275,11 @@ class ShardingConfig:
         for key in ("intra_node_gbps", "inter_node_gbps", "lookup_gbps"):
             _positive(f"sharding.{key}", getattr(self, key))
         try:
-            parse_bytes(self.memory_per_rank)
+            memory = parse_bytes(self.memory_per_rank)
         except ValueError as err:
             raise ConfigError(f"sharding.memory_per_rank: {err}") from None
+        if memory <= 0:
+            raise ConfigError(f"sharding.memory_per_rank: must be more than 0 bytes, got {self.memory_per_rank!r}")
         for table, text in self.tables.items():
             try:
                 Constraint.parse(table, text)

@@ -92,3 +92,15 @@ def test_ranks_per_node_must_divide_the_ranks():
     assert topology(config, 6).ranks_per_node == 3
     with pytest.raises(ConfigError, match="sharding.ranks_per_node: 2 ranks do not split into nodes of 3 ranks"):
         topology(config, 2)
+
+
+def test_group_size_must_divide_the_ranks_and_memory_per_rank_be_some():
+    from neorec.trainer.planner.from_config import topology
+
+    config = load_config("configs/demo.toml", ["sharding.group_size=3"])
+    assert topology(config, 6).group_size == 3
+    with pytest.raises(ConfigError, match="sharding.group_size: 2 ranks do not split into table_row_wise groups of 3"):
+        topology(config, 2)
+    for memory in ("0", "0GiB"):
+        with pytest.raises(ConfigError, match=f"sharding.memory_per_rank: must be more than 0 bytes, got '{memory}'"):
+            load_config("configs/demo.toml", [f"sharding.memory_per_rank='{memory}'"])

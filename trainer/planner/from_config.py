@@ -29,11 +29,15 @@ looked up there is what the planner estimates the store cache's hit rate from.""
 
 def topology(config: TrainConfig, world_size: int) -> Topology:
     """``config``'s hardware for ``world_size`` ranks; a :class:`ConfigError` when its
-    ``sharding.ranks_per_node`` does not divide them into whole nodes."""
+    ``sharding.ranks_per_node`` or ``sharding.group_size`` does not divide them into whole
+    nodes or groups."""
     s = config.sharding
     if s.ranks_per_node and world_size % s.ranks_per_node:
         raise ConfigError(f"sharding.ranks_per_node: {world_size} ranks do not split into nodes of "
                           f"{s.ranks_per_node} ranks")
+    if s.group_size and world_size % s.group_size:
+        raise ConfigError(f"sharding.group_size: {world_size} ranks do not split into table_row_wise groups of "
+                          f"{s.group_size} ranks")
     return Topology(
         world_size=world_size, ranks_per_node=s.ranks_per_node, memory_per_rank=parse_bytes(s.memory_per_rank),
         group_size=s.group_size, intra_node_bandwidth=s.intra_node_gbps * 1e9,
