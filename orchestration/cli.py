@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from neorec.ingest.staging import staged_output
 from neorec.orchestration.cli_args import add_client_security, at_least, client_security, port, seconds
 from neorec.orchestration.progress import LazyBar
 from neorec.orchestration.nodes import add_node_arguments, nodes_from_args, uses_torchrun
-from neorec.orchestration.processes import USER_ERROR, record_rank_exit
+from neorec.orchestration.processes import USER_ERROR, rank_stopped_by_user_error, record_rank_exit
 from neorec.orchestration.supervisor import die_with_parent
 
 if TYPE_CHECKING:
@@ -40,7 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     130 from the moment ``main`` runs, the commands' modules (torch, Numba, gRPC) being
     imported inside it (this module's own imports take a few tens of milliseconds);
     anything else is a bug: it keeps its traceback and exits 1. A rank under
-    ``neorec train --nproc`` leaves its status for that command to report."""
+    ``neorec train --nproc`` leaves its status for that command to report; a rank whose
+    collective failed because another rank stopped with a user error says so in one line
+    and exits 2 too."""
     code = _command(argv)
     record_rank_exit(code)
     return code
@@ -59,6 +62,12 @@ def _command(argv: Sequence[str] | None) -> int:
         return INTERRUPTED
     except UserError as err:
         print(f"neorec: error: {_one_line(err)}", file=sys.stderr)
+        return USER_ERROR
+    except RuntimeError:  # a collective that failed because another rank left
+        peer = rank_stopped_by_user_error()
+        if peer is None:
+            raise
+        print(f"neorec: rank {os.environ.get('RANK')} stopped with rank {peer}, whose error is above", file=sys.stderr)
         return USER_ERROR
 
 
@@ -378,6 +387,9 @@ def _train(args: argparse.Namespace) -> int:
         status.start()
     try:
         summary = _train_rank(config, context, args.overwrite, bool(args.resume), status)
+    except UserError:
+        record_rank_exit(USER_ERROR)  # before the process group goes: the other ranks' collectives fail then
+        raise
     finally:
         if status is not None:
             status.stop()

@@ -96,6 +96,21 @@ def record_rank_exit(code: int) -> None:
             pass
 
 
+def rank_stopped_by_user_error() -> int | None:
+    """In a rank :func:`run_torchrun` started: another rank that stopped with a user's error
+    (:func:`record_rank_exit`), whose own line says what it was; None if none did."""
+    directory, rank = os.environ.get(RANK_EXITS), os.environ.get("RANK")
+    if not directory:
+        return None
+    for path in sorted(Path(directory).glob("rank-*")):
+        try:
+            if path.name != f"rank-{rank}" and path.read_text() == str(USER_ERROR):
+                return int(path.name.removeprefix("rank-"))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def _rank_exits(directory: Path) -> list[int]:
     """The exit statuses the ranks left in ``directory`` (one cut short by a kill: none)."""
     return [int(text) for text in (path.read_text() for path in sorted(directory.glob("rank-*"))) if text.isdigit()]

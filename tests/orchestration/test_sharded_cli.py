@@ -216,5 +216,11 @@ def test_a_user_error_in_the_ranks_exits_2_and_torchrun_leaves_no_files(criteo_d
                       "--set", "train.batch_size=100000")  # found by the ranks: their one line, torchrun's report
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "neorec: error: split 'train'" in refused.stderr
+    alone = _neorec("train", "configs/demo.toml", "--nproc", "2", *_settings(criteo_dataset, tmp_path / "run"),
+                    "--set", "sharding.tables.t_C1='table_wise:5'")  # found by rank 0 alone: rank 1 waits for it
+    assert alone.returncode == 2, alone.stderr[-3000:]
+    assert alone.stderr.count("neorec: error:") == 1 and "rank 5 is outside world size 2" in alone.stderr
+    assert "neorec: rank 1 stopped with rank 0, whose error is above" in alone.stderr
+    assert "RuntimeError" not in alone.stderr, alone.stderr[-3000:]  # not the gloo traceback of rank 1
     assert _torchrun_dirs() <= before and live_run.is_dir()  # another run's may go: it was abandoned too
     live_run.rmdir()
