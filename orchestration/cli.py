@@ -525,14 +525,20 @@ def _launch(args: argparse.Namespace) -> int:
         for path in written:
             print(path)
         return 0
-    from neorec.trainer.run.run_dir import check_claim
+    from neorec.ingest.schema import Dataset
+    from neorec.trainer.run.run_dir import check_claim, lock
 
-    check_claim(config.run.dir, overwrite=args.overwrite, resume=args.resume)  # before any service starts
+    with user_paths():  # before any service starts or anything is written
+        Dataset.load(config.data.path)
+        check_claim(config.run.dir, overwrite=args.overwrite, resume=args.resume)
+        held = lock(config.run.dir)  # a job running in it (its trainer holds the lock) is refused here
+        if held is not None:
+            held.release()
     try:
         return Job(args.config, config, args.set, overwrite=args.overwrite, resume=args.resume).run()
     except JobFailed as err:
         print(f"neorec: error: job failed: {err}", file=sys.stderr)
-        return 1
+        return err.status
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -41,7 +41,7 @@ from typing import IO, Sequence
 
 import grpc
 
-from neorec.common.errors import user_paths
+from neorec.common.errors import ConfigError, describe, user_paths
 from neorec.common.health import HealthProbe
 from neorec.common.transport import ClientSecurity, bracketed
 from neorec.orchestration.processes import USER_ERROR
@@ -62,7 +62,13 @@ TRAINER_SERVICE = "neorec.trainer.Trainer"
 
 
 class JobFailed(RuntimeError):
-    """The job could not finish: a role failed more often than it may, or could not start."""
+    """The job could not finish: a role failed more often than it may, or could not start;
+    ``status`` is the launcher's exit status (2 when a process of the job refused the
+    user's config or data, 1 otherwise)."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -145,7 +151,9 @@ class Job:
                 compile_decoding()  # the reader services, started together, then load Numba's cache
             for service in self.services:
                 service.process.start()
-            self._await_services()
+            if not self._await_services():
+                self._say(f"stopped ({signal.Signals(self.stop_signal).name}) while the services started")
+                return 128 + self.stop_signal
             self._write_services()
             self.trainer.process.start(self.first_flags)
             return self._supervise()
@@ -163,21 +171,23 @@ class Job:
     def _on_signal(self, signum: int, frame) -> None:
         self.stop_signal = signum
 
-    def _await_services(self) -> None:
+    def _await_services(self) -> bool:
+        """Wait for every service to answer SERVING; False when a signal came first."""
         deadline = time.monotonic() + self.launch.startup_grace_s
         while self.services and not all(w.probe.answered for w in self.services):
             if self.stop_signal is not None:
-                raise JobFailed("stopped while the services started")
+                return False
             for service in self.services:
                 code = service.process.exit_code()
                 if code is not None:
                     raise JobFailed(f"{service.process.name} exited with status {code} while starting: "
-                                    f"{' / '.join(service.process.last_lines[-3:])}")
+                                    f"{' / '.join(service.process.last_lines[-3:])}", status=code)
                 service.probe.tick(time.monotonic())
             if time.monotonic() > deadline:
                 slow = [w.process.name for w in self.services if not w.probe.answered]
                 raise JobFailed(f"{', '.join(slow)} did not answer SERVING within {self.launch.startup_grace_s:g} s")
             time.sleep(TICK_S)
+        return True
 
     def _write_services(self) -> None:
         services: dict[str, list[str]] = {"ingest": []}
@@ -198,7 +208,8 @@ class Job:
                 self._say("the trainers finished")
                 return 0
             if code == USER_ERROR and not self._service_failed_under_trainer():
-                raise JobFailed(f"the trainer refused the job: {' / '.join(self.trainer.process.last_lines[-3:])}")
+                raise JobFailed(f"the trainer refused the job: {' / '.join(self.trainer.process.last_lines[-3:])}",
+                                status=USER_ERROR)
             self._watch_trainer(code, now)
             time.sleep(TICK_S)
 
@@ -295,14 +306,17 @@ class Job:
 
 
 def free_ports(host: str, count: int) -> list[int]:
-    """``count`` distinct ports free on ``host`` now (bound, then released)."""
+    """``count`` distinct ports free on ``host`` now (bound, then released); a
+    :class:`ConfigError` naming ``launch.host`` when it is no address of this host."""
     sockets, ports = [], []
     try:
         for _ in range(count):
             s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
             sockets.append(s)
+            s.bind((host, 0))
             ports.append(s.getsockname()[1])
+    except OSError as err:  # socket.gaierror: a name that does not resolve
+        raise ConfigError(f"launch.host: cannot listen on {host!r}: {describe(err)}") from None
     finally:
         for s in sockets:
             s.close()

@@ -422,6 +422,8 @@ class LaunchConfig:
             _positive(f"launch.{key}", getattr(self, key))
         for key in ("startup_grace_s", "probe_interval_s", "backoff_s", "max_backoff_s", "trainer_stall_s"):
             _positive(f"launch.{key}", getattr(self, key))
+        if not self.host.strip():
+            raise ConfigError("launch.host: must name an address of this host (e.g. 127.0.0.1)")
 
 
 @dataclass

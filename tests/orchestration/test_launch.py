@@ -20,6 +20,7 @@ import pytest
 from neorec.ingest.service import ReaderServer
 from neorec.orchestration.k8s import manifests
 from neorec.orchestration.config import load_config
+from neorec.trainer.run.run_dir import lock
 from tests.ingest.workers import DATA_ROOTS, start_worker, stop_all
 from tests.trainer.run_records import records
 from tests.trainer.test_train import final_state, untimed
@@ -296,6 +297,35 @@ def test_a_launch_the_run_directory_refuses_starts_nothing(criteo_dataset, tmp_p
     result = _neorec("launch", str(job), timeout=120)
     assert result.returncode == 2 and "already holds a run" in result.stderr, result.stderr
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+    held = lock(run)  # a job's trainer at work in it: a second launch must not touch its services.json
+    try:
+        result = _neorec("launch", str(job), "--overwrite", timeout=120)
+        assert result.returncode == 2 and f"is in use by process {os.getpid()}" in result.stderr, result.stderr
+    finally:
+        held.release()
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "metrics.jsonl"]
+    for setting, said in ((f"data.path='{tmp_path / 'none'}'", f"{tmp_path / 'none'}/dataset.json not found"),
+                          ("launch.host='name.invalid'", "launch.host: cannot listen on 'name.invalid'")):
+        result = _neorec("launch", str(job), "--overwrite", "--set", setting, timeout=120)
+        assert result.returncode == 2 and said in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "metrics.jsonl"]
+
+
+@pytest.mark.slow  # a job's reader service started, ~10 s
+def test_a_config_the_trainer_refuses_and_a_stop_while_services_start_exit_as_a_command_does(criteo_dataset,
+                                                                                             tmp_path):
+    job = job_file(tmp_path, criteo_dataset, workers=1)
+    refused = _neorec("launch", str(job), "--set", "data.train_split='nope'", timeout=120)
+    assert refused.returncode == 2, refused.stderr
+    assert "neorec: error: job failed: the trainer refused the job" in refused.stderr
+    launch = subprocess.Popen([*PYTHON, "launch", str(job), "--overwrite"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    for line in launch.stdout:
+        if line.startswith("[ingest-0]"):  # its service is starting
+            break
+    launch.send_signal(signal.SIGTERM)
+    out = launch.communicate(timeout=60)[0]
+    assert launch.returncode == 143 and "stopped (SIGTERM) while the services started" in out, out
 
 
 @pytest.mark.slow
