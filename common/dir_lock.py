@@ -16,7 +16,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from neorec.common.errors import UserError
+from neorec.common.errors import PathError, UserError
 
 LOCK_FILE = ".lock"
 
@@ -32,7 +32,11 @@ class DirectoryLock:
     def __init__(self, directory: str | Path, shared: bool = False, what: str = "store directory",
                  owners: str = "a trainer or store service") -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            blocking = next(p for p in (self.directory, *self.directory.parents) if p.exists() and not p.is_dir())
+            raise PathError(f"{what} {self.directory} cannot be made: {blocking} is a file, not a directory") from None
         path = self.directory / LOCK_FILE
         self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:

@@ -74,9 +74,7 @@ def _ingest_serve(args: argparse.Namespace) -> int:
 
     use_memory_pool(args.memory_pool)
     roots = args.data_roots or ["."]
-    missing = [r for r in roots if not Path(r).is_dir()]
-    if missing:
-        raise UserError(f"--data-root {missing[0]} is not a directory")
+    _check_data_roots(roots)
     compile_decoding()  # before serving: no request waits for Numba
     server = ReaderServer(host=args.host, port=args.port, threads=args.threads,
                           cache_bytes=args.row_group_cache_mib << 20, max_streams=args.max_streams,
@@ -87,6 +85,13 @@ def _ingest_serve(args: argparse.Namespace) -> int:
 
     serve_until_signal(server, args.grace, ready)
     return 0
+
+
+def _check_data_roots(roots: list[str]) -> None:
+    """A :class:`UserError` naming the first ``--data-root`` that is no directory."""
+    missing = [r for r in roots if not r.strip() or not Path(r).is_dir()]
+    if missing:
+        raise UserError(f"--data-root {missing[0]!r} is not a directory")
 
 
 def _ingest_status(args: argparse.Namespace) -> int:
@@ -108,6 +113,9 @@ def _store_serve(args: argparse.Namespace) -> int:
     from neorec.embedding_store.service import StoreServer
     from neorec.common.transport import serve_until_signal
 
+    if not args.dir.strip():
+        raise UserError("--dir: name the directory for the tiers' segment files")
+    _check_data_roots(args.data_roots or [])
     with user_paths():  # --dir: a path under a file, or a file
         server = StoreServer(args.dir, host=args.host, port=args.port, direct_io=args.direct_io,
                              threads=args.threads, security=server_security(args),

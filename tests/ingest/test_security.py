@@ -109,6 +109,17 @@ def test_ports_in_use_out_of_range_and_unknown_hosts_are_one_line_errors():
     _one_line_error(_neorec("ingest", "serve", "--data-root", "/no/such/dir"), "is not a directory")
 
 
+def test_a_store_service_s_directories_are_checked_before_it_serves(tmp_path):
+    (tmp_path / "file").write_text("")
+    _one_line_error(_neorec("store", "serve", "--dir", str(tmp_path / "s"), "--data-root", "/no/such/dir"),
+                    "--data-root '/no/such/dir' is not a directory")
+    _one_line_error(_neorec("store", "serve", "--dir", str(tmp_path / "s"), "--data-root", str(tmp_path / "file")),
+                    "is not a directory")
+    _one_line_error(_neorec("store", "serve", "--dir", ""), "--dir: name the directory")
+    _one_line_error(_neorec("store", "serve", "--dir", str(tmp_path / "file" / "s")),
+                    f"store directory {tmp_path / 'file' / 's'} cannot be made: {tmp_path / 'file'} is a file")
+
+
 def test_a_tls_file_that_is_not_pem_or_a_pair_that_does_not_match_is_named(certificate, tmp_path):
     cert, key = certificate
     not_pem = tmp_path / "not.pem"
