@@ -21,8 +21,10 @@ Requests above :data:`MAX_REQUEST_BYTES` are refused by gRPC itself (RESOURCE_EX
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
+import shutil
 import secrets
 import threading
 import time
@@ -47,6 +49,9 @@ MAX_REQUEST_BYTES = 64 << 20
 """Largest request, and largest reply's rows; clients split larger reads and writes."""
 MAX_REPLY_BYTES = MAX_REQUEST_BYTES + (1 << 20)
 """A reply of the most rows (their bytes and found flags), with its framing."""
+MAX_PIECE_BYTES = 1 << 50
+"""Bytes a piece's rows may take (rows × row_bytes): a pebibyte, beyond any one disk (a
+larger request is a client's mistake, not a table)."""
 DEFAULT_THREADS = 16
 KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,199}")
 """A piece's key: a file name under the service's directory, no path."""
@@ -198,6 +203,9 @@ class StoreServicer:
         key = _key(request.key)
         if request.rows <= 0 or request.row_bytes <= 0:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"piece {key!r}: rows and row_bytes must be positive")
+        if request.rows * request.row_bytes >= MAX_PIECE_BYTES:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"piece {key!r}: {request.rows} rows of "
+                               f"{request.row_bytes} bytes are more than a piece may hold ({MAX_PIECE_BYTES} bytes)")
         with self._lock:
             tier = self._tiers.get(key)
             if tier is not None:
@@ -211,13 +219,30 @@ class StoreServicer:
                     with tier.lock:  # after any call in flight on it (see _held)
                         tier.close()
                         del self._tiers[key]
-                tier = SegmentTier(self.directory / key, request.rows, request.row_bytes, direct_io=self.direct_io,
-                                   reset=request.reset)
+                tier = self._new_tier(key, request)
                 self._tiers[key] = tier
             with tier.lock:  # a call in flight under the old lease ends first (see _held)
                 self._owners[key] = request.owner
                 self._leases[key] = lease = 1 + secrets.randbits(63)
         return store_pb2.OpenReply(stored_rows=tier.counters().live_rows, lease=lease)
+
+    def _new_tier(self, key: str, request: store_pb2.OpenRequest) -> SegmentTier:
+        """The tier of piece ``key`` as ``request`` opens it; RESOURCE_EXHAUSTED when the disk
+        cannot hold its files (too large a file, no space), and a directory made for it
+        removed again."""
+        directory = self.directory / key
+        made = not directory.exists()
+        try:
+            return SegmentTier(directory, request.rows, request.row_bytes, direct_io=self.direct_io,
+                               reset=request.reset)
+        except OSError as err:
+            if made:
+                shutil.rmtree(directory, ignore_errors=True)
+            if err.errno in (errno.EFBIG, errno.ENOSPC, errno.EDQUOT):
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"piece {key!r}: {request.rows} rows of "
+                                   f"{request.row_bytes} bytes do not fit on this service's disk: "
+                                   f"{err.strerror or err}") from None
+            raise
 
     def _check_owner(self, key: str, owner: str) -> None:
         """FAILED_PRECONDITION unless ``owner`` holds the open piece ``key`` (with the lock held)."""

@@ -6,6 +6,7 @@ while a slow call runs to its end."""
 
 from __future__ import annotations
 
+import errno
 import re
 import signal
 import socket
@@ -101,13 +102,15 @@ def test_rows_read_back_as_written_and_survive_a_restart(tmp_path, service):
      "is open with"),
     ("Open", store_pb2.OpenRequest(key="u@0", rows=0, row_bytes=WIDTH), grpc.StatusCode.INVALID_ARGUMENT,
      "positive"),
+    ("Open", store_pb2.OpenRequest(key="u@0", rows=2**62, row_bytes=WIDTH), grpc.StatusCode.INVALID_ARGUMENT,
+     "more than a piece may hold"),
     ("Load", store_pb2.LoadRequest(key="t@0", directory="relative", names=[]), grpc.StatusCode.INVALID_ARGUMENT,
      "absolute"),
     ("Load", store_pb2.LoadRequest(key="t@0", directory="/tmp", names=["../../x.seg"]),
      grpc.StatusCode.INVALID_ARGUMENT, "segment file name"),
     ("Snapshot", store_pb2.SnapshotRequest(key="t@0", directory=""), grpc.StatusCode.INVALID_ARGUMENT, "absolute"),
 ])
-def test_bad_requests_are_refused_by_status_and_change_nothing(service, method, request_, code, text):
+def test_bad_requests_are_refused_by_status_and_change_nothing(service, tmp_path, method, request_, code, text):
     _, client = service
     tier = client.open_tier("t@0", ROWS, WIDTH, reset=True)
     tier.write(np.array([5], dtype=np.int64), np.full((1, WIDTH), 7, dtype=np.uint8))
@@ -123,6 +126,7 @@ def test_bad_requests_are_refused_by_status_and_change_nothing(service, method, 
     found, data = tier.read(np.array([5, 6], dtype=np.int64))  # it still serves, and nothing changed
     assert found.tolist() == [True, False] and (data[0] == 7).all()
     assert client.status().errors == 1
+    assert sorted(p.name for p in (tmp_path / "tiers").iterdir() if p.is_dir()) == ["t@0"]  # no piece half made
 
 
 def test_an_open_piece_is_held_by_its_owner_alone(service):
@@ -333,3 +337,17 @@ def test_a_slow_call_outlives_the_pings_that_watch_it(tmp_path, monkeypatch):
     finally:
         client.close()
         server.stop()
+
+
+def test_a_piece_the_disk_cannot_hold_is_resource_exhausted_and_leaves_nothing(service, tmp_path, monkeypatch):
+    _, client = service
+
+    def too_large(directory, *args, **kwargs):
+        directory.mkdir()
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr("neorec.embedding_store.service.SegmentTier", too_large)
+    with pytest.raises(StoreServiceError, match=f"Open failed with RESOURCE_EXHAUSTED: piece 'big@0': {2**40} rows "
+                                                f"of {WIDTH} bytes do not fit on this service's disk: File too large"):
+        client.open_tier("big@0", 2**40, WIDTH)
+    assert not (tmp_path / "tiers" / "big@0").exists()
