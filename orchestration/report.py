@@ -13,12 +13,15 @@ the text summary does not.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from neorec.trainer.run.run_dir import METRICS, SUMMARY, RunDirError
+
+log = logging.getLogger(__name__)
 
 PLOTS = {"loss": [("train", "loss", "train loss")],
          "eval": [("eval", "auc", "eval AUC"), ("eval", "logloss", "eval log loss")],
@@ -48,7 +51,12 @@ def read_run(run_dir: str | Path) -> RunCurves:
     if not metrics.is_file():
         raise RunDirError(f"{path} is not a run directory (no {METRICS})")
     run = RunCurves(path.resolve().name)
-    for number, line in enumerate(_text(metrics).splitlines(), 1):
+    text = _text(metrics)
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):  # a record cut short by a killed run, which --resume cuts off too
+        log.warning("%s: line %d is cut short (a run killed as it wrote it?): left out", metrics, len(lines))
+        lines.pop()
+    for number, line in enumerate(lines, 1):
         record = _object(line, f"{metrics}: line {number}")
         if "split" not in record:
             continue  # an event (a skipped checkpoint, say), not metrics

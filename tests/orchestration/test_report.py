@@ -103,6 +103,15 @@ def test_damaged_run_files_are_named(tmp_path, file, content, expected):
         read_run(tmp_path)
 
 
+def test_a_last_line_cut_short_by_a_killed_run_is_left_out_with_a_warning(tmp_path, caplog):
+    (tmp_path / "metrics.jsonl").write_text('{"split": "eval", "step": 5, "auc": 0.7}\n{"split": "train", "st')
+    assert read_run(tmp_path).series == {("eval", "auc"): ([5], [0.7])}
+    assert "metrics.jsonl: line 2 is cut short (a run killed as it wrote it?): left out" in caplog.text
+    (tmp_path / "metrics.jsonl").write_text('{"split": "eval", "step": 5, "auc": 0.7}\n{"split": "train", "st\n')
+    with pytest.raises(Exception, match="line 2 is not JSON"):  # a whole line that is not JSON is damage
+        read_run(tmp_path)
+
+
 def test_a_config_that_evaluates_a_checkpoint_must_hold_its_model(runs):
     """``neorec eval CONFIG --checkpoint RUN``: a config whose model differs from the
     checkpoint's is refused by name (its weights would not fit, or its ids would mean other
