@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from neorec.common.errors import ConfigError, UserError, user_paths
+from neorec.common.durable import write_durably
+from neorec.common.errors import ConfigError, PathError, UserError, user_paths
 from neorec.ingest.staging import staged_output
 from neorec.orchestration.cli_args import add_client_security, at_least, client_security, port, seconds
 from neorec.orchestration.progress import LazyBar
@@ -570,6 +571,9 @@ def _status(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from neorec.benchmarks import run_benchmark
 
+    if args.json:  # found before the benchmark runs, not after
+        with user_paths():
+            _check_writable_file(Path(args.json))
     results = run_benchmark(args.name, quick=args.quick, nproc=args.nproc, threads=args.threads,
                             contend=args.contend)
     text = json.dumps(results, indent=2, sort_keys=True)
@@ -578,8 +582,20 @@ def _bench(args: argparse.Namespace) -> int:
         print("\n".join(results["table"]))
     if args.json:
         with user_paths():
-            Path(args.json).write_text(text + "\n")
+            write_durably(args.json, (text + "\n").encode())
     return 0
+
+
+def _check_writable_file(path: Path) -> None:
+    """A :class:`PathError` when ``path`` cannot be written as a file: a directory, or a
+    directory above it that is missing or not writable."""
+    if path.is_dir():
+        raise PathError(f"{path} is a directory, not a file")
+    parent = path.parent
+    if not parent.is_dir():
+        raise PathError(f"{path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK):
+        raise PathError(f"{path}: {parent} is not writable")
 
 
 if __name__ == "__main__":

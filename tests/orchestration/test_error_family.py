@@ -118,3 +118,13 @@ def test_other_libraries_log_from_warning_and_neorec_from_info(criteo_dataset):
     result = _run([sys.executable, "-c", PLANT_LOG_LINES, "data", "verify", str(criteo_dataset.root)], timeout=120)
     assert result.returncode == 0, result.stderr
     assert "neorec's INFO line" in result.stderr and "a library's INFO line" not in result.stderr
+
+
+@pytest.mark.parametrize("where,expected", [("dir", "is a directory, not a file"),
+                                            ("missing/out.json", "missing is not a directory")])
+def test_a_benchmark_s_json_path_is_checked_before_it_runs(tmp_path, where, expected):
+    (tmp_path / "dir").mkdir()
+    result = _run([sys.executable, "-m", "neorec", "bench", "store", "--json", str(tmp_path / where)], timeout=120)
+    assert result.returncode == 2 and result.stdout == "", result.stdout[-2000:]  # no benchmark ran
+    assert result.stderr.strip() == f"neorec: error: {tmp_path / where}" + (
+        f" {expected}" if where == "dir" else f": {tmp_path / expected}")
