@@ -118,13 +118,17 @@ def constraints(config: TrainConfig, world_size: int) -> dict[str, Constraint]:
 
 def may_use_store(tables: list[TableConfig], config: TrainConfig) -> bool:
     """Whether a single process needs a plan for the store: the config puts tables there,
-    or they do not all fit its memory budget."""
+    or they do not all fit its memory budget; or its dynamic tables' id maps and admission
+    sketches, which never go to the store, do not fit it alone (the plan then says so)."""
     if config.embedding_store.tables:
         return True
     weight_bytes = WEIGHT_DTYPES[config.model.weight_dtype]
-    total = sum(TableSpec(t.name, t.num_embeddings, t.embedding_dim, weight_bytes=weight_bytes,
-                          optimizer=config.optimizer.sparse).bytes() for t in tables)
-    return bool(config.embedding_store.cache_fraction) and total > parse_bytes(config.sharding.memory_per_rank)
+    specs = [TableSpec(t.name, t.num_embeddings, t.embedding_dim, weight_bytes=weight_bytes,
+                       optimizer=config.optimizer.sparse, dynamic=config.model.dynamic.get(t.name)) for t in tables]
+    budget = parse_bytes(config.sharding.memory_per_rank)
+    if sum(s.index_bytes for s in specs) > budget:
+        return True
+    return bool(config.embedding_store.cache_fraction) and sum(s.bytes() for s in specs) > budget
 
 
 def planner_inputs(dataset: Dataset, config: TrainConfig,

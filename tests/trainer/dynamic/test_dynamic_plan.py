@@ -10,6 +10,7 @@ import pytest
 
 from neorec.ingest.schema import Dataset
 from neorec.ingest.synth import SynthSpec, generate
+from neorec.common.errors import UserError
 from neorec.trainer.config import ConfigError, TrainConfig
 from neorec.trainer.embedding.dynamic.table import DynamicTable
 from neorec.trainer.planner.from_config import plan_for_config
@@ -75,3 +76,21 @@ def test_a_plan_must_keep_each_map_shard_on_one_rank_in_memory(raw_dataset: Data
     with pytest.raises(ConfigError, match=r"^embedding_store.tables: dynamic tables train beside store tables in one "
                                           r"process only; with 2 ranks keep every table in memory"):
         check_dynamic_plan(plan("row_wise", row_wise, 0.5), config)
+
+
+@pytest.mark.parametrize("cache_fraction", [0.25, 0.0])
+def test_one_process_refuses_sketches_beyond_its_memory_as_the_plan_does(raw_dataset: Dataset, tmp_path,
+                                                                         cache_fraction: float) -> None:
+    """An admission sketch of 2**40 counters a row (4 TiB): named before it is allocated,
+    as ``neorec plan`` names it, whether or not tables may go to the store."""
+    from neorec.trainer.run.train import train
+
+    config = TrainConfig.from_dict({
+        "data": {"path": str(raw_dataset.root)},
+        "model": {"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16, 1],
+                  "dynamic": {f.table: {"capacity": 64} for f in raw_dataset.schema.sparse}
+                  | {"t_C1": {"capacity": 64, "min_count": 5, "sketch_width": 2**40}}},
+        "train": {"batch_size": 64}, "embedding_store": {"cache_fraction": cache_fraction},
+        "run": {"dir": str(tmp_path / "run")}})
+    with pytest.raises(UserError, match="4.00 TiB"):
+        train(config)
