@@ -66,6 +66,36 @@ def test_run_directory_contents_and_checkpoint_eval(criteo_dataset, tmp_path):
     assert restored["logloss"] == summary["eval_logloss"]
 
 
+def test_the_newest_checkpoint_pruned_while_it_is_evaluated_is_chosen_again(criteo_dataset, tmp_path, monkeypatch):
+    """A run still training commits a checkpoint and prunes the one ``neorec eval`` chose,
+    between choosing it and reading its files: the newest is chosen again."""
+    from neorec.trainer.checkpoint import layout
+
+    run_dir = tmp_path / "run"
+    config = _config(criteo_dataset, run_dir)
+    config.checkpoint.every_steps = 10
+    train(config)
+    names = [p.name for p in layout.complete(run_dir / "checkpoint")]
+    restore = checkpoint.restore_model
+    chosen = []
+
+    def pruned_as_read(restorable, model):
+        chosen.append(restorable.manifest.name)
+        if len(chosen) == 1:
+            layout.remove(run_dir / "checkpoint" / restorable.manifest.name)
+        return restore(restorable, model)
+
+    monkeypatch.setattr(checkpoint, "restore_model", pruned_as_read)
+    metrics = evaluate_checkpoint(run_dir)
+    assert chosen == names[-1:] + names[-2:-1]
+    monkeypatch.setattr(checkpoint, "restore_model", restore)
+    assert metrics == evaluate_checkpoint(run_dir / "checkpoint" / names[-2])
+    monkeypatch.setattr(checkpoint, "restore_model", pruned_as_read)
+    chosen.clear()
+    with pytest.raises(FileNotFoundError):  # a checkpoint named is not replaced by another
+        evaluate_checkpoint(run_dir / "checkpoint" / names[-2])
+
+
 def test_training_learns(criteo_dataset, tmp_path):
     summary = train(_config(criteo_dataset, tmp_path / "run", epochs=1))
     assert summary["eval_auc"] > 0.65

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -12,7 +13,7 @@ from neorec.ingest.partitions import MARKER, SPLIT_PREFIX, is_ready, partition_n
 from neorec.ingest.schema import Dataset
 from neorec.trainer import checkpoint
 from neorec.trainer.checkpoint.checkpointer import check_evaluable
-from neorec.trainer.checkpoint.layout import best_checkpoint
+from neorec.trainer.checkpoint.layout import best_checkpoint, complete
 from neorec.trainer.config import DEFAULT_CACHE_FRACTION, TrainConfig
 from neorec.trainer.device import resolve_device
 from neorec.trainer.distributed import DistributedContext, explain_collective_failure, single_process
@@ -24,6 +25,8 @@ from neorec.trainer.run.loop import TrainingRun
 from neorec.trainer.run.metrics import evaluate
 from neorec.trainer.run.readers import batches, eval_reader_config, make_reader
 from neorec.trainer.run.step import ProgressFn, set_threads
+
+log = logging.getLogger(__name__)
 
 
 def train(config: TrainConfig, progress: ProgressFn | None = None, context: DistributedContext | None = None,
@@ -54,6 +57,11 @@ def train(config: TrainConfig, progress: ProgressFn | None = None, context: Dist
         raise
 
 
+PRUNED_TRIES = 3
+"""Times :func:`evaluate_checkpoint` chooses a run's newest checkpoint, when the run (still
+training) prunes the one chosen while it is read."""
+
+
 def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None = None,
                         best: bool = False, ingest: Sequence[str] = ()) -> dict[str, float]:
     """Metrics of a saved model on the eval split (which may name a ready partition,
@@ -62,14 +70,35 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None =
     ``best``: the run's best checkpoint (``keep_best``). The split is read in process
     unless ``ingest`` names reader services (the services a run trained through are
     usually gone by the time it is evaluated). The model runs on ``config.train.device``,
-    as in training."""
+    as in training. The newest checkpoint of a run still training is chosen again if the run
+    prunes it while it is read."""
     root, named = checkpoint.checkpoints_root(checkpoint_dir)
     name = None if named is None else named.name
     if best:
         name = best_checkpoint(root)
         if name is None:
             raise checkpoint.CheckpointError(f"{root} has no best checkpoint (train with checkpoint.keep_best = true)")
-    restorable = checkpoint.open_checkpoint(root, name)
+    tries = 1
+    while True:
+        committed = _committed(root)
+        try:
+            return _evaluate(checkpoint.open_checkpoint(root, name), config, ingest)
+        except (OSError, checkpoint.CheckpointError):
+            if name is not None or _committed(root) == committed or tries == PRUNED_TRIES:
+                raise
+            log.info("the run in %s committed and pruned checkpoints while one was read: evaluating the newest "
+                     "again", root)
+            tries += 1
+
+
+def _committed(root: Path) -> list[str]:
+    """The complete checkpoints under ``root``, by name."""
+    return [path.name for path in complete(root)]
+
+
+def _evaluate(restorable: checkpoint.Restorable, config: TrainConfig | None,
+              ingest: Sequence[str]) -> dict[str, float]:
+    """:func:`evaluate_checkpoint` of the checkpoint ``restorable`` opens."""
     if config is None:
         config = TrainConfig.from_dict(restorable.manifest.config)
     else:
