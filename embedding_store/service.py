@@ -168,7 +168,8 @@ class StoreServicer:
                 bytes_written=c.bytes_written, dirty_bytes=c.dirty_bytes, compactions=c.compactions,
                 buffered_rows=c.buffered_rows, owner=owners.get(key, "")))
         return store_pb2.StatusReply(pieces=pieces, directory=str(self.directory), requests=self.requests,
-                                     errors=self.errors, uptime_seconds=time.monotonic() - self._started)
+                                     errors=self.errors, uptime_seconds=time.monotonic() - self._started,
+                                     data_roots=[str(root) for root in self.data_roots])
 
     def close(self) -> None:
         """Write every buffered row and close the tiers."""

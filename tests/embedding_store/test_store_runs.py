@@ -107,6 +107,27 @@ def test_a_run_through_a_store_service_equals_the_run_in_memory(criteo_dataset, 
         assert list((tmp_path / "service" / key).glob("*.seg"))
 
 
+def test_a_store_service_that_cannot_reach_the_run_s_checkpoints_is_refused_before_training(criteo_dataset,
+                                                                                            tmp_path):
+    """Its snapshots go into the run's checkpoint directory: a service whose data roots do
+    not hold it would refuse the first checkpoint, hours into a real run."""
+    from neorec.common.errors import ConfigError
+
+    server = StoreServer(tmp_path / "service")  # its own directory only
+    server.start()
+    try:
+        config = _config(criteo_dataset, tmp_path / "run", {"tables": STORE, "service": server.address})
+        with pytest.raises(ConfigError, match=rf"its data roots \({tmp_path / 'service'}\) do not hold this run's "
+                                              rf"checkpoints \({tmp_path / 'run' / 'checkpoint'}\): start it with "
+                                              rf"--data-root {tmp_path / 'run'}"):
+            train(config)
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()
+        config.checkpoint.every_steps, config.checkpoint.final = 0, False
+        assert train(config)["steps"] > 0  # without checkpoints, nothing is snapshot
+    finally:
+        server.stop()
+
+
 def test_a_store_service_holds_each_piece_for_one_run(criteo_dataset, tmp_path):
     """A run's pieces are refused to another run while they are open (that run's trainer
     alive, or gone without closing them), and not to a restart of the same run."""

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from neorec.common.confine import confined
 from neorec.common.errors import ConfigError
 from neorec.embedding_store.segments import SegmentTier
 from neorec.ingest.decoder import DecodeOptions
@@ -19,6 +20,7 @@ from neorec.trainer.embedding.dynamic.table import DynamicTable
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 from neorec.trainer.model import DLRM
+from neorec.trainer.run.run_dir import CHECKPOINTS
 from neorec.trainer.sharding.plan import WHOLE_ROW_TYPES, ShardingPlan
 from neorec.trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StoreSettings
@@ -119,11 +121,26 @@ def store_settings(config: TrainConfig, directory: Path, reset: bool) -> StoreSe
         from neorec.embedding_store.client import StoreClient
 
         client = StoreClient(store.service, tls_ca=config.security.tls_ca, token_file=config.security.token_file)
+        if config.checkpoint.every_steps or config.checkpoint.final:
+            _check_checkpoints_reachable(config, [Path(root) for root in client.status().data_roots])
         open_tier = partial(client.open_tier, reset=reset, owner=os.path.abspath(config.run.dir))
     else:
         open_tier = partial(_segment_tier, directory, store.direct_io, reset)
     return StoreSettings(open_tier, ways=store.ways, policy=store.policy, scratch_rows=store.scratch_rows,
                          batch_size=max(config.train.batch_size, config.train.eval_batch_size))
+
+
+def _check_checkpoints_reachable(config: TrainConfig, roots: list[Path]) -> None:
+    """A :class:`ConfigError` when the store service's data ``roots`` (resolved, on its host,
+    which shares this one's paths) do not hold the run's checkpoint directory, where its
+    tables' segments are linked at every checkpoint: found now, not at the first checkpoint
+    hours in. No roots: a service too old to tell them."""
+    checkpoints = Path(config.run.dir).absolute() / CHECKPOINTS
+    if roots and confined(checkpoints, roots) is None:
+        raise ConfigError(f"embedding_store.service {config.embedding_store.service}: its data roots "
+                          f"({', '.join(map(str, roots))}) do not hold this run's checkpoints ({checkpoints}): start "
+                          f"it with --data-root {Path(config.run.dir).absolute()} (neorec launch does), or train "
+                          f"without checkpoints")
 
 
 def _segment_tier(directory: Path, direct_io: bool, reset: bool, key: str, rows: int, row_bytes: int) -> SegmentTier:
