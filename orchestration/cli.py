@@ -522,7 +522,8 @@ def _launch(args: argparse.Namespace) -> int:
         if kind != "k8s":
             raise ConfigError(f"--emit: only k8s is supported, got {kind!r}")
         with user_paths():
-            written = write_manifests(config, args.config, directory, args.image, overwrite=args.overwrite)
+            written = write_manifests(config, args.config, directory, args.image, overwrite=args.overwrite,
+                                      overrides=args.set)
         for path in written:
             print(path)
         return 0

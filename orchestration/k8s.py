@@ -3,8 +3,9 @@
 - ``ingest.yaml``: the reader services, a StatefulSet of ``launch.ingest_workers`` pods
   with native gRPC readiness and liveness probes on their health service, behind a
   headless Service (trainers reach each pod by its stable DNS name);
-- ``trainer.yaml``: the trainers, an indexed Job of one pod per node running torchrun with
-  c10d rendezvous on pod 0 (a headless Service names it), ``launch.nproc`` ranks per pod.
+- ``trainer.yaml``: the job's config (a ConfigMap), and the trainers, an indexed Job of one
+  pod per node running torchrun with c10d rendezvous on pod 0 (a headless Service names
+  it), ``launch.nproc`` ranks per pod.
 
 The dataset and the run directory are expected on a volume every pod mounts at the same
 path (``DATA_CLAIM`` / ``RUN_CLAIM``, ReadWriteMany claims the operator creates), and the
@@ -16,8 +17,9 @@ interface and so require it. The files are YAML written from plain dictionaries
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from neorec.common.durable import write_durably
 from neorec.common.errors import PathError
@@ -28,19 +30,26 @@ RENDEZVOUS_PORT = 29500
 DATA_CLAIM = "neorec-data"
 RUN_CLAIM = "neorec-runs"
 TOKEN_SECRET = "neorec-token"
+JOB_CONFIG_MAP = "neorec-job"
+JOB_MOUNT = "/etc/neorec-job"
+JOB_FILE = "job.toml"
 
 
-def manifests(config: TrainConfig, config_path: str, image: str) -> dict[str, list[dict[str, Any]]]:
-    """File name → the Kubernetes objects it holds."""
+def manifests(config: TrainConfig, config_path: str, image: str,
+              overrides: Sequence[str] = ()) -> dict[str, list[dict[str, Any]]]:
+    """File name → the Kubernetes objects it holds. The job's config file travels in a
+    ConfigMap (the pods do not see the host's files), with the ``--set`` ``overrides`` the
+    launch was given and the data and run paths made absolute."""
     launch = config.launch
     data_path = str(Path(config.data.path).resolve())
     run_path = str(Path(config.run.dir).resolve())
-    job_config = str(Path(config_path).resolve())
     volumes = [{"name": "data", "persistentVolumeClaim": {"claimName": DATA_CLAIM}},
                {"name": "runs", "persistentVolumeClaim": {"claimName": RUN_CLAIM}},
                {"name": "token", "secret": {"secretName": TOKEN_SECRET}}]
     mounts = [{"name": "data", "mountPath": data_path}, {"name": "runs", "mountPath": str(Path(run_path).parent)},
               {"name": "token", "mountPath": "/etc/neorec", "readOnly": True}]
+    job_config = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": JOB_CONFIG_MAP},
+                  "data": {JOB_FILE: Path(config_path).read_text()}}
     probe = {"grpc": {"port": READER_PORT, "service": "neorec.ingest.Reader"}, "periodSeconds": 1,
              "failureThreshold": launch.probe_misses}
     reader_labels = {"app": "neorec", "role": "ingest"}
@@ -73,12 +82,15 @@ def manifests(config: TrainConfig, config_path: str, image: str) -> dict[str, li
     nodes = max(1, launch.nproc // max(config.sharding.ranks_per_node or launch.nproc, 1))
     trainer_labels = {"app": "neorec", "role": "trainer"}
     readers = ",".join(f"neorec-ingest-{i}.neorec-ingest:{READER_PORT}" for i in range(launch.ingest_workers))
+    settings = [*overrides, f"data.path={json.dumps(data_path)}", f"run.dir={json.dumps(run_path)}",
+                "security.token_file='/etc/neorec/token'"]  # after the launch's own: these win
     torchrun = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={launch.nproc // nodes}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=neorec-trainer-0.neorec-trainer:{RENDEZVOUS_PORT}",
-                "--module", "neorec.orchestration.cli", "train", job_config,
-                "--set", "\"security.token_file='/etc/neorec/token'\""]
+                "--module", "neorec.orchestration.cli", "train", f"{JOB_MOUNT}/{JOB_FILE}",
+                *[a for setting in settings for a in ("--set", setting)]]
     if readers:
         torchrun += ["--ingest", readers]
+    latest = shlex.quote(f"{run_path}/checkpoint/LATEST")
     trainer = {
         "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "neorec-trainer", "labels": trainer_labels},
         "spec": {
@@ -89,12 +101,12 @@ def manifests(config: TrainConfig, config_path: str, image: str) -> dict[str, li
                 "containers": [{
                     "name": "trainer", "image": image,
                     # a restarted pod resumes from the run's newest checkpoint
-                    "command": ["sh", "-c", f'if [ -e {run_path}/checkpoint/LATEST ]; then R="--resume {run_path}"; '
-                                            f'else R=""; fi; exec {" ".join(torchrun)} $R'],
+                    "command": ["sh", "-c", f"if [ -e {latest} ]; then set -- --resume {shlex.quote(run_path)}; "
+                                            f"else set --; fi; exec {shlex.join(torchrun)} \"$@\""],
                     "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}],
-                    "volumeMounts": mounts,
+                    "volumeMounts": [*mounts, {"name": "job", "mountPath": JOB_MOUNT, "readOnly": True}],
                 }],
-                "volumes": volumes,
+                "volumes": [*volumes, {"name": "job", "configMap": {"name": JOB_CONFIG_MAP}}],
             }},
         },
     }
@@ -103,16 +115,20 @@ def manifests(config: TrainConfig, config_path: str, image: str) -> dict[str, li
         "spec": {"clusterIP": "None", "selector": trainer_labels,
                  "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT}]},
     }
-    return {"ingest.yaml": [reader, reader_service], "trainer.yaml": [trainer, trainer_service]}
+    return {"ingest.yaml": [reader, reader_service], "trainer.yaml": [job_config, trainer, trainer_service]}
 
 
 def write_manifests(config: TrainConfig, config_path: str, directory: str | Path, image: str,
-                    overwrite: bool = False) -> list[Path]:
+                    overwrite: bool = False, overrides: Sequence[str] = ()) -> list[Path]:
     """Write :func:`manifests` into ``directory``, each file atomically; returns the files
     written. Manifests already there are replaced only with ``overwrite`` (a
     :class:`PathError` names them otherwise, and nothing is written)."""
+    if not str(directory).strip():
+        raise PathError("--emit k8s DIR: name the directory to write the manifests into")
+    if not image.strip():
+        raise PathError("--image: name the container image the pods run")
     directory = Path(directory)
-    files = manifests(config, config_path, image)
+    files = manifests(config, config_path, image, overrides)
     present = [name for name in files if (directory / name).exists()]
     if present and not overwrite:
         raise PathError(f"{directory} already holds {', '.join(present)}: pass --overwrite to replace them, or "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -257,8 +258,9 @@ def _pid_listening_on(port: int) -> int | None:
 
 
 def test_kubernetes_manifests_have_probes_and_an_indexed_trainer_job(criteo_dataset, tmp_path):
-    config = load_config(job_file(tmp_path, criteo_dataset, nproc=2, workers=3))
-    objects = manifests(config, "job.toml", "registry/neorec:1")
+    job = job_file(tmp_path, criteo_dataset, nproc=2, workers=3)
+    config = load_config(job)
+    objects = manifests(config, str(job), "registry/neorec:1", ["train.epochs=7"])
     reader, reader_service = objects["ingest.yaml"]
     assert reader["kind"] == "StatefulSet" and reader["spec"]["replicas"] == 3
     container = reader["spec"]["template"]["spec"]["containers"][0]
@@ -266,11 +268,24 @@ def test_kubernetes_manifests_have_probes_and_an_indexed_trainer_job(criteo_data
     assert container["livenessProbe"]["grpc"]["service"] == "neorec.ingest.Reader"
     assert "--token-file" in container["command"] and container["image"] == "registry/neorec:1"
     assert reader_service["spec"]["clusterIP"] == "None"
-    trainer, _ = objects["trainer.yaml"]
+    job_config, trainer, _ = objects["trainer.yaml"]
+    assert job_config["kind"] == "ConfigMap" and job_config["data"]["job.toml"] == job.read_text()
     assert trainer["kind"] == "Job" and trainer["spec"]["completionMode"] == "Indexed"
-    command = trainer["spec"]["template"]["spec"]["containers"][0]["command"][-1]
-    assert "torchrun" in command and "--nproc-per-node=2" in command and "--rdzv-backend=c10d" in command
-    assert "neorec-ingest-2.neorec-ingest:50051" in command and "--resume" in command
+    pod = trainer["spec"]["template"]["spec"]
+    assert {"name": "job", "configMap": {"name": "neorec-job"}} in pod["volumes"]
+    script = pod["containers"][0]["command"][-1]
+    assert "torchrun" in script and "--nproc-per-node=2" in script and "--rdzv-backend=c10d" in script
+    assert "neorec-ingest-2.neorec-ingest:50051" in script and "--resume" in script
+    words = shlex.split(script.split("exec ", 1)[1])  # what the pod's shell runs: the config it mounts, the settings
+    settings = [words[i + 1] for i, word in enumerate(words) if word == "--set"]
+    assert words[words.index("train") + 1] == "/etc/neorec-job/job.toml"
+    assert settings[0] == "train.epochs=7" and f'run.dir="{tmp_path / "run"}"' in settings
+    odd = load_config(job, ["run.dir='/tmp/a b$(id)'"])  # a path the shell must not split or expand
+    odd_script = manifests(odd, str(job), "x")["trainer.yaml"][1]["spec"]["template"]["spec"]["containers"][0]
+    assert "'/tmp/a b$(id)/checkpoint/LATEST'" in odd_script["command"][-1]
+    for flags, said in ((["k8s", ""], "--emit k8s DIR: name the directory"), (["k8s", "d", "--image", ""], "--image")):
+        refused = _neorec("launch", str(job), "--emit", *flags)
+        assert refused.returncode == 2 and said in refused.stderr, refused.stderr
     result = _neorec("launch", str(tmp_path / "job.toml"), "--emit", "k8s", str(tmp_path / "k8s"))
     assert result.returncode == 0, result.stderr
     text = (tmp_path / "k8s" / "ingest.yaml").read_text()
