@@ -234,7 +234,8 @@ def test_a_corrupt_segment_is_named(tmp_path, service):
 
 def test_a_trainer_whose_store_service_is_killed_stops_with_its_name(criteo_dataset, tmp_path):
     service = subprocess.Popen([sys.executable, "-m", "neorec.orchestration.cli", "store", "serve", "--dir",
-                                str(tmp_path / "tiers")], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                str(tmp_path / "tiers"), "--data-root", str(tmp_path)],  # the run's checkpoints
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         address = service.stdout.readline().split()[-1]
         trainer = subprocess.Popen(
@@ -294,7 +295,8 @@ def test_a_stopped_service_is_noticed_within_seconds_not_at_the_deadline(tmp_pat
     monkeypatch.setattr(client_module, "PING_EVERY_S", 1.5)
     monkeypatch.setattr(client_module, "PING_TIMEOUT_S", 1.5)
     service = subprocess.Popen([sys.executable, "-m", "neorec.orchestration.cli", "store", "serve", "--dir",
-                                str(tmp_path / "tiers")], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                str(tmp_path / "tiers"), "--data-root", str(tmp_path)],  # the run's checkpoints
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     client = None
     try:
         client = StoreClient(service.stdout.readline().split()[-1])

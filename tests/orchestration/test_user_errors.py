@@ -159,7 +159,8 @@ def test_an_unwritable_run_directory_is_found_before_training(criteo_dataset, tm
     blocker = tmp_path / "file"
     blocker.write_text("")
     _refused(_train(criteo_dataset.root, blocker), f"run directory {blocker} is a file")
-    _refused(_train(criteo_dataset.root, blocker / "run"), f"run directory {blocker / 'run'} is not writable")
+    _refused(_train(criteo_dataset.root, blocker / "run"),
+             f"run directory {blocker / 'run'} cannot be made: {blocker} is a file, not a directory")
 
 
 def test_a_full_disk_ends_training_with_the_file_named(criteo_dataset, tmp_path, monkeypatch):
