@@ -157,8 +157,8 @@ class Checkpointer:
 
 
 RESUMABLE_SECTIONS = ("model", "optimizer")
-RESUMABLE_KEYS = {"data": ("path", "train_split", "eval_split", "dense_transform", "id_mapping", "remainder",
-                           "shuffle", "shuffle_window"),
+RESUMABLE_KEYS = {"data": ("path", "follow", "train_split", "eval_split", "dense_transform", "id_mapping",
+                           "remainder", "shuffle", "shuffle_window"),
                   "train": ("seed", "batch_size")}
 """What must not change for a resumed run to continue the same run: the model, the
 optimizers, the data and its order. The rest (epochs, logging, threads, devices, reader

@@ -37,7 +37,7 @@ from neorec.trainer.run.build import (build_model, decode_options, dense_optimiz
                                       table_configs)
 from neorec.trainer.checkpoint import restore_model
 from neorec.trainer.checkpoint.checkpointer import Checkpointer, check_position_carries_over, check_resumable
-from neorec.trainer.checkpoint.layout import CheckpointError
+from neorec.trainer.checkpoint.layout import CheckpointError, complete, read_manifest
 from neorec.trainer.checkpoint.restore import choose
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.distributed import (DenseGradientSum, DistributedContext, check_same_steps, gather_arrays,
@@ -113,6 +113,8 @@ class TrainingRun:
         self.run_dir = Path(config.run.dir)
         if context.is_main:
             run_directory.check_claim(self.run_dir, overwrite=overwrite, resume=resume)
+        if resume:
+            self._check_resumable_early()
         self.early: BackgroundIterator | None = None
         """The first epoch's batches, read from before the model exists (a fresh run's)."""
         if loop.background_batches and not context.distributed and not resume and self.follower is None:
@@ -423,6 +425,18 @@ class TrainingRun:
         self.total_steps = state.global_step - state.step_in_epoch + (loop.epochs - state.epoch) * self.steps_per_epoch
         if loop.max_steps:
             self.total_steps = min(self.total_steps, loop.max_steps)
+
+    def _check_resumable_early(self) -> None:
+        """The config against the newest checkpoint's (:func:`check_resumable`), before the
+        run waits for anything (following: a partition) or builds its model; the checkpoint
+        restored is checked again (a fallback may choose an older one)."""
+        committed = complete(self.run_dir / run_directory.CHECKPOINTS)
+        try:
+            saved = read_manifest(committed[-1]).config if committed else None
+        except CheckpointError:  # a damaged newest checkpoint: the restore names it, or falls back
+            return
+        if saved is not None:
+            check_resumable(saved, self.config)
 
     def _split_files(self) -> dict[str, list[int]]:
         """The train and eval splits' files and their fingerprints (none when following)."""

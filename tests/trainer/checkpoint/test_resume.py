@@ -68,6 +68,10 @@ def test_resuming_refuses_another_model_and_a_directory_without_a_run(criteo_dat
         train(other, resume=True)
     with pytest.raises(RunDirError, match="holds no run to resume"):
         train(config_for(criteo_dataset, tmp_path / "empty"), resume=True)
+    following = config_for(criteo_dataset, tmp_path / "run")
+    following.data.follow, following.train.eval_every = True, 0
+    with pytest.raises(CheckpointError, match="data.follow is True, the checkpoint was made with False"):
+        train(following, resume=True)
 
 
 def test_resuming_refuses_a_dataset_written_again_at_the_same_path(criteo_dataset, tmp_path):
