@@ -9,25 +9,28 @@ following evaluates each partition before training on it).
 
 The files are written into ``partitions/NAME/`` and fsynced, and the ``_SUCCESS`` marker is
 written last (:mod:`neorec.ingest.partitions`), so a follower never reads a partition half
-written, even after a power loss; a directory left without its marker by an import that
-failed is written again.
+written, even after a power loss. One import writes a partition at a time (a second is
+refused, naming the first's process); an import that fails removes what it wrote, and a
+directory left without its marker by one that was killed is written again.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from neorec.common.dir_lock import LOCK_FILE, DirectoryLock
 from neorec.common.durable import fsync_directories, fsync_tree, write_durably
 from neorec.ingest.errors import DataError
 from neorec.ingest.import_spec import ImportSpec
-from neorec.ingest.importer import (BlockSource, FileSource, ProgressFn, SplitWriter, arrow_schema, VocabMisses,
-                                    dataset_schema, encode_block, load_encoding, needed_columns)
+from neorec.ingest.importer import (BlockSource, Encoding, FileSource, ProgressFn, SplitWriter, VocabMisses,
+                                    arrow_schema, dataset_schema, encode_block, load_encoding, needed_columns)
 from neorec.ingest.partitions import (MARKER, PARTITION_FILE, PartitionError, PartitionOrderError,
                                       PartitionSchemaError, is_ready, partition_names, partitions_dir)
-from neorec.ingest.schema import Dataset
+from neorec.ingest.schema import Dataset, DatasetSchema
 
 PART_PREFIX = "part"
 """The partition's files are ``part-00000.parquet``, …"""
@@ -57,9 +60,25 @@ def import_partition(spec: ImportSpec, dataset_dir: str | Path, name: str, *, so
         raise PartitionSchemaError(f"partition {name!r} would change the dataset's schema: "
                                    f"{_difference(dataset.schema.to_json(), schema.to_json())}", file=str(root))
     directory = partitions_dir(root) / name
-    directory.mkdir(parents=True, exist_ok=True)
-    for stale in directory.iterdir():  # an earlier import that failed before its marker
-        if stale.is_file():
+    held = DirectoryLock(directory, what="partition", owners="another import of it")
+    try:
+        _check_name(root, name)  # again, holding it: another import may have finished it meanwhile
+        info = _write_partition(spec, root, directory, encoding, schema, source, progress, started)
+    except BaseException:
+        if not is_ready(root, name):  # nothing half written is left to block the partitions after it
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
+    finally:
+        held.release()
+    return info
+
+
+def _write_partition(spec: ImportSpec, root: Path, directory: Path, encoding: Encoding, schema: DatasetSchema,
+                     source: BlockSource | None, progress: ProgressFn | None, started: float) -> dict[str, Any]:
+    """Write the partition's files into ``directory`` (held), then its description, then
+    (every file on the disk first) its marker; returns the description."""
+    for stale in directory.iterdir():  # an earlier import that was killed before its marker
+        if stale.is_file() and stale.name != LOCK_FILE:
             stale.unlink()
     misses = VocabMisses({column: 0 for column in encoding.vocabularies}, {c: 0 for c in encoding.vocabularies})
     with SplitWriter(directory, PART_PREFIX, arrow_schema(schema), spec.output.row_group_rows,
@@ -69,7 +88,7 @@ def import_partition(spec: ImportSpec, dataset_dir: str | Path, name: str, *, so
             if progress is not None:
                 progress(block.batch.num_rows)
     if writer.rows == 0:
-        raise DataError(f"partition {name!r}: the input holds no rows", file=str(directory))
+        raise DataError(f"partition {directory.name!r}: the input holds no rows", file=str(directory))
     info = {"rows": writer.rows, "oov": misses.unseen, "values": misses.present,
             "seconds": time.perf_counter() - started}
     (directory / PARTITION_FILE).write_text(json.dumps(info, indent=2) + "\n")

@@ -3,11 +3,14 @@
 schema changes."""
 
 import csv
+import os
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
+from neorec.common.dir_lock import DirectoryInUseError, DirectoryLock
+from neorec.ingest.errors import DataError
 from neorec.ingest.importer import import_dataset
 from neorec.ingest.partition_import import import_partition
 from neorec.ingest.partitions import (MARKER, PartitionError, PartitionOrderError, PartitionSchemaError,
@@ -79,10 +82,34 @@ def test_the_partition_is_on_the_disk_before_its_marker(imported, monkeypatch):
         synced.append((str(Path(path).relative_to(imported / "data")), (partition / MARKER).exists()))
 
     monkeypatch.setattr("neorec.common.durable.fsync_file", fsync_file)
-    import_partition(spec(imported / "new.csv", output={"row_group_rows": 250, "file_rows": 250}), imported / "data", "2026-01-02T00")
+    import_partition(spec(imported / "new.csv", output={"row_group_rows": 250, "file_rows": 250}), imported / "data",
+                     "2026-01-02T00")
     before_marker = [path for path, marked in synced if not marked]
     files = [f"partitions/2026-01-02T00/{name}" for name in ("part-00000.parquet", "part-00001.parquet",
                                                              "part-00002.parquet", "partition.json")]
     assert set(files) <= set(before_marker)
     assert before_marker[-3:] == ["partitions/2026-01-02T00", "partitions", "."]  # then the entries above them
     assert [path for path, marked in synced if marked] == ["partitions/2026-01-02T00"]  # the marker's name
+
+
+def test_a_failed_import_leaves_nothing_to_block_the_partitions_after_it(imported):
+    lines = (imported / "new.csv").read_text().splitlines()
+    bad = imported / "bad.csv"
+    bad.write_text("\n".join(lines[:300] + [lines[300].rsplit(",", 1)[0] + ",x"] + lines[301:]) + "\n")
+    with pytest.raises(DataError, match="row 300"):
+        import_partition(spec(bad), imported / "data", "2026-01-02T00")
+    assert not (imported / "data" / "partitions" / "2026-01-02T00").exists()
+    import_partition(spec(imported / "new.csv"), imported / "data", "2026-01-02T00")  # the same name, once fixed
+    assert next_partition(imported / "data", []).name == "2026-01-02T00"
+
+
+def test_one_import_writes_a_partition_at_a_time(imported):
+    directory = imported / "data" / "partitions" / "2026-01-02T00"
+    first = DirectoryLock(directory, what="partition", owners="another import of it")  # an import at work
+    (directory / "part-00000.parquet").write_bytes(b"being written")
+    try:
+        with pytest.raises(DirectoryInUseError, match=f"partition {directory} is in use by process {os.getpid()}"):
+            import_partition(spec(imported / "new.csv"), imported / "data", "2026-01-02T00")
+        assert (directory / "part-00000.parquet").read_bytes() == b"being written"  # its files untouched
+    finally:
+        first.release()
