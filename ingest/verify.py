@@ -6,19 +6,22 @@ the columns' types, every label, dense value and id (ids within their feature's 
 cardinality: the strict mapping, which no table size hides). A bad row group is reported
 and the reading goes on with the next one, so one pass names every bad row group; a split
 whose rows differ from the count ``dataset.json`` (or a partition's ``partition.json``)
-gives is reported too.
+gives is reported too, and so is an imported dataset's vocabulary that cannot be read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from neorec.ingest.decoder import DecodeOptions, decode_table, open_files, read_row_group
 from neorec.ingest.errors import DataError
 from neorec.ingest.partitions import (SPLIT_PREFIX, PartitionError, is_ready, open_partition, partition_names,
                                       partition_view, row_count_problem)
+from neorec.ingest.importer import VOCAB_DIRECTORY
 from neorec.ingest.schema import RAW_CARDINALITY, Dataset
+from neorec.ingest.vocab import Vocabulary
 
 
 @dataclass
@@ -39,6 +42,9 @@ def verify_dataset(dataset: Dataset, progress: Callable[[int], object] = lambda 
     options = DecodeOptions(table_rows=tuple(1 if f.name in raw else f.cardinality for f in dataset.schema.sparse),
                             id_mapping="strict", raw_features=raw)
     reports = [_verify_files(dataset, split, options, progress) for split in dataset.splits]
+    vocabularies = sorted((dataset.root / VOCAB_DIRECTORY).glob("*.parquet"))
+    if vocabularies:
+        reports.append(_verify_vocabularies(vocabularies))
     for name in partition_names(dataset.root):
         if not is_ready(dataset.root, name):
             continue
@@ -76,4 +82,16 @@ def _verify_files(dataset: Dataset, split: str, options: DecodeOptions,
     miscounted = None if report.problems else row_count_problem(dataset, split, report.rows)
     if miscounted is not None:
         report.problems.append(miscounted)
+    return report
+
+
+def _verify_vocabularies(paths: list[Path]) -> SplitReport:
+    """Read an imported dataset's vocabularies (reported as ``vocab``): new data and its
+    partitions are encoded with them."""
+    report = SplitReport(VOCAB_DIRECTORY, files=len(paths))
+    for path in paths:
+        try:
+            report.rows += len(Vocabulary.load(path).values)
+        except DataError as err:
+            report.problems.append(err)
     return report

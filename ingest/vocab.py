@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from neorec.common.hashing import mix64_jit
 from neorec.ingest.decoder import open_parquet
+from neorec.ingest.errors import DataError
 from neorec.ingest.schema import PARQUET_WRITE_OPTIONS
 
 MERGE_EVERY = 16
@@ -95,7 +96,12 @@ class Vocabulary:
 
     @classmethod
     def load(cls, path: Path) -> "Vocabulary":
-        table = open_parquet(path).read()
+        """The vocabulary saved at ``path``; a :class:`DataError` naming it when it cannot be
+        read (a page whose checksum fails, a file that is not a vocabulary)."""
+        try:
+            table = open_parquet(path).read(columns=["value", "count"])
+        except (OSError, ValueError, KeyError, pa.ArrowException) as err:
+            raise DataError(f"cannot read this vocabulary: {' '.join(str(err).split())}", file=str(path)) from None
         return cls(table["value"].combine_chunks(), table["count"].combine_chunks())
 
 

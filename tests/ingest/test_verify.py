@@ -6,7 +6,9 @@ import subprocess
 import sys
 
 import pyarrow.parquet as pq
+import pytest
 
+from neorec.ingest.errors import DataError
 from neorec.ingest.schema import DATASET_FILE, Dataset
 from neorec.ingest.synth import SynthSpec, generate
 from neorec.ingest.verify import verify_dataset
@@ -89,3 +91,20 @@ def test_the_command_prints_a_line_a_split_and_exits_2_naming_each_problem(crite
     assert errors[0].startswith(f"neorec: file {victim}, row group 0: cannot read row group")
     assert errors[-1] == f"neorec: error: 1 problem in {dataset.root}"
     assert "Traceback" not in damaged.stderr
+
+
+def test_an_imported_dataset_s_vocabularies_are_verified_and_a_damaged_one_named(tmp_path):
+    from neorec.ingest.importer import import_dataset
+    from neorec.ingest.partition_import import import_partition
+    from tests.ingest.test_importer import spec, write_log
+
+    write_log(tmp_path / "log.csv")
+    dataset = import_dataset(spec(tmp_path / "log.csv"), tmp_path / "d")
+    sound = verify_dataset(dataset)
+    assert [r.split for r in sound] == ["train", "eval", "vocab"] and not any(r.problems for r in sound)
+    vocabulary = tmp_path / "d" / "vocab" / "user.parquet"
+    vocabulary.write_bytes(next(with_a_bit_flipped_in_each_column(vocabulary, row_group=0)))
+    (problem,) = verify_dataset(dataset)[-1].problems
+    assert problem.file == str(vocabulary) and "cannot read this vocabulary" in problem.problem
+    with pytest.raises(DataError, match=f"file {vocabulary}: cannot read this vocabulary"):  # as new data is encoded
+        import_partition(spec(tmp_path / "log.csv"), tmp_path / "d", "2026-01-01T00")
