@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from neorec.ingest.importer import (BlockSource, Encoding, FileSource, ProgressF
                                     arrow_schema, dataset_schema, encode_block, load_encoding, needed_columns)
 from neorec.ingest.partitions import (MARKER, PARTITION_FILE, PartitionError, PartitionOrderError,
                                       PartitionSchemaError, is_ready, partition_names, partitions_dir)
-from neorec.ingest.schema import Dataset, DatasetSchema
+from neorec.ingest.schema import DATASET_FILE, Dataset, DatasetSchema
 
 PART_PREFIX = "part"
 """The partition's files are ``part-00000.parquet``, …"""
@@ -59,6 +60,7 @@ def import_partition(spec: ImportSpec, dataset_dir: str | Path, name: str, *, so
     if schema != dataset.schema:
         raise PartitionSchemaError(f"partition {name!r} would change the dataset's schema: "
                                    f"{_difference(dataset.schema.to_json(), schema.to_json())}", file=str(root))
+    _check_same_encoding(name, root, (dataset.generator or {}).get("spec"), spec)
     directory = partitions_dir(root) / name
     held = DirectoryLock(directory, what="partition", owners="another import of it")
     try:
@@ -107,6 +109,28 @@ def _check_name(root: Path, name: str) -> None:
     if later:
         raise PartitionOrderError(f"partition {name!r} sorts before partition {later[-1]!r}, which has landed: "
                                   f"partitions must land in name (time) order", file=str(partitions_dir(root)))
+
+
+ENCODING_KEYS = {"label": ("column", "transform"), "dense": ("columns", "transform", "fill"),
+                 "categorical": ("columns", "encoding", "hash_rows"), "multivalued": ("columns",)}
+"""What a partition's spec must share with the spec its dataset was imported with, beyond
+the schema: what the values mean (the vocabularies themselves come from the dataset)."""
+
+
+def _check_same_encoding(name: str, root: Path, imported: dict[str, Any] | None, spec: ImportSpec) -> None:
+    """:class:`PartitionSchemaError` naming the first of :data:`ENCODING_KEYS` where ``spec``
+    differs from the spec the dataset was ``imported`` with (None: not imported, nothing
+    to compare)."""
+    if imported is None:
+        return
+    now = asdict(spec)
+    for section, keys in ENCODING_KEYS.items():
+        for key in keys:
+            before, after = imported.get(section, {}).get(key), now[section][key]
+            if before != after:
+                raise PartitionSchemaError(f"partition {name!r} would be encoded otherwise than the dataset: "
+                                           f"{section}.{key} is {after!r}, the dataset was imported with {before!r}",
+                                           file=str(root / DATASET_FILE))
 
 
 def _difference(before: dict[str, Any], after: dict[str, Any]) -> str:

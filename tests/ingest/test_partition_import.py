@@ -57,6 +57,12 @@ def test_taken_and_late_names_a_schema_change_and_no_dataset_are_named_errors(im
     with pytest.raises(PartitionSchemaError, match="sparse"):
         import_partition(spec(imported / "new.csv", categorical={"columns": ["user"]}), imported / "data",
                          "2026-01-02T06")
+    for changed, said in (({"dense": {"transform": "log1p"}}, "dense.transform is 'log1p', the dataset was imported "
+                                                               "with 'standardize'"),
+                          ({"label": {"transform": ">= 3"}}, "label.transform is '>= 3'"),
+                          ({"dense": {"fill": -5.0}}, "dense.fill is -5.0")):
+        with pytest.raises(PartitionSchemaError, match=f"would be encoded otherwise than the dataset: {said}"):
+            import_partition(spec(imported / "new.csv", **changed), imported / "data", "2026-01-02T06")
     with pytest.raises(PartitionError, match="not a partition name"):
         import_partition(new, imported / "data", "_tmp")
     with pytest.raises(PartitionError, match="import the first data"):
