@@ -101,8 +101,10 @@ def _write_partition(spec: ImportSpec, root: Path, directory: Path, encoding: En
 
 
 def _check_name(root: Path, name: str) -> None:
-    if not name or name.startswith(("_", ".")) or "/" in name or name != name.strip():
-        raise PartitionError(f"{name!r} is not a partition name (no '/', not starting with '_' or '.')")
+    if (not name or name.startswith(("_", ".")) or any(c.isspace() or not c.isprintable() or c in "/\\*?[]"
+                                                         for c in name)):
+        raise PartitionError(f"{name!r} is not a partition name (no '/', '\\', wildcard or space, not starting "
+                             "with '_' or '.')")
     if is_ready(root, name):
         raise PartitionError(f"partition {name!r} exists already", file=str(partitions_dir(root) / name))
     later = [n for n in partition_names(root) if n > name and is_ready(root, n)]

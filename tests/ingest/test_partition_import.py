@@ -63,8 +63,9 @@ def test_taken_and_late_names_a_schema_change_and_no_dataset_are_named_errors(im
                           ({"dense": {"fill": -5.0}}, "dense.fill is -5.0")):
         with pytest.raises(PartitionSchemaError, match=f"would be encoded otherwise than the dataset: {said}"):
             import_partition(spec(imported / "new.csv", **changed), imported / "data", "2026-01-02T06")
-    with pytest.raises(PartitionError, match="not a partition name"):
-        import_partition(new, imported / "data", "_tmp")
+    for bad in ("_tmp", "a b", "2026*", "a\\b", "a\nb"):
+        with pytest.raises(PartitionError, match="not a partition name"):
+            import_partition(new, imported / "data", bad)
     with pytest.raises(PartitionError, match="import the first data"):
         import_partition(new, imported / "nothing", "2026-01-02T06")
 
