@@ -16,7 +16,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from neorec.common.errors import PathError, UserError
+from neorec.common.errors import PathError, UserError, file_in_the_way
 
 LOCK_FILE = ".lock"
 
@@ -35,8 +35,8 @@ class DirectoryLock:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
-            blocking = next(p for p in (self.directory, *self.directory.parents) if p.exists() and not p.is_dir())
-            raise PathError(f"{what} {self.directory} cannot be made: {blocking} is a file, not a directory") from None
+            raise PathError(f"{what} {self.directory} cannot be made: {file_in_the_way(self.directory)} is a file, "
+                            "not a directory") from None
         path = self.directory / LOCK_FILE
         self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:

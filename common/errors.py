@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 FULL_OR_READ_ONLY = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
@@ -28,6 +29,13 @@ class ConfigError(UserError, ValueError):
 class PathError(UserError):
     """A file or directory the user named cannot be read or written (missing, a directory
     where a file was expected, no permission, a full disk)."""
+
+
+def file_in_the_way(directory: str | Path) -> Path | None:
+    """The first of ``directory`` and the directories above it that exists and is not a
+    directory (so ``directory`` cannot be made), or None."""
+    path = Path(directory)
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
 
 
 @contextmanager

@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 
 from neorec.common.abandoned import remove_abandoned
 from neorec.common.durable import fsync_directory, fsync_file, fsync_tree
-from neorec.common.errors import FULL_OR_READ_ONLY, PathError, UserError, describe
+from neorec.common.errors import FULL_OR_READ_ONLY, PathError, UserError, describe, file_in_the_way
 
 
 class OutputExistsError(UserError):
@@ -52,7 +52,7 @@ def staged_output(out: str | Path, overwrite: bool = False, inputs: Sequence[str
     if out.is_dir() and Path.cwd().resolve().is_relative_to(out.resolve()):
         raise OutputExistsError(f"{named} holds the current directory, which the new dataset would replace: run "
                                 "the command from another directory, or give another --out")
-    blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    blocking = file_in_the_way(out.parent)
     if blocking is not None:
         raise OutputExistsError(f"{named} cannot be made: {blocking} is a file, not a directory")
     out.parent.mkdir(parents=True, exist_ok=True)

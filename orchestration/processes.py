@@ -102,18 +102,21 @@ def rank_stopped_by_user_error() -> int | None:
     directory, rank = os.environ.get(RANK_EXITS), os.environ.get("RANK")
     if not directory:
         return None
-    for path in sorted(Path(directory).glob("rank-*")):
+    return next((other for other, code in sorted(_rank_exits(Path(directory)).items())
+                 if str(other) != rank and code == USER_ERROR), None)
+
+
+def _rank_exits(directory: Path) -> dict[int, int]:
+    """Rank → the exit status it left in ``directory`` (one cut short by a kill: none)."""
+    exits = {}
+    for path in directory.glob("rank-*"):
         try:
-            if path.name != f"rank-{rank}" and path.read_text() == str(USER_ERROR):
-                return int(path.name.removeprefix("rank-"))
-        except (OSError, ValueError):
+            text = path.read_text()
+        except OSError:
             continue
-    return None
-
-
-def _rank_exits(directory: Path) -> list[int]:
-    """The exit statuses the ranks left in ``directory`` (one cut short by a kill: none)."""
-    return [int(text) for text in (path.read_text() for path in sorted(directory.glob("rank-*"))) if text.isdigit()]
+        if text.isdigit():
+            exits[int(path.name.removeprefix("rank-"))] = int(text)
+    return exits
 
 
 _SCRATCH = re.compile(r"neorec-torchrun-(?P<pid>[0-9]+)-[^/]+")
@@ -133,7 +136,7 @@ def run_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes = ONE_NODE) ->
         exits = Path(scratch) / "exits"
         exits.mkdir()
         code = _wait_for_torchrun(nproc, neorec_args, nodes, Path(scratch) / "logs", exits)
-        return USER_ERROR if code == 1 and USER_ERROR in _rank_exits(exits) else code
+        return USER_ERROR if code == 1 and USER_ERROR in _rank_exits(exits).values() else code
 
 
 def _wait_for_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes, log_dir: Path, exits: Path) -> int:

@@ -142,7 +142,7 @@ class TrainingRun:
         self.store_report: dict[str, float] = {}
         """The store's counters once training ended (for the summary)."""
         self.optimizer = dense_optimizer(self.dlrm, config)
-        self.state = LoopState(split_files=self._split_files())
+        self.state = LoopState(split_files={} if resume else self._split_files())  # resumed: the checkpoint's
         self.metrics_bytes: int | None = None
         self.logged_loss = 0.0
         """The mean loss of the last logging interval (the progress reports' loss)."""
