@@ -1,4 +1,4 @@
-"""Argument types and the security flags shared by the ``neorec`` commands."""
+"""Argument types, the security flags and the one-line error form shared by the ``neorec`` commands."""
 
 from __future__ import annotations
 
@@ -7,6 +7,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from neorec.common.transport import ClientSecurity, ServerSecurity
+
+
+def one_line(err: Exception) -> str:
+    """An error's message on one line (a ``neorec: error: …`` line)."""
+    return " ".join(str(err).split("\n")) or type(err).__name__
 
 
 def port(text: str) -> int:
