@@ -206,10 +206,18 @@ def partition_name(index: int) -> str:
     return (FIRST_PARTITION + timedelta(hours=index)).strftime("%Y-%m-%dT%H")
 
 
+def partition_rows(spec: SynthSpec, index: int) -> int:
+    """The rows of partition ``index``: ``spec.rows`` spread over ``spec.partitions``, the
+    first ``spec.rows % spec.partitions`` one row longer (so that they add up to
+    ``spec.rows``); a partition past them has the shorter length."""
+    count = max(spec.partitions, 1)
+    return spec.rows // count + (1 if index < spec.rows % count else 0)
+
+
 def write_partition(spec: SynthSpec, out_dir: str | Path, index: int, progress: ProgressFn | None = None,
                     teacher: "_Teacher | None" = None) -> str:
-    """Write partition ``index`` of ``spec`` (``spec.rows // spec.partitions`` rows; the
-    teacher drifted ``index`` times) under ``out_dir``, marker last; returns its name.
+    """Write partition ``index`` of ``spec`` (:func:`partition_rows` rows; the teacher
+    drifted ``index`` times) under ``out_dir``, marker last; returns its name.
     Partitions past ``spec.partitions`` may be written too (more data landing later)."""
     schema = profile_schema(spec.profile, spec.id_space)
     base = teacher or _Teacher(spec, schema)
@@ -218,7 +226,7 @@ def write_partition(spec: SynthSpec, out_dir: str | Path, index: int, progress: 
     name = partition_name(index)
     directory = partitions_dir(out_dir) / name
     directory.mkdir(parents=True, exist_ok=True)
-    rows = spec.rows // max(spec.partitions, 1)
+    rows = partition_rows(spec, index)
     labels, probabilities, _ = _write_split(spec, schema, teacher, directory, "part", 2 + index, rows, progress,
                                             late)
     metrics = binary_metrics(labels, probabilities[0])

@@ -58,6 +58,13 @@ def test_a_partition_description_whose_rows_is_not_a_count_is_named(dataset, row
         open_partition(dataset.root, partition_name(1))
 
 
+def test_synth_partitions_hold_every_row_asked_for(tmp_path):
+    generate(SynthSpec(rows=1_000, partitions=3, row_group_rows=500, seed=4), tmp_path)
+    partitions = [open_partition(tmp_path, partition_name(index)) for index in range(3)]
+    assert [partition.info["rows"] for partition in partitions] == [334, 333, 333]  # none of the 1,000 dropped
+    assert [pq.ParquetFile(tmp_path / partition.files[0]).metadata.num_rows for partition in partitions] == [334, 333, 333]
+
+
 def test_drift_changes_the_labels_of_later_partitions_only_as_asked(tmp_path):
     def labels(drift, index):
         root = tmp_path / f"d{drift}"
