@@ -10,25 +10,30 @@ decoding in process is faster with the default, so only the service switches
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING
 
-import pyarrow as pa
+if TYPE_CHECKING:
+    import pyarrow as pa
 
-MEMORY_POOLS: dict[str, Callable[[], pa.MemoryPool]] = {
-    "system": pa.system_memory_pool,
-    "jemalloc": pa.jemalloc_memory_pool,
-    "mimalloc": pa.mimalloc_memory_pool,
+MEMORY_POOLS: dict[str, str] = {
+    "system": "system_memory_pool",
+    "jemalloc": "jemalloc_memory_pool",
+    "mimalloc": "mimalloc_memory_pool",
 }
+"""Each pool's name (as the command line takes it) and pyarrow's function that returns it
+(pyarrow is imported only to switch, so that a command line's parser stays light)."""
 SERVICE_MEMORY_POOL = "system"
 
 
-def use_memory_pool(name: str) -> pa.MemoryPool:
+def use_memory_pool(name: str) -> "pa.MemoryPool":
     """Make ``name``'s pool Arrow's default in this process; returns it. Raises
     ``ValueError`` for an unknown name or one this pyarrow build lacks."""
+    import pyarrow as pa
+
     if name not in MEMORY_POOLS:
         raise ValueError(f"unknown Arrow memory pool {name!r}; expected one of {sorted(MEMORY_POOLS)}")
     try:
-        pool = MEMORY_POOLS[name]()
+        pool = getattr(pa, MEMORY_POOLS[name])()
     except NotImplementedError as err:
         raise ValueError(f"this pyarrow build has no {name} memory pool") from err
     pa.set_memory_pool(pool)

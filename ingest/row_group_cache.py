@@ -26,9 +26,10 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
-from typing import Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
-import pyarrow as pa
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 DEFAULT_CAPACITY_BYTES = 512 << 20
 

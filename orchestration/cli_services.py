@@ -10,7 +10,7 @@ from pathlib import Path
 from neorec.common.errors import UserError, user_paths
 from neorec.ingest.arrow_memory import MEMORY_POOLS, SERVICE_MEMORY_POOL, use_memory_pool
 from neorec.ingest.row_group_cache import DEFAULT_CAPACITY_BYTES
-from neorec.ingest.service import DEFAULT_MAX_STREAMS
+from neorec.ingest.service_limits import DEFAULT_MAX_STREAMS
 from neorec.orchestration.cli_args import add_client_security, add_server_security, at_least, client_security, port, \
     seconds, server_security
 

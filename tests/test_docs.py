@@ -37,6 +37,15 @@ def test_import_neorec_imports_nothing_heavy():
     assert done.stdout.strip() == "[]"
 
 
+def test_the_command_line_s_parser_imports_neither_torch_nor_numba():
+    """``neorec --help``, ``neorec status`` (a probe) and every refusal of bad arguments build
+    the parser first: its defaults come from light modules."""
+    code = ("import sys; from neorec.orchestration.cli import _parser; _parser(); "
+            "print(sorted(m for m in ('torch', 'numba') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
 def test_every_public_name_is_documented_and_resolves():
     import neorec
 
