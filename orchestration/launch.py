@@ -24,7 +24,9 @@ It then watches every process, a tick every 0.25 s (an exit is noticed within it
 When the trainers finish, the services are stopped and the launcher exits 0. Ctrl-C or
 SIGTERM stops everything (SIGTERM, then SIGKILL of whatever is left of each process tree)
 within a few seconds and exits 130 or 143. Every line a process writes is echoed with its
-role and index (``[ingest-1] …``) and kept in ``RUN_DIR/logs/``.
+role and index (``[ingest-1] …``) and kept in ``RUN_DIR/logs/``. One launcher a run
+directory: it holds the lock of ``RUN_DIR/logs`` for the job's lifetime, so that a second
+launch is refused before it starts a service or writes ``services.json``.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from neorec.orchestration.supervisor import ManagedProcess
 from neorec.protos import trainer_pb2, trainer_pb2_grpc
 from neorec.trainer.checkpoint.layout import complete
 from neorec.trainer.config import TrainConfig
-from neorec.trainer.run.run_dir import CHECKPOINTS
+from neorec.trainer.run.run_dir import CHECKPOINTS, lock
 
 TICK_S = 0.25
 STOP_GRACE_S = 3.0
@@ -140,11 +142,11 @@ class Job:
     # -------------------------------------------------------------------------- run
     def run(self) -> int:
         """Run the job to its end; returns the launcher's exit status."""
+        with user_paths():  # run.dir under a file
+            owner = lock(self.logs, what="job log directory", owners="a neorec launch")
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         started_cpu, started = time.process_time(), time.monotonic()
         try:
-            with user_paths():  # run.dir under a file
-                self.run_dir.mkdir(parents=True, exist_ok=True)
             if self.launch.ingest_workers:
                 from neorec.ingest.chunks import compile_decoding
 
@@ -164,6 +166,8 @@ class Job:
             self._stop_all()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            if owner is not None:
+                owner.release()
             wall, cpu = time.monotonic() - started, time.process_time() - started_cpu
             self._say(f"launcher used {cpu:.2f} s of CPU over {wall:.1f} s ({100 * cpu / max(wall, 1e-9):.2f}% of a "
                       f"core)")

@@ -11,7 +11,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -24,6 +23,7 @@ from neorec.embedding_store.client import RemoteTier, StoreClient, StoreServiceE
 from neorec.embedding_store.segments import SegmentTier
 from neorec.embedding_store.service import MAX_REQUEST_BYTES, SERVICE_NAME, StoreServer, StoreServicer
 from neorec.protos import store_pb2
+from tests.cli import NEOREC
 
 ROWS, WIDTH = 1000, 12
 
@@ -233,13 +233,13 @@ def test_a_corrupt_segment_is_named(tmp_path, service):
 
 
 def test_a_trainer_whose_store_service_is_killed_stops_with_its_name(criteo_dataset, tmp_path):
-    service = subprocess.Popen([sys.executable, "-m", "neorec.orchestration.cli", "store", "serve", "--dir",
+    service = subprocess.Popen([*NEOREC, "store", "serve", "--dir",
                                 str(tmp_path / "tiers"), "--data-root", str(tmp_path)],  # the run's checkpoints
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         address = service.stdout.readline().split()[-1]
         trainer = subprocess.Popen(
-            [sys.executable, "-m", "neorec.orchestration.cli", "train", "configs/demo.toml",
+            [*NEOREC, "train", "configs/demo.toml",
              "--set", f"data.path='{criteo_dataset.root}'", "--set", f"run.dir='{tmp_path / 'run'}'",
              "--set", "train.batch_size=64", "--set", "train.epochs=1000", "--set", "model.max_table_rows=5000",
              "--set", "train.log_every=5",
@@ -294,7 +294,7 @@ def test_a_tier_closes_at_once_once_its_service_stopped_answering(tmp_path):
 def test_a_stopped_service_is_noticed_within_seconds_not_at_the_deadline(tmp_path, monkeypatch):
     monkeypatch.setattr(client_module, "PING_EVERY_S", 1.5)
     monkeypatch.setattr(client_module, "PING_TIMEOUT_S", 1.5)
-    service = subprocess.Popen([sys.executable, "-m", "neorec.orchestration.cli", "store", "serve", "--dir",
+    service = subprocess.Popen([*NEOREC, "store", "serve", "--dir",
                                 str(tmp_path / "tiers"), "--data-root", str(tmp_path)],  # the run's checkpoints
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     client = None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 
 import grpc
@@ -25,6 +24,7 @@ from neorec.embedding_store.segments import SegmentTier
 from neorec.embedding_store.service import StoreServer
 from neorec.common.dir_lock import DirectoryInUseError
 from neorec.protos import store_pb2
+from tests.cli import NEOREC
 
 ROWS, WIDTH = 100, 8
 
@@ -105,23 +105,19 @@ def test_one_owner_per_directory_in_one_process(tmp_path):
     SegmentTier(tmp_path / "t", ROWS, WIDTH).close()  # released on close
 
 
-def _neorec(*args: str) -> list[str]:
-    return [sys.executable, "-m", "neorec.orchestration.cli", *args]
-
-
 def test_a_second_owner_of_a_service_directory_fails_at_once(criteo_dataset, tmp_path):
     directory = tmp_path / "tiers"
-    first = subprocess.Popen(_neorec("store", "serve", "--dir", str(directory)), stdout=subprocess.PIPE,
+    first = subprocess.Popen([*NEOREC, "store", "serve", "--dir", str(directory)], stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True)
     try:
         assert "serving" in first.stdout.readline()
         started = time.monotonic()
-        second = subprocess.run(_neorec("store", "serve", "--dir", str(directory)), capture_output=True, text=True,
+        second = subprocess.run([*NEOREC, "store", "serve", "--dir", str(directory)], capture_output=True, text=True,
                                 timeout=60)
         trainer = subprocess.run(
-            _neorec("train", "configs/demo.toml", "--set", f"data.path='{criteo_dataset.root}'",
-                    "--set", f"run.dir='{tmp_path / 'run'}'", "--set", "model.max_table_rows=5000",
-                    "--set", 'embedding_store.tables={t_C3 = 0.01}', "--set", f"embedding_store.dir='{directory}'"),
+            [*NEOREC, "train", "configs/demo.toml", "--set", f"data.path='{criteo_dataset.root}'",
+             "--set", f"run.dir='{tmp_path / 'run'}'", "--set", "model.max_table_rows=5000",
+             "--set", 'embedding_store.tables={t_C3 = 0.01}', "--set", f"embedding_store.dir='{directory}'"],
             capture_output=True, text=True, timeout=120)
         assert time.monotonic() - started < 90
         for result in (second, trainer):

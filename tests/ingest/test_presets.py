@@ -7,7 +7,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from neorec.ingest.importer import import_dataset
 from neorec.ingest.presets import PresetOptions, preset
 from neorec.ingest.schema import Dataset
 from tests.conftest import FIXTURES
+from tests.cli import NEOREC
 
 
 def convert(name: str, paths, out, **options) -> Dataset:
@@ -72,12 +72,12 @@ def test_each_preset_trains(tmp_path):
              ("movielens", FIXTURES / "movielens-1m", ["--eval-fraction", "0.25"])]
     for name, path, flags in cases:
         out = tmp_path / name
-        done = subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", "data", "convert", name, str(path), "--out",
+        done = subprocess.run([*NEOREC, "data", "convert", name, str(path), "--out",
                                str(out), *flags], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["rows"] == Dataset.load(out).rows
         run = tmp_path / f"run-{name}"
-        done = subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", "train", "configs/demo.toml",
+        done = subprocess.run([*NEOREC, "train", "configs/demo.toml",
                                "--set", f"data.path='{out}'", "--set", f"run.dir='{run}'",
                                "--set", "train.batch_size=2", "--set", "data.remainder='pad'"],
                               capture_output=True, text=True, timeout=300)
@@ -236,6 +236,6 @@ def test_a_parquet_file_given_as_text_is_named_as_one(tmp_path):
     parquet = dataset.files("train")[0]
     with pytest.raises(DataError, match=re.escape(f"file {parquet}: a Parquet file, not delimited text")):
         convert("criteo", parquet, tmp_path / "out")
-    command = subprocess.run([sys.executable, "-m", "neorec", "data", "convert", "criteo", str(parquet), "--out",
+    command = subprocess.run([*NEOREC, "data", "convert", "criteo", str(parquet), "--out",
                               str(tmp_path / "out2")], capture_output=True, text=True, timeout=120)
     assert command.returncode == 2 and len(command.stderr.strip().splitlines()) == 1, command.stderr

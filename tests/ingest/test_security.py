@@ -2,7 +2,6 @@
 refusals, with real service processes."""
 
 import subprocess
-import sys
 
 import grpc
 import pytest
@@ -15,11 +14,7 @@ from neorec.common.transport import ClientSecurity
 from neorec.ingest.wire import SERVICE_NAME
 from neorec.orchestration.processes import start_reader_service
 from tests.ingest.workers import DATA_ROOTS, start_worker, stop_all
-
-
-def _neorec(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", *args], capture_output=True, text=True,
-                          timeout=60, env=env)
+from tests.cli import neorec
 
 
 def _one_line_error(result, text):
@@ -54,7 +49,7 @@ def test_tls_service_serves_verified_clients_only(criteo_dataset, certificate):
         assert _first_batch(criteo_dataset, worker.address, ClientSecurity(tls_ca=str(cert))).provenance.step == 0
         with pytest.raises(IngestError, match="no reader service delivered"):  # a clear-text client gets nothing
             _first_batch(criteo_dataset, worker.address)
-        status = _neorec("ingest", "status", worker.address, "--tls-ca", str(cert))
+        status = neorec("ingest", "status", worker.address, "--tls-ca", str(cert))
         assert status.returncode == 0, status.stderr
     finally:
         stop_all([worker])
@@ -74,14 +69,14 @@ def test_token_is_required_for_reading_and_status_but_not_health(criteo_dataset,
             health = health_pb2_grpc.HealthStub(channel)
             reply = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        _one_line_error(_neorec("ingest", "status", worker.address), "UNAUTHENTICATED")
-        assert _neorec("ingest", "status", worker.address, "--token-file", str(token)).returncode == 0
+        _one_line_error(neorec("ingest", "status", worker.address), "UNAUTHENTICATED")
+        assert neorec("ingest", "status", worker.address, "--token-file", str(token)).returncode == 0
     finally:
         stop_all([worker])
 
 
 def test_binding_beyond_loopback_needs_tls_a_token_or_insecure(criteo_dataset, tmp_path):
-    result = _neorec("ingest", "serve", "--host", "0.0.0.0", "--port", "0")
+    result = neorec("ingest", "serve", "--host", "0.0.0.0", "--port", "0")
     _one_line_error(result, "exposes the service beyond this machine")
     token = tmp_path / "token"
     token.write_text("s3cret")
@@ -99,24 +94,24 @@ def test_ports_in_use_out_of_range_and_unknown_hosts_are_one_line_errors():
     worker = start_worker()
     try:
         port = worker.address.rsplit(":", 1)[1]
-        _one_line_error(_neorec("ingest", "serve", "--port", port), f"cannot bind 127.0.0.1:{port}")
+        _one_line_error(neorec("ingest", "serve", "--port", port), f"cannot bind 127.0.0.1:{port}")
     finally:
         stop_all([worker])
     for bad in ("70000", "-1"):
-        result = _neorec("ingest", "serve", "--port", bad)
+        result = neorec("ingest", "serve", "--port", bad)
         assert result.returncode == 2 and "outside [0, 65535]" in result.stderr
-    _one_line_error(_neorec("ingest", "serve", "--host", "no-such-host.invalid"), "does not resolve")
-    _one_line_error(_neorec("ingest", "serve", "--data-root", "/no/such/dir"), "is not a directory")
+    _one_line_error(neorec("ingest", "serve", "--host", "no-such-host.invalid"), "does not resolve")
+    _one_line_error(neorec("ingest", "serve", "--data-root", "/no/such/dir"), "is not a directory")
 
 
 def test_a_store_service_s_directories_are_checked_before_it_serves(tmp_path):
     (tmp_path / "file").write_text("")
-    _one_line_error(_neorec("store", "serve", "--dir", str(tmp_path / "s"), "--data-root", "/no/such/dir"),
+    _one_line_error(neorec("store", "serve", "--dir", str(tmp_path / "s"), "--data-root", "/no/such/dir"),
                     "--data-root '/no/such/dir' is not a directory")
-    _one_line_error(_neorec("store", "serve", "--dir", str(tmp_path / "s"), "--data-root", str(tmp_path / "file")),
+    _one_line_error(neorec("store", "serve", "--dir", str(tmp_path / "s"), "--data-root", str(tmp_path / "file")),
                     "is not a directory")
-    _one_line_error(_neorec("store", "serve", "--dir", ""), "--dir: name the directory")
-    _one_line_error(_neorec("store", "serve", "--dir", str(tmp_path / "file" / "s")),
+    _one_line_error(neorec("store", "serve", "--dir", ""), "--dir: name the directory")
+    _one_line_error(neorec("store", "serve", "--dir", str(tmp_path / "file" / "s")),
                     f"store directory {tmp_path / 'file' / 's'} cannot be made: {tmp_path / 'file'} is a file")
 
 
@@ -125,11 +120,11 @@ def test_a_tls_file_that_is_not_pem_or_a_pair_that_does_not_match_is_named(certi
     not_pem = tmp_path / "not.pem"
     not_pem.write_text("hello\n")
     for command in (["ingest", "serve"], ["store", "serve", "--dir", str(tmp_path / "store")]):
-        _one_line_error(_neorec(*command, "--tls-cert", str(not_pem), "--tls-key", str(key)),
+        _one_line_error(neorec(*command, "--tls-cert", str(not_pem), "--tls-key", str(key)),
                         f"TLS certificate {not_pem} is not a PEM certificate")
-        _one_line_error(_neorec(*command, "--tls-cert", str(cert), "--tls-key", str(not_pem)),
+        _one_line_error(neorec(*command, "--tls-cert", str(cert), "--tls-key", str(not_pem)),
                         f"TLS key {not_pem} is not a PEM private key")
-    _one_line_error(_neorec("ingest", "serve", "--tls-cert", str(key), "--tls-key", str(cert)),
+    _one_line_error(neorec("ingest", "serve", "--tls-cert", str(key), "--tls-key", str(cert)),
                     f"TLS certificate {key} is not a PEM certificate")  # the two swapped
     other_key = tmp_path / "other-key.pem"
     subprocess.run(["openssl", "genpkey", "-algorithm", "RSA", "-out", str(other_key)], check=True, capture_output=True)
@@ -138,9 +133,9 @@ def test_a_tls_file_that_is_not_pem_or_a_pair_that_does_not_match_is_named(certi
                     str(encrypted)], check=True, capture_output=True)
     for command in (["ingest", "serve"], ["store", "serve", "--dir", str(tmp_path / "store")]):
         for bad_key, reason in ((other_key, "the key is not the certificate's"), (encrypted, "the key is encrypted")):
-            result = _neorec(*command, "--tls-cert", str(cert), "--tls-key", str(bad_key))
+            result = neorec(*command, "--tls-cert", str(cert), "--tls-key", str(bad_key))
             _one_line_error(result, f"the TLS certificate {cert} and key {bad_key} do not make a pair: {reason}")
             assert len(result.stderr.splitlines()) == 1, result.stderr  # before gRPC logs a word
     for group in ("ingest", "store"):  # a client's CA file, checked before it connects
-        _one_line_error(_neorec(group, "status", "127.0.0.1:1", "--tls-ca", str(not_pem)),
+        _one_line_error(neorec(group, "status", "127.0.0.1:1", "--tls-ca", str(not_pem)),
                         f"TLS CA certificate {not_pem} is not a PEM certificate")

@@ -24,15 +24,11 @@ from neorec.common.errors import PathError
 from neorec.ingest.staging import OutputExistsError, staged_output
 from neorec.ingest.importer import import_dataset
 from tests.ingest.test_importer import spec, write_log
+from tests.cli import NEOREC, neorec_in_process
 
 IMPORT_FLAGS = ["--format", "csv", "--label", "rating", "--label-transform", ">= 4", "--dense", "count",
                 "--categorical", "user,item", "--split", "ordered", "--eval-fraction", "0.25",
                 "--set", "output.file_rows=500", "--set", "output.row_group_rows=250"]
-
-
-def _neorec(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", *args], capture_output=True, text=True,
-                          timeout=300)
 
 
 def _contents(directory: Path) -> dict[str, str]:
@@ -48,17 +44,17 @@ def _error_line(result: subprocess.CompletedProcess) -> str:
 
 def test_a_non_empty_output_is_refused_without_overwrite(tmp_path):
     out = tmp_path / "data"
-    assert _neorec("data", "synth", "--rows", "300", "--out", str(out)).returncode == 0
+    assert neorec_in_process("data", "synth", "--rows", "300", "--out", str(out)).returncode == 0
     before = _contents(out)
     for command in (["data", "synth", "--rows", "200", "--seed", "1", "--out", str(out)],
                     ["data", "import", "--files", str(tmp_path / "log.csv"), *IMPORT_FLAGS, "--out", str(out)],
                     ["data", "convert", "criteo", str(tmp_path / "day_0.tsv"), "--out", str(out)]):
         (tmp_path / "log.csv").touch()
         (tmp_path / "day_0.tsv").touch()
-        line = _error_line(_neorec(*command))
+        line = _error_line(neorec_in_process(*command))
         assert f"{out} is not empty" in line and "--overwrite" in line
     assert _contents(out) == before
-    replaced = _neorec("data", "synth", "--rows", "200", "--seed", "1", "--out", str(out), "--overwrite")
+    replaced = neorec_in_process("data", "synth", "--rows", "200", "--seed", "1", "--out", str(out), "--overwrite")
     assert replaced.returncode == 0, replaced.stderr
     assert _contents(out) != before and (out / "dataset.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "day_0.tsv", "log.csv"]
@@ -71,10 +67,11 @@ def test_a_failed_overwrite_leaves_the_old_dataset_intact(tmp_path):
     with open(bad, "a") as f:  # a bad row after the first file's rows were written out
         f.write("u1,3,x7,a,10,4\n")
     out = tmp_path / "data"
-    first = _neorec("data", "import", "--files", str(good), *IMPORT_FLAGS, "--out", str(out))
+    first = neorec_in_process("data", "import", "--files", str(good), *IMPORT_FLAGS, "--out", str(out))
     assert first.returncode == 0, first.stderr
     before = _contents(out)
-    failed = _neorec("data", "import", "--files", str(good), str(bad), *IMPORT_FLAGS, "--out", str(out), "--overwrite")
+    failed = neorec_in_process("data", "import", "--files", str(good), str(bad), *IMPORT_FLAGS, "--out", str(out),
+                               "--overwrite")
     assert "column 'count'" in _error_line(failed)
     assert _contents(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.csv", "data", "good.csv"]  # no temporary left
@@ -132,13 +129,13 @@ def test_a_disk_that_refuses_an_imported_file_is_named_and_not_hidden_by_closing
 @pytest.mark.parametrize("inside", ["log.csv", "*.csv", "."])
 def test_overwrite_refuses_an_output_that_holds_an_input_or_the_current_directory(tmp_path, monkeypatch, inside):
     out = tmp_path / "data"
-    assert _neorec("data", "synth", "--rows", "300", "--out", str(out)).returncode == 0
+    assert neorec_in_process("data", "synth", "--rows", "300", "--out", str(out)).returncode == 0
     write_log(out / "log.csv")
     before = _contents(out)
     monkeypatch.chdir(out)
     command = (["data", "synth", "--rows", "200", "--out", "."] if inside == "." else
                ["data", "import", "--files", str(out / inside), *IMPORT_FLAGS, "--out", str(out)])
-    line = _error_line(_neorec(*command, "--overwrite"))
+    line = _error_line(neorec_in_process(*command, "--overwrite"))
     if inside == ".":
         assert line == "neorec: error: . holds the current directory, which the new dataset would replace: run " \
                        "the command from another directory, or give another --out"
@@ -222,7 +219,7 @@ def test_files_are_fsynced_while_the_dataset_is_written_and_a_failed_write_back_
 
 def test_a_terminated_write_removes_its_staging_directory_and_ends_by_the_signal(tmp_path):
     out = tmp_path / "data"
-    writer = subprocess.Popen([sys.executable, "-m", "neorec.orchestration.cli", "data", "synth", "--rows",
+    writer = subprocess.Popen([*NEOREC, "data", "synth", "--rows",
                                "5000000", "--out", str(out)], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120

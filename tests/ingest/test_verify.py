@@ -3,7 +3,6 @@
 import json
 import shutil
 import subprocess
-import sys
 
 import pyarrow.parquet as pq
 import pytest
@@ -13,6 +12,7 @@ from neorec.ingest.schema import DATASET_FILE, Dataset
 from neorec.ingest.synth import SynthSpec, generate
 from neorec.ingest.verify import verify_dataset
 from tests.ingest.workers import with_a_bit_flipped_in_each_column
+from tests.cli import NEOREC
 
 
 def _row_groups(paths) -> int:
@@ -75,7 +75,7 @@ def test_partitions_and_raw_ids_are_verified(tmp_path):
 
 
 def test_the_command_prints_a_line_a_split_and_exits_2_naming_each_problem(criteo_dataset, tmp_path):
-    command = [sys.executable, "-m", "neorec", "data", "verify"]
+    command = [*NEOREC, "data", "verify"]
     sound = subprocess.run([*command, str(criteo_dataset.root)], capture_output=True, text=True, timeout=120)
     assert sound.returncode == 0, sound.stderr
     assert sound.stdout.splitlines()[0] == (f"train: {len(criteo_dataset.files('train'))} files, "

@@ -7,25 +7,20 @@ import hashlib
 import json
 import pickle
 import subprocess
-import sys
 
 import pytest
 
 from neorec.trainer.checkpoint.layout import DENSE_FILE, MANIFEST, complete
 from tests.trainer.run_records import logged
+from tests.cli import neorec
 
 ERROR = 2
 
 
-def _neorec(*args):
-    return subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", *args], capture_output=True, text=True,
-                          timeout=600)
-
-
 def _train(data, run, *more):
-    return _neorec("train", "configs/demo.toml", "--set", f"data.path='{data}'", "--set", f"run.dir='{run}'",
-                   "--set", "train.batch_size=256", "--set", "model.max_table_rows=1000",
-                   "--set", "checkpoint.every_steps=5", "--set", "checkpoint.keep=5", *more)
+    return neorec("train", "configs/demo.toml", "--set", f"data.path='{data}'", "--set", f"run.dir='{run}'",
+                  "--set", "train.batch_size=256", "--set", "model.max_table_rows=1000",
+                  "--set", "checkpoint.every_steps=5", "--set", "checkpoint.keep=5", *more)
 
 
 class _RunsACommand:
@@ -68,7 +63,7 @@ def _refused_by(command: str, dataset, run):
     """``neorec eval`` of the run, or ``train --resume`` of it; asserts it is refused as a
     user error (no traceback) and returns the result."""
     if command == "eval":
-        result = _neorec("eval", "--checkpoint", str(run))
+        result = neorec("eval", "--checkpoint", str(run))
     else:
         result = _train(dataset.root, run, "--set", "train.epochs=2", "--resume", str(run))
     assert result.returncode == ERROR, result.stderr[-3000:]

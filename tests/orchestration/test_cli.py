@@ -1,36 +1,30 @@
 """The ``neorec`` command as a user runs it (a real subprocess)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from tests.trainer.test_train import untimed
 from tests.ingest.workers import start_worker, stop_all
-
-
-def _neorec(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=600)
+from tests.cli import neorec
 
 
 def test_synth_train_eval_round_trip(tmp_path):
     data = tmp_path / "data"
-    result = _neorec("data", "synth", "--profile", "criteo", "--rows", "3000", "--out", str(data))
+    result = neorec("data", "synth", "--profile", "criteo", "--rows", "3000", "--out", str(data))
     assert result.returncode == 0, result.stderr
     assert json.loads((data / "dataset.json").read_text())["rows"] == {"train": 2400, "eval": 600}
     run = tmp_path / "run"
-    result = _neorec("train", "configs/demo.toml", "--set", f"data.path='{data}'", "--set", f"run.dir='{run}'",
-                     "--set", "train.batch_size=256", "--set", "model.max_table_rows=1000")
+    result = neorec("train", "configs/demo.toml", "--set", f"data.path='{data}'", "--set", f"run.dir='{run}'",
+                    "--set", "train.batch_size=256", "--set", "model.max_table_rows=1000")
     assert result.returncode == 0, result.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert "eval AUC" in result.stdout and "oracle" in result.stdout
-    result = _neorec("eval", "configs/demo.toml", "--checkpoint", str(run / "checkpoint"),
-                     "--set", f"data.path='{data}'", "--set", "model.max_table_rows=1000")
+    result = neorec("eval", "configs/demo.toml", "--checkpoint", str(run / "checkpoint"),
+                    "--set", f"data.path='{data}'", "--set", "model.max_table_rows=1000")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["auc"] == summary["eval_auc"]
-    result = _neorec("eval", "--checkpoint", str(run))  # the checkpoint holds its config
+    result = neorec("eval", "--checkpoint", str(run))  # the checkpoint holds its config
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["auc"] == summary["eval_auc"]
 
@@ -38,18 +32,18 @@ def test_synth_train_eval_round_trip(tmp_path):
 def test_errors_are_reported_without_a_traceback(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[train]\nbach_size = 3\n")
-    result = _neorec("train", str(bad))
+    result = neorec("train", str(bad))
     assert result.returncode == 2
     assert "unknown key 'train.bach_size'" in result.stderr
     assert "Traceback" not in result.stderr
-    result = _neorec("train", "configs/demo.toml", "--set", f"data.path='{tmp_path}/none'")
+    result = neorec("train", "configs/demo.toml", "--set", f"data.path='{tmp_path}/none'")
     assert result.returncode == 2 and "not a neorec dataset directory" in result.stderr
 
 
 @pytest.mark.slow  # end to end, over 10 s: CI runs it with -m slow
 def test_bench_quick_times_both_sides_training_the_same_model(tmp_path):
     out = tmp_path / "bench.json"
-    result = _neorec("bench", "train", "--quick", "--json", str(out))
+    result = neorec("bench", "train", "--quick", "--json", str(out))
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["fused_qps"] > 0 and report["baseline_qps"] > 0
@@ -62,7 +56,7 @@ def test_bench_quick_times_both_sides_training_the_same_model(tmp_path):
 @pytest.mark.slow  # two torchrun jobs of two ranks, ~9 s: CI runs it with -m slow
 def test_bench_collectives_quick_times_two_sums_that_agree_at_every_size(tmp_path):
     out = tmp_path / "bench.json"
-    result = _neorec("bench", "collectives", "--quick", "--nproc", "2", "--json", str(out))
+    result = neorec("bench", "collectives", "--quick", "--nproc", "2", "--json", str(out))
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["nproc"] == 2 and len(report["sizes"]) == 5
@@ -77,14 +71,14 @@ def test_bench_collectives_quick_times_two_sums_that_agree_at_every_size(tmp_pat
 def test_train_through_a_reader_service_equals_in_process(criteo_dataset, tmp_path):
     common = ["--set", f"data.path='{criteo_dataset.root}'", "--set", "train.batch_size=256",
               "--set", "model.max_table_rows=1000"]
-    local = _neorec("train", "configs/demo.toml", "--set", f"run.dir='{tmp_path / 'local'}'", *common)
+    local = neorec("train", "configs/demo.toml", "--set", f"run.dir='{tmp_path / 'local'}'", *common)
     assert local.returncode == 0, local.stderr
     worker = start_worker()
     try:
-        remote = _neorec("train", "configs/demo.toml", "--ingest", worker.address,
-                         "--set", f"run.dir='{tmp_path / 'remote'}'", *common)
+        remote = neorec("train", "configs/demo.toml", "--ingest", worker.address,
+                        "--set", f"run.dir='{tmp_path / 'remote'}'", *common)
         assert remote.returncode == 0, remote.stderr
-        status = _neorec("ingest", "status", worker.address)
+        status = neorec("ingest", "status", worker.address)
         assert status.returncode == 0, status.stderr
         counters = json.loads(status.stdout)
     finally:
@@ -99,13 +93,13 @@ def test_train_through_a_reader_service_equals_in_process(criteo_dataset, tmp_pa
 def test_unreachable_reader_service_is_a_clear_error(criteo_dataset, tmp_path):
     worker = start_worker()
     worker.kill()
-    result = _neorec("train", "configs/demo.toml", "--ingest", worker.address,
-                     "--set", f"data.path='{criteo_dataset.root}'", "--set", f"run.dir='{tmp_path}'",
-                     "--set", "data.ingest_stall_timeout_s=1.0")
+    result = neorec("train", "configs/demo.toml", "--ingest", worker.address,
+                    "--set", f"data.path='{criteo_dataset.root}'", "--set", f"run.dir='{tmp_path}'",
+                    "--set", "data.ingest_stall_timeout_s=1.0")
     assert result.returncode == 2
     assert f"{worker.address}: UNAVAILABLE" in result.stderr and "Traceback" not in result.stderr
     for group in ("ingest", "store"):  # a service's counters: the same one line and exit status
-        result = _neorec(group, "status", worker.address, "--timeout", "1")
+        result = neorec(group, "status", worker.address, "--timeout", "1")
         assert result.returncode == 2, (group, result.stderr)
         assert result.stderr.startswith("neorec: error:") and worker.address in result.stderr, result.stderr
         assert "Traceback" not in result.stderr

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tests.cli import NEOREC
 
 
 def _spinning_processes() -> set[int]:
@@ -28,7 +28,7 @@ def _spinning_processes() -> set[int]:
 def test_bench_train_contend_reports_both_thread_counts_and_stops_its_competitor(tmp_path):
     before = _spinning_processes()
     out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", "bench", "train", "--contend", "--quick",
+    result = subprocess.run([*NEOREC, "bench", "train", "--contend", "--quick",
                              "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert _spinning_processes() <= before, "the competitor outlived the benchmark"

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
+from tests.cli import NEOREC
 
 
 @pytest.mark.slow  # the benchmark end to end, ~14 s: CI runs it with -m slow
 def test_bench_dynamic_reports_the_capacity_curve_the_step_ratio_the_map_and_the_memory(tmp_path):
     out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", "bench", "dynamic", "--quick",
+    result = subprocess.run([*NEOREC, "bench", "dynamic", "--quick",
                              "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from neorec.common.errors import UserError
+from tests.cli import NEOREC, neorec_in_process
 
 PLANT_BUG = """
 import sys
@@ -40,7 +41,7 @@ def test_a_bug_inside_training_keeps_its_traceback_and_exits_1(criteo_dataset, t
 
 
 def test_a_refused_train_prints_its_one_line_and_nothing_else(criteo_dataset, tmp_path):
-    result = _run([sys.executable, "-m", "neorec",
+    result = _run([*NEOREC,
                    *_train_args(criteo_dataset.root, tmp_path / "run", "--set", "train.batch_size=100000")])
     assert result.returncode == 2, result.stderr
     assert result.stdout == ""
@@ -53,32 +54,30 @@ def test_a_refused_train_prints_its_one_line_and_nothing_else(criteo_dataset, tm
     (lambda tmp: tmp / "missing.toml", "not found"),
 ])
 def test_an_unreadable_config_path_is_a_user_error(tmp_path, make_path, expected):
-    result = _run([sys.executable, "-m", "neorec", "train", str(make_path(tmp_path))], timeout=120)
+    result = _run([*NEOREC, "train", str(make_path(tmp_path))], timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.startswith("neorec: error:") and expected in result.stderr
 
 
 def test_unreadable_user_paths_are_named_not_tracebacks(tmp_path):
-    result = _run([sys.executable, "-m", "neorec", "checkpoint", "inspect", str(tmp_path / "none")], timeout=120)
+    result = neorec_in_process("checkpoint", "inspect", str(tmp_path / "none"))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr  # not an empty listing
     assert f"{tmp_path / 'none'} is not a directory" in result.stderr
     (tmp_path / "empty").mkdir()
-    result = _run([sys.executable, "-m", "neorec", "checkpoint", "inspect", str(tmp_path / "empty")], timeout=120)
+    result = neorec_in_process("checkpoint", "inspect", str(tmp_path / "empty"))
     assert result.returncode == 2 and f"{tmp_path / 'empty'}: no checkpoints" in result.stderr, result.stderr
     (tmp_path / "run" / "checkpoint").mkdir(parents=True)  # a run that has written none yet: an empty listing
     for directory in (tmp_path / "run", tmp_path / "run" / "checkpoint"):
-        result = _run([sys.executable, "-m", "neorec", "checkpoint", "inspect", "--json", str(directory)], timeout=120)
+        result = neorec_in_process("checkpoint", "inspect", "--json", str(directory))
         assert result.returncode == 0 and json.loads(result.stdout)["checkpoints"] == [], result.stderr
     spec = tmp_path / "spec.toml"
     spec.mkdir()
-    result = _run([sys.executable, "-m", "neorec", "data", "import", str(spec), "--out", str(tmp_path / "o")],
-                  timeout=120)
+    result = neorec_in_process("data", "import", str(spec), "--out", str(tmp_path / "o"))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert f"cannot read import spec {spec}: Is a directory" in result.stderr
     latin1 = tmp_path / "latin1.toml"
     latin1.write_bytes(b"# caf\xe9\n[input]\n")
-    result = _run([sys.executable, "-m", "neorec", "data", "import", str(latin1), "--out", str(tmp_path / "o")],
-                  timeout=120)
+    result = neorec_in_process("data", "import", str(latin1), "--out", str(tmp_path / "o"))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert f"{latin1}: not UTF-8 text (byte 5: b'\\xe9')" in result.stderr
 
@@ -124,7 +123,7 @@ def test_other_libraries_log_from_warning_and_neorec_from_info(criteo_dataset):
                                             ("missing/out.json", "missing is not a directory")])
 def test_a_benchmark_s_json_path_is_checked_before_it_runs(tmp_path, where, expected):
     (tmp_path / "dir").mkdir()
-    result = _run([sys.executable, "-m", "neorec", "bench", "store", "--json", str(tmp_path / where)], timeout=120)
+    result = _run([*NEOREC, "bench", "store", "--json", str(tmp_path / where)], timeout=120)
     assert result.returncode == 2 and result.stdout == "", result.stdout[-2000:]  # no benchmark ran
     assert result.stderr.strip() == f"neorec: error: {tmp_path / where}" + (
         f" {expected}" if where == "dir" else f": {tmp_path / expected}")

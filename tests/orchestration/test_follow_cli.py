@@ -6,7 +6,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -18,10 +17,11 @@ from tests.ingest.workers import start_worker, stop_all
 from tests.trainer.follow_helpers import SPEC, follow_config, partitioned
 from tests.trainer.run_records import records
 from tests.trainer.test_follow import STEPS, assert_same_run
+from tests.cli import NEOREC
 
 
 def _command(data, run, *more):
-    return [sys.executable, "-m", "neorec.orchestration.cli", "train", "configs/demo.toml", "--follow",
+    return [*NEOREC, "train", "configs/demo.toml", "--follow",
             "--set", f"data.path='{data}'", "--set", f"run.dir='{run}'", "--set", "train.batch_size=128",
             "--set", "model.embedding_dim=8", "--set", "model.bottom_mlp=[16, 8]", "--set", "model.top_mlp=[16, 1]",
             "--set", "model.max_table_rows=3000", "--set", "train.log_every=4", "--set", "checkpoint.every_steps=5",
@@ -115,7 +115,7 @@ def test_sigterm_stops_with_a_final_checkpoint_and_the_run_resumes_to_the_same_e
 @pytest.mark.slow
 def test_bench_follow_quick_prints_the_follow_and_frozen_curves(tmp_path):
     out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", "bench", "follow", "--quick", "--json",
+    result = subprocess.run([*NEOREC, "bench", "follow", "--quick", "--json",
                              str(out)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
@@ -131,7 +131,7 @@ def test_bench_follow_quick_prints_the_follow_and_frozen_curves(tmp_path):
 
 
 def _trainer_status(run) -> dict:
-    done = subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", "status", str(run), "--json"],
+    done = subprocess.run([*NEOREC, "status", str(run), "--json"],
                           capture_output=True, text=True, timeout=60)
     return next((s["status"] for s in json.loads(done.stdout) if s["role"] == "trainer"), {}) if done.stdout else {}
 
@@ -148,7 +148,7 @@ def test_a_launched_job_follows_shows_partition_and_lag_and_stops_on_sigterm_aft
                    checkpoint__every_steps="5", model__embedding_dim="8", model__bottom_mlp="[16, 8]",
                    model__top_mlp="[16, 1]")
     run = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "neorec.orchestration.cli", "launch", str(job)],
+    process = subprocess.Popen([*NEOREC, "launch", str(job)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         for trained in (1, 2):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from neorec.orchestration.supervisor import descendants
 from neorec.trainer.run.run_dir import METRICS
 from tests.ingest.workers import start_worker
 from tests.orchestration.processes import alive
+from tests.cli import NEOREC
 
 EXIT_WITHIN_S = 5.0
 
@@ -25,7 +25,7 @@ EXIT_WITHIN_S = 5.0
 def _train(dataset, run_dir: Path, *args: str) -> subprocess.Popen:
     """``neorec train`` of a long run, in a session of its own (its process group is what
     a terminal's Ctrl-C reaches)."""
-    command = [sys.executable, "-m", "neorec", "train", "configs/demo.toml", "--set", f"data.path='{dataset.root}'",
+    command = [*NEOREC, "train", "configs/demo.toml", "--set", f"data.path='{dataset.root}'",
                "--set", f"run.dir='{run_dir}'", "--set", "train.epochs=500", "--set", "train.batch_size=128",
                "--set", "model.max_table_rows=5000", "--set", "train.log_every=1", *args]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -157,7 +157,7 @@ def test_during_checkpoint_writes(criteo_dataset, tmp_path):
                      "--set", "model.max_table_rows=40000")
     _await_training(process, tmp_path / "run")
     _interrupt(process)
-    inspected = subprocess.run([sys.executable, "-m", "neorec", "checkpoint", "inspect", "--verify",
+    inspected = subprocess.run([*NEOREC, "checkpoint", "inspect", "--verify",
                                 str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
     assert inspected.returncode == 0, inspected.stdout + inspected.stderr  # what committed is whole
 

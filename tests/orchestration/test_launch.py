@@ -10,7 +10,6 @@ import shlex
 import signal
 import socket
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,15 +21,10 @@ from neorec.ingest.service import ReaderServer
 from neorec.orchestration.k8s import manifests
 from neorec.orchestration.config import load_config
 from neorec.trainer.run.run_dir import lock
+from tests.cli import NEOREC, neorec, neorec_in_process
 from tests.ingest.workers import DATA_ROOTS, start_worker, stop_all
 from tests.trainer.run_records import records
 from tests.trainer.test_train import final_state, untimed
-
-PYTHON = [sys.executable, "-m", "neorec.orchestration.cli"]
-
-
-def _neorec(*args, timeout=600):
-    return subprocess.run([*PYTHON, *args], capture_output=True, text=True, timeout=timeout)
 
 
 # ----------------------------------------------------------------------- neorec status
@@ -46,15 +40,15 @@ def test_status_exit_codes_are_grpc_health_probe_s(tmp_path):
     bare.start()
     try:
         stopped.process.send_signal(signal.SIGSTOP)
-        assert _neorec("status", live.address).returncode == 0
-        assert _neorec("status", dead.address).returncode == 2
-        assert _neorec("status", stopped.address, "--timeout", "1").returncode == 2
-        assert _neorec("status", f"127.0.0.1:{bare_port}").returncode == 3
-        assert _neorec("status", draining.address).returncode == 4
-        assert _neorec("status", "not-an-address").returncode == 1
-        assert _neorec("status").returncode == 1
-        assert _neorec("status", live.address, dead.address).returncode == 2  # the worst wins
-        report = json.loads(_neorec("status", live.address, "--json").stdout)
+        assert neorec("status", live.address).returncode == 0
+        assert neorec("status", dead.address).returncode == 2
+        assert neorec("status", stopped.address, "--timeout", "1").returncode == 2
+        assert neorec("status", f"127.0.0.1:{bare_port}").returncode == 3
+        assert neorec("status", draining.address).returncode == 4
+        assert neorec("status", "not-an-address").returncode == 1
+        assert neorec("status").returncode == 1
+        assert neorec("status", live.address, dead.address).returncode == 2  # the worst wins
+        report = json.loads(neorec("status", live.address, "--json").stdout)
         assert report[0]["role"] == "ingest" and report[0]["code"] == 0 and "uptimeSeconds" in report[0]["status"]
     finally:
         stopped.process.send_signal(signal.SIGCONT)
@@ -126,13 +120,13 @@ def assert_ports_free(run: Path) -> None:
 @pytest.mark.slow  # end to end, over 10 s: CI runs it with -m slow
 def test_a_launched_job_trains_as_a_plain_run_and_leaves_nothing(criteo_dataset, tmp_path):
     job = job_file(tmp_path, criteo_dataset)
-    result = _neorec("launch", str(job))
+    result = neorec("launch", str(job))
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     run = tmp_path / "run"
     assert "[ingest-0]" in result.stdout and "[trainer-0]" in result.stdout and "[launch] the trainers finished" \
         in result.stdout
     assert (run / "logs" / "trainer.log").read_text() and (run / "logs" / "ingest-1.log").read_text()
-    plain = _neorec("train", str(job), "--set", f"run.dir='{tmp_path / 'plain'}'")
+    plain = neorec("train", str(job), "--set", f"run.dir='{tmp_path / 'plain'}'")
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert untimed(json.loads((run / "summary.json").read_text())) == \
         untimed(json.loads((tmp_path / "plain" / "summary.json").read_text()))
@@ -154,7 +148,7 @@ def _wait_for_steps(run: Path, process: subprocess.Popen, steps: int) -> None:
 @pytest.mark.slow
 def test_ctrl_c_stops_the_whole_job_within_seconds(criteo_dataset, tmp_path):
     job = job_file(tmp_path, criteo_dataset, train__epochs="200")
-    process = subprocess.Popen([*PYTHON, "launch", str(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    process = subprocess.Popen([*NEOREC, "launch", str(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
     try:
         _wait_for_steps(tmp_path / "run", process, 10)
@@ -185,7 +179,7 @@ def _read_until(process: subprocess.Popen, text: str, timeout: float) -> tuple[f
 def test_failed_reader_services_are_noticed_fast_and_restarted_alone_and_the_run_is_unchanged(criteo_dataset,
                                                                                              tmp_path):
     job = job_file(tmp_path, criteo_dataset, train__epochs="6")
-    process = subprocess.Popen([*PYTHON, "launch", str(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    process = subprocess.Popen([*NEOREC, "launch", str(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
     run = tmp_path / "run"
     try:
@@ -206,7 +200,7 @@ def test_failed_reader_services_are_noticed_fast_and_restarted_alone_and_the_run
     finally:
         if process.poll() is None:
             process.kill()
-    plain = _neorec("train", str(job), "--set", f"run.dir='{tmp_path / 'plain'}'")
+    plain = neorec("train", str(job), "--set", f"run.dir='{tmp_path / 'plain'}'")
     assert plain.returncode == 0
     assert records(run) == records(tmp_path / "plain")
 
@@ -215,7 +209,7 @@ def test_failed_reader_services_are_noticed_fast_and_restarted_alone_and_the_run
 def test_a_killed_store_service_is_restarted_and_the_trainers_resume_unchanged(criteo_dataset, tmp_path):
     job = job_file(tmp_path, criteo_dataset, workers=0, train__epochs="4", launch__store_service="true",
                    embedding_store__tables="{ t_C3 = 0.01, t_C4 = 0.02 }")
-    process = subprocess.Popen([*PYTHON, "launch", str(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    process = subprocess.Popen([*NEOREC, "launch", str(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
     run = tmp_path / "run"
     try:
@@ -229,7 +223,7 @@ def test_a_killed_store_service_is_restarted_and_the_trainers_resume_unchanged(c
     finally:
         if process.poll() is None:
             process.kill()
-    plain = _neorec("train", str(job), "--set", f"run.dir='{tmp_path / 'plain'}'")
+    plain = neorec("train", str(job), "--set", f"run.dir='{tmp_path / 'plain'}'")
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert records(run) == records(tmp_path / "plain")
     assert job_processes(job) == []
@@ -284,56 +278,65 @@ def test_kubernetes_manifests_have_probes_and_an_indexed_trainer_job(criteo_data
     odd_script = manifests(odd, str(job), "x")["trainer.yaml"][1]["spec"]["template"]["spec"]["containers"][0]
     assert "'/tmp/a b$(id)/checkpoint/LATEST'" in odd_script["command"][-1]
     for flags, said in ((["k8s", ""], "--emit k8s DIR: name the directory"), (["k8s", "d", "--image", ""], "--image")):
-        refused = _neorec("launch", str(job), "--emit", *flags)
+        refused = neorec_in_process("launch", str(job), "--emit", *flags)
         assert refused.returncode == 2 and said in refused.stderr, refused.stderr
-    result = _neorec("launch", str(tmp_path / "job.toml"), "--emit", "k8s", str(tmp_path / "k8s"))
+    result = neorec_in_process("launch", str(tmp_path / "job.toml"), "--emit", "k8s", str(tmp_path / "k8s"))
     assert result.returncode == 0, result.stderr
     text = (tmp_path / "k8s" / "ingest.yaml").read_text()
     assert "kind: \"StatefulSet\"" in text and "---" in text
     (tmp_path / "k8s" / "trainer.yaml").write_text("# edited by hand")
     again = ("launch", str(tmp_path / "job.toml"), "--emit", "k8s", str(tmp_path / "k8s"))
-    result = _neorec(*again)
+    result = neorec_in_process(*again)
     assert result.returncode == 2 and "already holds ingest.yaml, trainer.yaml" in result.stderr, result.stderr
     assert (tmp_path / "k8s" / "trainer.yaml").read_text() == "# edited by hand"
-    assert _neorec(*again, "--overwrite").returncode == 0
+    assert neorec_in_process(*again, "--overwrite").returncode == 0
     assert "kind: \"Job\"" in (tmp_path / "k8s" / "trainer.yaml").read_text()
 
 
 def test_a_launch_the_run_directory_refuses_starts_nothing(criteo_dataset, tmp_path):
     """``--resume`` of no run, or a run directory holding a run without ``--overwrite``
-    or ``--resume``, is refused before any service starts (exit 2, nothing written)."""
+    or ``--resume``, is refused before any service starts (exit 2, nothing written). Run in
+    this process where the refusal comes before the launcher starts anything."""
     job = job_file(tmp_path, criteo_dataset)
     run = tmp_path / "run"
-    result = _neorec("launch", str(job), "--resume", timeout=120)
+    result = neorec_in_process("launch", str(job), "--resume")
     assert result.returncode == 2 and "holds no run to resume" in result.stderr, result.stderr
     assert not run.exists()
     run.mkdir()
     (run / "metrics.jsonl").write_text("{}\n")
-    result = _neorec("launch", str(job), timeout=120)
+    result = neorec_in_process("launch", str(job))
     assert result.returncode == 2 and "already holds a run" in result.stderr, result.stderr
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
     held = lock(run)  # a job's trainer at work in it: a second launch must not touch its services.json
     try:
-        result = _neorec("launch", str(job), "--overwrite", timeout=120)
+        result = neorec_in_process("launch", str(job), "--overwrite")
         assert result.returncode == 2 and f"is in use by process {os.getpid()}" in result.stderr, result.stderr
     finally:
         held.release()
     assert sorted(p.name for p in run.iterdir()) == [".lock", "metrics.jsonl"]
     for setting, said in ((f"data.path='{tmp_path / 'none'}'", f"{tmp_path / 'none'}/dataset.json not found"),
                           ("launch.host='name.invalid'", "launch.host: cannot listen on 'name.invalid'")):
-        result = _neorec("launch", str(job), "--overwrite", "--set", setting, timeout=120)
+        result = neorec_in_process("launch", str(job), "--overwrite", "--set", setting)
         assert result.returncode == 2 and said in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert sorted(p.name for p in run.iterdir()) == [".lock", "metrics.jsonl"]
+    launcher = lock(run / "logs", what="job log directory", owners="a neorec launch")  # another launch's, starting
+    try:
+        result = neorec("launch", str(job), "--overwrite", timeout=120)  # a process: it would start a job if let
+    finally:
+        launcher.release()
+    assert result.returncode == 2 and "[ingest-0]" not in result.stdout, result.stdout  # no service started
+    assert f"job log directory {run / 'logs'} is in use by process {os.getpid()} (a neorec launch)" in result.stderr
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "logs", "metrics.jsonl"]  # no services.json
 
 
 @pytest.mark.slow  # a job's reader service started, ~10 s
 def test_a_config_the_trainer_refuses_and_a_stop_while_services_start_exit_as_a_command_does(criteo_dataset,
                                                                                              tmp_path):
     job = job_file(tmp_path, criteo_dataset, workers=1)
-    refused = _neorec("launch", str(job), "--set", "data.train_split='nope'", timeout=120)
+    refused = neorec("launch", str(job), "--set", "data.train_split='nope'", timeout=120)
     assert refused.returncode == 2, refused.stderr
     assert "neorec: error: job failed: the trainer refused the job" in refused.stderr
-    launch = subprocess.Popen([*PYTHON, "launch", str(job), "--overwrite"], stdout=subprocess.PIPE,
+    launch = subprocess.Popen([*NEOREC, "launch", str(job), "--overwrite"], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     for line in launch.stdout:
         if line.startswith("[ingest-0]"):  # its service is starting
@@ -354,12 +357,12 @@ def test_chaos_kills_and_stops_change_nothing(criteo_dataset, tmp_path):
 
     (tmp_path / "calm").mkdir()
     calm = job_file(tmp_path / "calm", criteo_dataset, nproc=2, train__epochs="30")
-    result = _neorec("launch", str(calm))
+    result = neorec("launch", str(calm))
     assert result.returncode == 0, result.stdout[-3000:]
     (tmp_path / "chaos").mkdir()
     job = job_file(tmp_path / "chaos", criteo_dataset, nproc=2, train__epochs="30", launch__restarts="20",
                    launch__trainer_restarts="20", launch__max_backoff_s="1")
-    process = subprocess.Popen([*PYTHON, "launch", str(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    process = subprocess.Popen([*NEOREC, "launch", str(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     run = tmp_path / "chaos" / "run"
     rng = random.Random(7)

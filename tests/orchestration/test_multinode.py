@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -22,11 +21,11 @@ from neorec.trainer.distributed import DistributedContext
 from neorec.trainer.planner.from_config import job_plan
 from neorec.trainer.run.build import build_model
 from tests.ingest.workers import start_worker, stop_all
-from tests.orchestration.test_cli import _neorec
 from tests.orchestration.test_sharded_cli import _rank_processes
 from tests.trainer.spawn import _free_port, run_ranks
 from tests.trainer.run_records import records
 from tests.trainer.test_train import final_state, untimed
+from tests.cli import NEOREC, neorec
 
 SHARDED = "{t_C1='row_wise', t_C2='column_wise', t_C3='table_wise', t_C4='data_parallel'}"
 
@@ -41,7 +40,7 @@ def _settings(dataset, run, *extra):
 
 def _node_commands(nnodes: int, nproc: int, settings: list[str], *flags: str) -> list[list[str]]:
     endpoint = f"127.0.0.1:{_free_port()}"
-    return [[sys.executable, "-m", "neorec.orchestration.cli", "train", "configs/demo.toml", "--nproc", str(nproc),
+    return [[*NEOREC, "train", "configs/demo.toml", "--nproc", str(nproc),
              "--nnodes", str(nnodes), "--node-rank", str(node), "--rdzv", endpoint, *flags, *settings]
             for node in range(nnodes)]
 
@@ -73,7 +72,7 @@ def assert_same_run(run: Path, reference: Path) -> None:
 def test_two_nodes_of_one_rank_train_what_two_ranks_on_one_node_train(criteo_dataset, tmp_path):
     settings = ["train.max_steps=6", f"sharding.tables={SHARDED}"]
     _run_nodes(_node_commands(2, 1, _settings(criteo_dataset, tmp_path / "nodes", *settings)))
-    result = _neorec("train", "configs/demo.toml", "--nproc", "2", *_settings(criteo_dataset, tmp_path / "one",
+    result = neorec("train", "configs/demo.toml", "--nproc", "2", *_settings(criteo_dataset, tmp_path / "one",
                                                                               *settings))
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(tmp_path / "nodes", tmp_path / "one")
@@ -93,8 +92,8 @@ def test_two_nodes_of_two_ranks_through_reader_services_train_what_four_ranks_on
         _run_nodes(_node_commands(2, 2, _settings(criteo_dataset, tmp_path / "nodes", *settings), "--ingest", ingest))
     finally:
         stop_all(workers)
-    result = _neorec("train", "configs/demo.toml", "--nproc", "4",
-                     *_settings(criteo_dataset, tmp_path / "one", *settings, "sharding.ranks_per_node=2"))
+    result = neorec("train", "configs/demo.toml", "--nproc", "4",
+                    *_settings(criteo_dataset, tmp_path / "one", *settings, "sharding.ranks_per_node=2"))
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads((tmp_path / "nodes" / "plan.json").read_text())
     assert {t["table"]: t["sharding_type"] for t in plan["tables"]}["t_C5"] == "table_row_wise"
@@ -186,8 +185,8 @@ def test_checkpoints_restore_from_two_nodes_of_two_ranks_into_one_node_of_three_
     _assert_restored(on_three[0], run)
 
     # a run cut by max_steps counts its epoch as done: the resumed run trains on in the next
-    result = _neorec("train", "configs/demo.toml", "--nproc", "3", "--resume", str(run), *settings(on_one, 3),
-                     "--set", "train.epochs=2")
+    result = neorec("train", "configs/demo.toml", "--nproc", "3", "--resume", str(run), *settings(on_one, 3),
+                    "--set", "train.epochs=2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((run / "summary.json").read_text())["world_size"] == 3
     assert (run / "checkpoint" / "LATEST").read_text().strip() == "step-000000003"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
@@ -14,6 +13,7 @@ from neorec.trainer.checkpoint.layout import BEST, complete, read_manifest
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.run.train import evaluate_checkpoint, train
 from tests.trainer.run_records import logged
+from tests.cli import NEOREC
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_the_plotted_lines_are_the_logged_metrics(runs):
 
 
 def test_report_writes_pngs_and_a_summary(runs, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", "report", *map(str, runs), "--out",
+    done = subprocess.run([*NEOREC, "report", *map(str, runs), "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     for name in PLOTS:

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -15,10 +14,11 @@ from tests.ingest.workers import start_worker, stop_all
 from tests.trainer.run_records import records
 from tests.trainer.test_train import final_state, untimed
 from neorec.trainer.checkpoint.layout import complete, read_manifest
+from tests.cli import NEOREC
 
 
 def _command(dataset, run, *more):
-    return [sys.executable, "-m", "neorec.orchestration.cli", "train", "configs/demo.toml",
+    return [*NEOREC, "train", "configs/demo.toml",
             "--set", f"data.path='{dataset.root}'", "--set", f"run.dir='{run}'", "--set", "train.batch_size=64",
             "--set", "model.max_table_rows=3000", "--set", "train.epochs=4", "--set", "train.log_every=10",
             "--set", "checkpoint.every_steps=7", *more]  # mostly between log lines: a cut interval resumes

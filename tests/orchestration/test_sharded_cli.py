@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.orchestration.test_cli import _neorec
 from tests.trainer.test_train import final_state
+from tests.cli import NEOREC, neorec
 
 
 @pytest.mark.slow  # two ranks end to end, ~14 s: CI runs it with -m slow
@@ -20,7 +20,7 @@ def test_train_with_two_processes_writes_a_checkpoint_one_process_restores(crite
     run = tmp_path / "run"
     settings = ["--set", f"data.path='{criteo_dataset.root}'", "--set", "model.max_table_rows=2000",
                 "--set", "train.batch_size=128", "--set", "sharding.tables={t_C1='row_wise'}"]
-    result = _neorec("train", "configs/demo.toml", "--nproc", "2", "--set", f"run.dir='{run}'", *settings)
+    result = neorec("train", "configs/demo.toml", "--nproc", "2", "--set", f"run.dir='{run}'", *settings)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("eval AUC") == 1  # rank 0 reports
     summary = json.loads((run / "summary.json").read_text())
@@ -30,15 +30,15 @@ def test_train_with_two_processes_writes_a_checkpoint_one_process_restores(crite
     assert {t["table"]: t["sharding_type"] for t in plan["tables"]}["t_C1"] == "row_wise"
     state = final_state(run)
     assert int(state["embeddings.optimizer_step"]) == summary["steps"]
-    result = _neorec("eval", "--checkpoint", str(run))
+    result = neorec("eval", "--checkpoint", str(run))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["auc"] == summary["eval_auc"]
 
 
 def test_plan_prints_tables_and_ranks(criteo_dataset, tmp_path):
     out = tmp_path / "plan.json"
-    result = _neorec("plan", "configs/demo.toml", "--world-size", "4", "--ranks-per-node", "2",
-                     "--set", f"data.path='{criteo_dataset.root}'", "--json", str(out))
+    result = neorec("plan", "configs/demo.toml", "--world-size", "4", "--ranks-per-node", "2",
+                    "--set", f"data.path='{criteo_dataset.root}'", "--json", str(out))
     assert result.returncode == 0, result.stderr
     for table in range(1, 27):
         assert f"t_C{table} " in result.stdout
@@ -47,8 +47,8 @@ def test_plan_prints_tables_and_ranks(criteo_dataset, tmp_path):
 
 
 def test_an_impossible_plan_is_explained(criteo_dataset):
-    result = _neorec("plan", "configs/demo.toml", "--world-size", "2", "--memory-per-rank", "2MiB",
-                     "--set", f"data.path='{criteo_dataset.root}'")
+    result = neorec("plan", "configs/demo.toml", "--world-size", "2", "--memory-per-rank", "2MiB",
+                    "--set", f"data.path='{criteo_dataset.root}'")
     assert result.returncode == 2
     assert "26 tables need" in result.stderr and "2 ranks x 2.00 MiB" in result.stderr
     assert "Options: more ranks or memory per rank" in result.stderr
@@ -66,8 +66,8 @@ def test_the_gpu_code_path_trains_single_process_and_sharded_on_the_cpu(criteo_d
     CUDA: the whole train loop, one process and two, on the CPU."""
     for nproc in ("1", "2"):
         run = tmp_path / f"run{nproc}"
-        result = _neorec("train", "configs/demo.toml", "--nproc", nproc, "--set", "train.kernels='torch'",
-                         "--set", "train.device='cpu'", *_settings(criteo_dataset, run))
+        result = neorec("train", "configs/demo.toml", "--nproc", nproc, "--set", "train.kernels='torch'",
+                        "--set", "train.device='cpu'", *_settings(criteo_dataset, run))
         assert result.returncode == 0, result.stderr[-3000:]
         summary = json.loads((run / "summary.json").read_text())
         assert summary["eval_auc"] > 0.6
@@ -104,7 +104,7 @@ def _rank_processes(parent: int) -> dict[int, int]:
 def test_a_frozen_rank_is_named_by_the_others_within_the_collective_timeout(criteo_dataset, tmp_path):
     run = tmp_path / "run"
     process = subprocess.Popen(
-        [sys.executable, "-m", "neorec.orchestration.cli", "train", "configs/demo.toml", "--nproc", "2",
+        [*NEOREC, "train", "configs/demo.toml", "--nproc", "2",
          "--set", "train.collective_timeout_s=8", "--set", "train.epochs=100", *_settings(criteo_dataset, run)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -135,11 +135,11 @@ def test_another_rank_count_resumes_from_an_epoch_s_start_and_is_refused_inside_
     """Each rank reads its own share of an epoch's rows: a run resumed at an epoch's start on
     two processes trains every row of the next epoch once; inside an epoch it is refused."""
     run = tmp_path / "run"
-    one = _neorec("train", "configs/demo.toml", *_settings(criteo_dataset, run), "--set", "train.epochs=1")
+    one = neorec("train", "configs/demo.toml", *_settings(criteo_dataset, run), "--set", "train.epochs=1")
     assert one.returncode == 0, one.stderr[-3000:]
     first = json.loads((run / "summary.json").read_text())
-    two = _neorec("train", "configs/demo.toml", "--nproc", "2", "--resume", str(run), *_settings(criteo_dataset, run),
-                  "--set", "train.epochs=2")
+    two = neorec("train", "configs/demo.toml", "--nproc", "2", "--resume", str(run), *_settings(criteo_dataset, run),
+                 "--set", "train.epochs=2")
     assert two.returncode == 0, two.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     rows = criteo_dataset.rows["train"]
@@ -147,11 +147,11 @@ def test_another_rank_count_resumes_from_an_epoch_s_start_and_is_refused_inside_
     assert summary["train_samples"] == first["train_samples"] + rows // 256 * 256  # the second epoch, once
 
     inside = tmp_path / "inside"
-    cut = _neorec("train", "configs/demo.toml", *_settings(criteo_dataset, inside), "--set", "train.epochs=1",
-                  "--set", "checkpoint.every_steps=10", "--set", "checkpoint.final=false")
+    cut = neorec("train", "configs/demo.toml", *_settings(criteo_dataset, inside), "--set", "train.epochs=1",
+                 "--set", "checkpoint.every_steps=10", "--set", "checkpoint.final=false")
     assert cut.returncode == 0, cut.stderr[-3000:]
-    refused = _neorec("train", "configs/demo.toml", "--nproc", "2", "--resume", str(inside),
-                      *_settings(criteo_dataset, inside))
+    refused = neorec("train", "configs/demo.toml", "--nproc", "2", "--resume", str(inside),
+                     *_settings(criteo_dataset, inside))
     assert refused.returncode != 0
     assert "made by 1 rank, 30 steps into its epoch (or partition), and this run has 2" in refused.stderr
 
@@ -170,7 +170,7 @@ def test_nothing_outlives_a_sigkilled_command(criteo_dataset, tmp_path):
     user, or by a launcher that was): they would hold the run directory and go on writing."""
     run = tmp_path / "run"
     process = subprocess.Popen(
-        [sys.executable, "-m", "neorec.orchestration.cli", "train", "configs/demo.toml", "--nproc", "2",
+        [*NEOREC, "train", "configs/demo.toml", "--nproc", "2",
          "--set", "train.epochs=100000", *_settings(criteo_dataset, run)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     started: list[int] = []
@@ -208,16 +208,16 @@ def test_a_user_error_in_the_ranks_exits_2_and_torchrun_leaves_no_files(criteo_d
     (killed_run / "exits").mkdir(parents=True)
     live_run = Path(tempfile.mkdtemp(prefix=f"neorec-torchrun-{os.getpid()}-"))  # a run still at work
     before = _torchrun_dirs() - {killed_run.name}
-    missing = _neorec("train", "configs/demo.toml", "--nproc", "2", "--set", "data.path='/nonexistent'",
-                      "--set", f"run.dir='{tmp_path / 'missing'}'")
+    missing = neorec("train", "configs/demo.toml", "--nproc", "2", "--set", "data.path='/nonexistent'",
+                     "--set", f"run.dir='{tmp_path / 'missing'}'")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
     assert missing.stderr.count("neorec: error:") == 1 and "/nonexistent" in missing.stderr
-    refused = _neorec("train", "configs/demo.toml", "--nproc", "2", *_settings(criteo_dataset, tmp_path / "run"),
-                      "--set", "train.batch_size=100000")  # found by the ranks: their one line, torchrun's report
+    refused = neorec("train", "configs/demo.toml", "--nproc", "2", *_settings(criteo_dataset, tmp_path / "run"),
+                     "--set", "train.batch_size=100000")  # found by the ranks: their one line, torchrun's report
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "neorec: error: split 'train'" in refused.stderr
-    alone = _neorec("train", "configs/demo.toml", "--nproc", "2", *_settings(criteo_dataset, tmp_path / "run"),
-                    "--set", "sharding.tables.t_C1='table_wise:5'")  # found by rank 0 alone: rank 1 waits for it
+    alone = neorec("train", "configs/demo.toml", "--nproc", "2", *_settings(criteo_dataset, tmp_path / "run"),
+                   "--set", "sharding.tables.t_C1='table_wise:5'")  # found by rank 0 alone: rank 1 waits for it
     assert alone.returncode == 2, alone.stderr[-3000:]
     assert alone.stderr.count("neorec: error:") == 1 and "rank 5 is outside world size 2" in alone.stderr
     assert "neorec: rank 1 stopped with rank 0, whose error is above" in alone.stderr

@@ -6,7 +6,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import replace
 
@@ -20,13 +19,9 @@ from neorec.trainer.run.loop import TrainingRun
 from neorec.trainer.run.run_dir import METRICS
 from neorec.trainer.run.train import train
 from tests.trainer.test_train import _config
+from tests.cli import NEOREC, neorec
 
 ERROR = 2
-
-
-def _neorec(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def _refused(result, *texts):
@@ -39,8 +34,8 @@ def _refused(result, *texts):
 
 
 def _train(data, run, *more):
-    return _neorec("train", "configs/demo.toml", "--set", f"data.path='{data}'", "--set", f"run.dir='{run}'",
-                   "--set", "train.batch_size=256", "--set", "model.max_table_rows=1000", *more)
+    return neorec("train", "configs/demo.toml", "--set", f"data.path='{data}'", "--set", f"run.dir='{run}'",
+                  "--set", "train.batch_size=256", "--set", "model.max_table_rows=1000", *more)
 
 
 @pytest.fixture
@@ -97,7 +92,7 @@ def test_bad_command_line_values_are_refused():
                  ["data", "synth", "--rows", "100", "--eval-fraction", "0", "--out", "x"],
                  ["plan", "configs/demo.toml", "--world-size", "0"],
                  ["store", "serve", "--dir", "README.md/store"]):
-        result = _neorec(*args)
+        result = neorec(*args)
         assert result.returncode == ERROR and "Traceback" not in result.stderr, (args, result.stderr)
 
 
@@ -199,9 +194,9 @@ def test_a_full_disk_ends_training_with_the_file_named(criteo_dataset, tmp_path,
 
 def test_ctrl_c_stops_training_with_one_line_and_status_130(tmp_path):
     data = tmp_path / "data"
-    assert _neorec("data", "synth", "--rows", "60000", "--out", str(data)).returncode == 0
+    assert neorec("data", "synth", "--rows", "60000", "--out", str(data)).returncode == 0
     process = subprocess.Popen(
-        [sys.executable, "-m", "neorec.orchestration.cli", "train", "configs/demo.toml", "--set", f"data.path='{data}'",
+        [*NEOREC, "train", "configs/demo.toml", "--set", f"data.path='{data}'",
          "--set", f"run.dir='{tmp_path / 'run'}'", "--set", "train.epochs=50", "--set", "train.batch_size=64"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120

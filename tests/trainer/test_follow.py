@@ -22,7 +22,7 @@ from neorec.trainer.run.train import evaluate_checkpoint, train
 from tests.trainer.follow_helpers import SPEC, follow_config, partitioned
 from tests.trainer.run_records import records
 from tests.trainer.spawn import run_ranks
-from tests.trainer.test_train import final_state, untimed
+from tests.trainer.test_train import final_state
 
 STEPS = 9
 """Steps per partition: 1,200 rows in batches of 128 (the remainder dropped)."""
@@ -164,7 +164,6 @@ def test_idle_exit_and_a_partition_landing_out_of_order(tmp_path):
 
 
 def test_a_partition_changing_the_schema_stops_the_run_naming_it(tmp_path):
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     data = partitioned(tmp_path / "data", 1)

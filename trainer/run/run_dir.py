@@ -95,22 +95,23 @@ def claim(directory: str | Path, overwrite: bool = False, resume: bool = False) 
     return path
 
 
-def lock(directory: str | Path) -> DirectoryLock | None:
+def lock(directory: str | Path, what: str = "run directory", owners: str = "a trainer") -> DirectoryLock | None:
     """The run directory's lock, the directory created if missing: one trainer a run
     directory (its rank 0), for the run's lifetime, so that a second trainer given the same
     directory (``--resume`` or ``--overwrite`` while the first runs) is refused before it
-    changes anything. Raises :class:`DirectoryInUseError` naming the holder's PID, or
-    :class:`RunDirError` when the directory cannot be created. None, with a warning, on a
-    file system without locks (an NFS mount without its lock service, say)."""
+    changes anything. Also the lock of a directory in a run's (``what``, held by
+    ``owners``): a job launcher's ``logs``. Raises :class:`DirectoryInUseError` naming the
+    holder's PID, or :class:`RunDirError` when the directory cannot be created. None, with
+    a warning, on a file system without locks (an NFS mount without its lock service, say)."""
     path = Path(directory)
     try:
-        return DirectoryLock(path, what="run directory", owners="a trainer")
+        return DirectoryLock(path, what=what, owners=owners)
     except OSError as err:
         if err.errno in NO_LOCKS:
-            log.warning("run directory %s cannot be locked (%s): a second trainer on it is not kept out",
-                        path, describe(err))
+            log.warning("%s %s cannot be locked (%s): a second owner (%s) is not kept out", what, path,
+                        describe(err), owners)
             return None
-        raise RunDirError(f"run directory {path} is not writable: {describe(err)}") from None
+        raise RunDirError(f"{what} {path} is not writable: {describe(err)}") from None
 
 
 def write_json(path: Path, obj: Any) -> None:

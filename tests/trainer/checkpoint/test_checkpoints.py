@@ -4,7 +4,6 @@ works from a snapshot, corruption is named, old checkpoints are pruned."""
 import json
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from tests.trainer.checkpoint.helpers import assert_same_state, checkpointer, mo
 from neorec.trainer.checkpoint.inspect import describe
 from neorec.trainer.checkpoint.layout import CheckpointError, complete, read_manifest
 from neorec.trainer.checkpoint.restore import choose, open_checkpoint, restore_embeddings
+from tests.cli import NEOREC
 
 
 def _restored(root, **module_kwargs):
@@ -171,7 +171,7 @@ def test_inspect_verify_marks_every_increment_on_a_corrupt_base_and_the_command_
     assert f"{damaged}" in checkpoints[0]["error"]
     assert all(c["error"].startswith(f"restored from step-000000001, which is not whole: {damaged}")
                for c in checkpoints[1:])
-    command = subprocess.run([sys.executable, "-m", "neorec", "checkpoint", "inspect", "--verify", str(tmp_path)],
+    command = subprocess.run([*NEOREC, "checkpoint", "inspect", "--verify", str(tmp_path)],
                              capture_output=True, text=True, timeout=120)
     assert command.returncode == 2 and "Traceback" not in command.stderr, command.stderr
     assert command.stderr.strip() == (f"neorec: error: 3 checkpoints of 3 in {tmp_path} cannot be restored: "

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.trainer.checkpoint.helpers import TABLES, module, tables_info, train_steps
+from tests.trainer.checkpoint.helpers import module, tables_info, train_steps
 from neorec.embedding_store.segments import SegmentTier
 from neorec.trainer.checkpoint.checkpointer import Checkpointer
 from neorec.trainer.checkpoint.layout import MANIFEST, read_manifest
