@@ -1,7 +1,8 @@
 """Reading a whole dataset once, as training would, to find what would stop a run that
 reaches it (``neorec data verify DIR``).
 
-Every split and every ready partition is read row group by row group: each page's checksum,
+Every split and every ready partition is read row group by row group (a partition not yet
+marked ready is listed, unread, as training would wait for it): each page's checksum,
 the columns' types, every label, dense value and id (ids within their feature's stated
 cardinality: the strict mapping, which no table size hides). A bad row group is reported
 and the reading goes on with the next one, so one pass names every bad row group; a split
@@ -33,11 +34,14 @@ class SplitReport:
     row_groups: int = 0
     rows: int = 0
     problems: list[DataError] = field(default_factory=list)
+    ready: bool = True
+    """False for a partition without its ready marker (not read)."""
 
 
 def verify_dataset(dataset: Dataset, progress: Callable[[int], object] = lambda rows: None) -> list[SplitReport]:
-    """A report per split of ``dataset`` (``dataset.json``'s order), then per ready
-    partition (name order); ``progress(rows)`` after each row group read."""
+    """A report per split of ``dataset`` (``dataset.json``'s order), then per partition
+    (name order; one not marked ready is reported unread); ``progress(rows)`` after each
+    row group read."""
     raw = tuple(f.name for f in dataset.schema.sparse if f.cardinality == RAW_CARDINALITY)
     options = DecodeOptions(table_rows=tuple(1 if f.name in raw else f.cardinality for f in dataset.schema.sparse),
                             id_mapping="strict", raw_features=raw)
@@ -47,6 +51,7 @@ def verify_dataset(dataset: Dataset, progress: Callable[[int], object] = lambda 
         reports.append(_verify_vocabularies(vocabularies))
     for name in partition_names(dataset.root):
         if not is_ready(dataset.root, name):
+            reports.append(SplitReport(SPLIT_PREFIX + name, ready=False))
             continue
         try:
             partition = open_partition(dataset.root, name)

@@ -153,6 +153,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from neorec.common.wording import counted
     from neorec.ingest.errors import DataError
+    from neorec.ingest.partitions import MARKER
     from neorec.ingest.schema import Dataset
     from neorec.ingest.verify import verify_dataset
 
@@ -161,6 +162,9 @@ def _verify(args: argparse.Namespace) -> int:
         with LazyBar(unit="rows", desc=f"verify {args.dataset}", unit_scale=True) as bar:
             reports = verify_dataset(dataset, progress=bar.update)
     for report in reports:
+        if not report.ready:
+            print(f"{report.split}: not marked ready ({MARKER}): not read (training waits for it)")
+            continue
         print(f"{report.split}: {counted(report.files, 'file')}, {counted(report.row_groups, 'row group')}, "
               f"{counted(report.rows, 'row')}, {counted(len(report.problems), 'problem')}")
     problems = [problem for report in reports for problem in report.problems]

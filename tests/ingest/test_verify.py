@@ -8,11 +8,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from neorec.ingest.errors import DataError
+from neorec.ingest.partitions import MARKER
 from neorec.ingest.schema import DATASET_FILE, Dataset
 from neorec.ingest.synth import SynthSpec, generate
 from neorec.ingest.verify import verify_dataset
 from tests.ingest.workers import with_a_bit_flipped_in_each_column
-from tests.cli import NEOREC
+from tests.cli import NEOREC, neorec_in_process
 
 
 def _row_groups(paths) -> int:
@@ -72,6 +73,15 @@ def test_partitions_and_raw_ids_are_verified(tmp_path):
     assert [r.split for r in reports] == ["partitions/2026-01-01T00", "partitions/2026-01-01T01",
                                           "partitions/2026-01-01T02"]
     assert sum(r.rows for r in reports) == 3_000 and not any(r.problems for r in reports)
+    (tmp_path / "p" / "partitions" / "2026-01-01T01" / MARKER).unlink()  # as while its writer is at work
+    reports = verify_dataset(partitioned)
+    assert [(r.split, r.ready, r.rows) for r in reports] == [("partitions/2026-01-01T00", True, 1_000),
+                                                             ("partitions/2026-01-01T01", False, 0),
+                                                             ("partitions/2026-01-01T02", True, 1_000)]
+    listed = neorec_in_process("data", "verify", tmp_path / "p")
+    assert listed.returncode == 0, listed.stderr
+    assert "partitions/2026-01-01T01: not marked ready (_SUCCESS): not read (training waits for it)" \
+        in listed.stdout.splitlines()
 
 
 def test_the_command_prints_a_line_a_split_and_exits_2_naming_each_problem(criteo_dataset, tmp_path):
