@@ -107,6 +107,7 @@ def import_dataset(spec: ImportSpec, out_dir: str | Path, *, source: BlockSource
                    profile: str = "import") -> Dataset:
     """Write the dataset ``spec`` describes into ``out_dir`` (see the module docstring)."""
     started = time.perf_counter()
+    block_source = type(source).__name__ if source is not None else None
     source = source or FileSource(spec)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,7 +137,8 @@ def import_dataset(spec: ImportSpec, out_dir: str | Path, *, source: BlockSource
         vocabulary.save(vocab_dir / f"{column}.parquet")
     dataset = Dataset(root=out, schema=schema, splits={s: w.files for s, w in writers.items()}, rows=rows,
                       profile=profile, generator={
-                          "kind": "import", "spec": asdict(spec), "dense_transform": spec.dense.transform,
+                          "kind": "import", "spec": asdict(spec), "block_source": block_source,
+                          "dense_transform": spec.dense.transform,
                           "dense_stats": asdict(encoding.dense) if encoding.dense else None,
                           "vocab_from": str(vocab_from) if vocab_from else None,
                           "seconds": time.perf_counter() - started})

@@ -26,7 +26,7 @@ from typing import Any
 from neorec.common.dir_lock import LOCK_FILE, DirectoryLock
 from neorec.common.durable import fsync_directories, fsync_tree, write_durably
 from neorec.ingest.errors import DataError
-from neorec.ingest.import_spec import ImportSpec
+from neorec.ingest.import_spec import ImportSpec, SpecError
 from neorec.ingest.importer import (BlockSource, Encoding, FileSource, ProgressFn, SplitWriter, VocabMisses,
                                     arrow_schema, dataset_schema, encode_block, load_encoding, needed_columns)
 from neorec.ingest.partitions import (MARKER, PARTITION_FILE, PartitionError, PartitionOrderError,
@@ -35,6 +35,29 @@ from neorec.ingest.schema import DATASET_FILE, Dataset, DatasetSchema
 
 PART_PREFIX = "part"
 """The partition's files are ``part-00000.parquet``, …"""
+
+
+def recorded_spec(dataset_dir: str | Path) -> dict[str, Any]:
+    """The import spec (as TOML's sections) the dataset at ``dataset_dir`` was imported or
+    converted with, less its input files and split: the spec of its next partition, whose
+    files the caller names. Raises :class:`PartitionError` for a directory that holds no
+    dataset, and :class:`SpecError` for a dataset that no such spec describes (synthetic,
+    or converted from files the importer joins, as MovieLens's)."""
+    root = Path(dataset_dir)
+    try:
+        generator = Dataset.load(root).generator or {}
+    except FileNotFoundError:
+        raise PartitionError("no dataset to add a partition to: import the first data without --partition",
+                             file=str(root)) from None
+    if generator.get("kind") != "import" or "spec" not in generator:
+        raise SpecError(f"{root / DATASET_FILE} records no import spec (it was not written by neorec data import "
+                        f"or convert): give the partition's import spec")
+    if generator.get("block_source"):
+        raise SpecError(f"{root / DATASET_FILE}: the dataset was read by {generator['block_source']}, which joins "
+                        f"its files: give the partition's import spec")
+    spec = {section: dict(keys) for section, keys in generator["spec"].items() if section != "split"}
+    spec["input"] = {key: value for key, value in spec["input"].items() if key != "files"}
+    return spec
 
 
 def import_partition(spec: ImportSpec, dataset_dir: str | Path, name: str, *, source: BlockSource | None = None,

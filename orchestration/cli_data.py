@@ -37,7 +37,8 @@ def add_data_commands(commands: "argparse._SubParsersAction") -> None:
                        help="ids each feature draws from (Zipf; default: the profile's cardinalities)")
     synth.set_defaults(run=_synth)
     importer = data.add_parser("import", help="import CSV/TSV/Parquet click logs (an import spec, or flags)")
-    importer.add_argument("spec", nargs="?", help="import spec (TOML; see ingest/import_spec.py)")
+    importer.add_argument("spec", nargs="?", help="import spec (TOML; see ingest/import_spec.py; with --partition, "
+                                                  "default: the spec the dataset in --out was imported with)")
     importer.add_argument("--out", required=True)
     importer.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     importer.add_argument("--files", nargs="+", help="input files, globs or URIs (input.files)")
@@ -102,7 +103,17 @@ def _import(args: argparse.Namespace) -> int:
     from neorec.ingest.import_spec import ImportSpec
     from neorec.orchestration.config import apply_override, read_toml
 
-    raw = read_toml(args.spec, "import spec") if args.spec else {}
+    if args.spec:
+        raw = read_toml(args.spec, "import spec")
+    elif args.partition is not None:  # the dataset's own spec, for the partition's --files
+        from neorec.ingest.partition_import import recorded_spec
+
+        with user_paths():
+            raw = recorded_spec(args.out)
+        if not args.files:
+            raise ConfigError("--partition without an import spec: name the partition's files with --files")
+    else:
+        raw = {}
     flags = {"input.files": args.files, "input.format": args.format, "label.column": args.label,
              "label.transform": args.label_transform, "split.kind": args.split,
              "split.time_column": args.time_column, "split.eval_fraction": args.eval_fraction,

@@ -16,7 +16,9 @@ from neorec.ingest.partition_import import import_partition
 from neorec.ingest.partitions import (MARKER, PartitionError, PartitionOrderError, PartitionSchemaError,
                                       check_partition_schema, next_partition, open_partition)
 from neorec.ingest.schema import Dataset
+from tests.cli import neorec_in_process
 from tests.ingest.test_importer import reference, spec, write_log
+from tests.ingest.test_presets import FIXTURES, criteo_line, write_criteo
 
 
 @pytest.fixture
@@ -120,3 +122,34 @@ def test_one_import_writes_a_partition_at_a_time(imported):
         assert (directory / "part-00000.parquet").read_bytes() == b"being written"  # its files untouched
     finally:
         first.release()
+
+
+def test_a_converted_dataset_takes_a_partition_of_new_files_without_a_spec(tmp_path):
+    """The spec the dataset was converted with is recorded: a new day of Criteo logs needs
+    only its files, and is encoded as the dataset's own rows are."""
+    day_0 = write_criteo(tmp_path / "day_0", [criteo_line(str(n % 2), [str(n)] * 13) for n in range(40)])
+    day_1 = write_criteo(tmp_path / "day_1", [criteo_line(str(n % 2), [str(n)] * 13) for n in range(25)])
+    out = tmp_path / "criteo"
+    assert neorec_in_process("data", "convert", "criteo", day_0, "--out", out).returncode == 0
+    added = neorec_in_process("data", "import", "--partition", "2026-01-02", "--files", day_1, "--out", out)
+    assert added.returncode == 0, added.stderr
+    dataset = Dataset.load(out)
+    partition = open_partition(out, "2026-01-02")
+    check_partition_schema(dataset, partition)
+    new = pq.read_table(out / partition.files[0])
+    old = pq.read_table(dataset.files("train")[0])
+    assert partition.info["rows"] == new.num_rows == 25
+    assert new.slice(0, 20).equals(old.slice(0, 20))  # the first rows of both days are the same lines
+    without = neorec_in_process("data", "import", "--partition", "2026-01-03", "--out", out)
+    assert without.returncode == 2 and "name the partition's files with --files" in without.stderr, without.stderr
+
+
+def test_a_partition_without_a_spec_is_refused_where_the_dataset_records_none(tmp_path, criteo_dataset):
+    refused = neorec_in_process("data", "import", "--partition", "p1", "--files", tmp_path / "x.tsv", "--out",
+                                criteo_dataset.root)
+    assert refused.returncode == 2 and "records no import spec" in refused.stderr, refused.stderr
+    movielens = tmp_path / "ml"
+    assert neorec_in_process("data", "convert", "movielens", FIXTURES / "movielens-100k", "--out",
+                             movielens).returncode == 0
+    refused = neorec_in_process("data", "import", "--partition", "p1", "--files", tmp_path / "x", "--out", movielens)
+    assert refused.returncode == 2 and "read by MovieLensSource, which joins its files" in refused.stderr
