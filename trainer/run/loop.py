@@ -235,6 +235,8 @@ class TrainingRun:
             state.eval_metrics = self._evaluate()
             if self._improved(state.eval_metrics):
                 self._checkpoint(best=True)
+            if state.step_in_epoch < self.steps_per_epoch:  # stopped inside it (train.max_steps): a resume goes on
+                break
             state.epoch += 1
             state.step_in_epoch = 0
         if not state.eval_metrics:

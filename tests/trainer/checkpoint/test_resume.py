@@ -2,7 +2,7 @@
 was never stopped: weights, optimizer states and metrics, bit for bit."""
 
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch.distributed as dist
@@ -50,6 +50,17 @@ def test_resuming_a_stopped_run_ends_bit_identical(criteo_dataset, tmp_path, sto
     resumed = train(stopped, resume=True)
     assert untimed(resumed) == untimed(whole)
     assert records(tmp_path / "stopped") == records(tmp_path / "whole")
+    a, b = final_state(tmp_path / "whole"), final_state(tmp_path / "stopped")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), [k for k in a if not a[k].equal(b[k])]
+
+
+def test_a_run_stopped_by_max_steps_inside_an_epoch_resumes_the_rest_of_that_epoch(criteo_dataset, tmp_path):
+    whole = train(config_for(criteo_dataset, tmp_path / "whole"))
+    stopped = config_for(criteo_dataset, tmp_path / "stopped")
+    first = train(replace(stopped, train=replace(stopped.train, max_steps=13)))
+    assert first["steps"] == 13
+    resumed = train(stopped, resume=True)  # the limit lifted: the first epoch's last steps, then the second
+    assert resumed["steps"] == whole["steps"] and resumed["eval_auc"] == whole["eval_auc"]
     a, b = final_state(tmp_path / "whole"), final_state(tmp_path / "stopped")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), [k for k in a if not a[k].equal(b[k])]
 
