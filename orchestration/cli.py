@@ -197,9 +197,10 @@ def _train(args: argparse.Namespace) -> int:
         raise ConfigError(str(err)) from None
     if uses_torchrun(args.nproc, nodes) and not launched_by_torchrun():
         from neorec.ingest.schema import Dataset
+        from neorec.trainer.planner.from_config import check_before_ranks
         from neorec.trainer.run.warmup import compile_kernels
 
-        Dataset.load(config.data.path)  # a wrong path named once, before the ranks start
+        check_before_ranks(Dataset.load(config.data.path), config, args.nproc * nodes.count, args.nproc)  # named once
         compile_kernels(config)  # the ranks then load Numba's cache instead of racing to write it
         flags = (["--overwrite"] if args.overwrite else []) + (["--resume", args.resume] if args.resume else [])
         if args.status_port is not None:
@@ -282,6 +283,7 @@ def _plan(args: argparse.Namespace) -> int:
     from neorec.trainer.planner.from_config import planner_inputs
     from neorec.trainer.planner.planner import plan_tables, round_robin
     from neorec.trainer.planner.render import render
+    from neorec.trainer.run.build import check_dynamic_plan
 
     overrides = list(args.set)
     if args.ranks_per_node is not None:
@@ -292,6 +294,8 @@ def _plan(args: argparse.Namespace) -> int:
     dataset = Dataset.load(config.data.path)
     specs, topo, constraints = planner_inputs(dataset, config, args.world_size)
     result = plan_tables(specs, topo, config.train.batch_size, constraints)
+    if args.world_size > 1:
+        check_dynamic_plan(result.plan, config.for_world(args.world_size))  # as the ranks would refuse it
     print(render(result, round_robin(specs, topo, config.train.batch_size)))
     if args.json:
         with user_paths():

@@ -11,8 +11,9 @@ from neorec.common.errors import ConfigError
 from neorec.ingest.partitions import PARTITIONS, PartitionError, first_ready, partition_view
 from neorec.ingest.reader import InProcessReader, ReaderConfig
 from neorec.ingest.schema import Dataset
-from neorec.trainer.run.build import decode_options, table_configs
+from neorec.trainer.run.build import check_dynamic_plan, decode_options, table_configs
 from neorec.trainer.config import TrainConfig
+from neorec.trainer.device import cuda_devices
 from neorec.trainer.distributed import DistributedContext, check_same_local_world
 from neorec.trainer.embedding.config import WEIGHT_DTYPES, TableConfig
 from neorec.trainer.planner.enumerate import Constraint
@@ -146,6 +147,26 @@ def plan_for_config(dataset: Dataset, config: TrainConfig, world_size: int) -> P
     """The plan for ``config``'s tables on ``world_size`` ranks, honouring its overrides."""
     specs, topo, constraints = planner_inputs(dataset, config, world_size)
     return plan_tables(specs, topo, config.train.batch_size, constraints)
+
+
+def check_before_ranks(dataset: Dataset, config: TrainConfig, world_size: int, ranks_per_node: int) -> None:
+    """Refuse, in the command that would start them, what ``world_size`` ranks
+    (``ranks_per_node`` a node) would refuse of ``config`` once started: a split the
+    dataset lacks, dynamic tables' shards that do not split over the ranks, a plan that
+    does not fit or that puts dynamic tables beside store tables; so that the user reads
+    one error line, not one a rank and torchrun's report. (A CUDA run's plan is left to
+    its ranks: only they know the device.)"""
+    if not config.data.follow:
+        dataset.files(config.data.train_split)
+        dataset.files(config.data.eval_split)
+    config = config.for_world(world_size)
+    if config.train.device == "cuda" or (config.train.device == "auto" and cuda_devices()):
+        return
+    if not config.sharding.ranks_per_node:
+        config = replace(config, sharding=replace(config.sharding, ranks_per_node=ranks_per_node))
+    plan = plan_for_config(dataset, config, world_size).plan
+    if world_size > 1:
+        check_dynamic_plan(plan, config)
 
 
 def shared_plan(dataset: Dataset, config: TrainConfig, context: DistributedContext) -> ShardingPlan:

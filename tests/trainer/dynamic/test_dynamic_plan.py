@@ -17,6 +17,7 @@ from neorec.trainer.planner.from_config import plan_for_config
 from neorec.trainer.planner.render import render
 from neorec.trainer.run.build import check_dynamic_plan
 from neorec.trainer.sharding.plan import Shard, ShardingPlan, TableSharding
+from tests.cli import neorec_in_process
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +95,25 @@ def test_one_process_refuses_sketches_beyond_its_memory_as_the_plan_does(raw_dat
         "run": {"dir": str(tmp_path / "run")}})
     with pytest.raises(UserError, match="4.00 TiB"):
         train(config)
+
+
+def test_what_the_ranks_would_refuse_is_one_line_before_they_start(raw_dataset: Dataset, tmp_path) -> None:
+    """``neorec train --nproc 2`` finds a dynamic table that cannot shard, a plan that puts
+    dynamic tables beside store tables, and a split the dataset lacks before torchrun
+    starts (one line, no rank's copy, no torchrun report); ``neorec plan`` refuses the plan
+    the ranks would."""
+    tables = "".join(f"[model.dynamic.{f.table}]\ncapacity = 300\n" for f in raw_dataset.schema.sparse)
+    config = tmp_path / "c.toml"
+    config.write_text(f"[data]\npath = '{raw_dataset.root}'\n[model]\nembedding_dim = 8\nbottom_mlp = [16, 8]\n{tables}"
+                      f"[run]\ndir = '{tmp_path / 'run'}'\n")
+    for setting, said in (("model.dynamic.t_C1.capacity=301", "model.dynamic.t_C1.capacity: 301 rows do not split"),
+                          ("embedding_store.tables.t_C2=0.1", "dynamic tables train beside store tables in one"),
+                          ("data.eval_split='nosuch'", "the dataset has no split 'nosuch'")):
+        refused = neorec_in_process("train", config, "--nproc", "2", "--set", setting)
+        assert refused.returncode == 2 and refused.stderr.count("neorec: error:") == 1, refused.stderr
+        assert said in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+    assert not (tmp_path / "run").exists()  # no rank started
+    planned = neorec_in_process("plan", config, "--world-size", "2", "--set", "embedding_store.tables.t_C2=0.1")
+    assert planned.returncode == 2 and "dynamic tables train beside store tables" in planned.stderr, planned.stderr
+    assert neorec_in_process("plan", config, "--world-size", "1", "--set", "embedding_store.tables.t_C2=0.1"
+                             ).returncode == 0  # one process trains them beside store tables
