@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from neorec.common.durable import write_durably
 from neorec.common.errors import ConfigError, PathError, UserError, user_paths
-from neorec.orchestration.cli_args import add_client_security, at_least, client_security, one_line, port, seconds
+from neorec.orchestration.cli_args import (CommandParser, add_client_security, at_least, client_security, one_line,
+                                           port, seconds)
 from neorec.orchestration.progress import LazyBar
 from neorec.orchestration.nodes import add_node_arguments, nodes_from_args, uses_torchrun
 from neorec.orchestration.processes import USER_ERROR, rank_stopped_by_user_error, record_rank_exit
@@ -75,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     from neorec.orchestration.cli_data import add_data_commands
     from neorec.orchestration.cli_services import add_service_commands
 
-    parser = argparse.ArgumentParser(prog="neorec", description=__doc__)
+    parser = CommandParser(prog="neorec", description="Train deep learning recommendation models: data, training, "
+                           "evaluation, services, job launches and benchmarks.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     add_data_commands(commands)
@@ -122,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=seconds, default=1.0, help="seconds to connect and to answer")
     add_client_security(status)
     status.set_defaults(run=_status)
-    status.error = lambda message: status.exit(BAD_ARGUMENTS, f"{status.prog}: error: {message}\n")  # as grpc_health_probe
+    status.error_status = BAD_ARGUMENTS  # as grpc_health_probe
 
     plan = commands.add_parser("plan", help="print the sharding plan for a config, without training")
     plan.add_argument("config")

@@ -9,6 +9,19 @@ if TYPE_CHECKING:
     from neorec.common.transport import ClientSecurity, ServerSecurity
 
 
+class CommandParser(argparse.ArgumentParser):
+    """An argument parser whose refusal is the ``neorec`` commands' one error line
+    (``neorec: error: train: argument --nproc: …``, see ``neorec train --help``) rather
+    than argparse's usage block; exit status :attr:`error_status`."""
+
+    error_status = 2
+
+    def error(self, message: str):
+        command = self.prog.removeprefix("neorec").strip()
+        self.exit(self.error_status,
+                  f"neorec: error: {f'{command}: ' if command else ''}{message} (see {self.prog} --help)\n")
+
+
 def one_line(err: Exception) -> str:
     """An error's message on one line (a ``neorec: error: …`` line)."""
     return " ".join(str(err).split("\n")) or type(err).__name__

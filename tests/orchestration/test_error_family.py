@@ -82,6 +82,19 @@ def test_unreadable_user_paths_are_named_not_tracebacks(tmp_path):
     assert f"{latin1}: not UTF-8 text (byte 5: b'\\xe9')" in result.stderr
 
 
+@pytest.mark.parametrize("argv,expected,status", [
+    (["train"], "neorec: error: train: the following arguments are required: config (see neorec train --help)", 2),
+    (["train", "c.toml", "--nproc", "0"], "neorec: error: train: argument --nproc: must be at least 1, got 0", 2),
+    (["ingest", "serve", "--port", "70000"], "neorec: error: ingest serve: argument --port: port 70000 is outside", 2),
+    (["bogus"], "neorec: error: argument command: invalid choice: 'bogus'", 2),
+    (["status"], "neorec: error: status: the following arguments are required", 1),  # grpc_health_probe's 1
+])
+def test_bad_arguments_are_one_line_not_the_usage_block(argv, expected, status):
+    result = neorec_in_process(*argv)
+    assert result.returncode == status and result.stderr.startswith(expected), result.stderr
+    assert len(result.stderr.splitlines()) == 1 and result.stdout == "", result.stderr
+
+
 def test_the_errors_that_judge_input_are_one_family():
     from neorec.common.transport import EndpointError
     from neorec.embedding_store.client import StoreServiceError
