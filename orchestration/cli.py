@@ -220,6 +220,7 @@ def _train(args: argparse.Namespace) -> int:
         status = TrainerStatusServer(args.status_host, args.status_port, context.world_size,
                                      ServerSecurity(token=read_token(None)))
         status.start()
+        log.info("trainer status served on %s (neorec status %s)", status.host.address, status.host.address)
     try:
         summary = _train_rank(config, context, args.overwrite, bool(args.resume), status)
     except UserError:

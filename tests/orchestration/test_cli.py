@@ -1,6 +1,7 @@
 """The ``neorec`` command as a user runs it (a real subprocess)."""
 
 import json
+import re
 
 import pytest
 
@@ -16,8 +17,9 @@ def test_synth_train_eval_round_trip(tmp_path):
     assert json.loads((data / "dataset.json").read_text())["rows"] == {"train": 2400, "eval": 600}
     run = tmp_path / "run"
     result = neorec("train", "configs/demo.toml", "--set", f"data.path='{data}'", "--set", f"run.dir='{run}'",
-                    "--set", "train.batch_size=256", "--set", "model.max_table_rows=1000")
+                    "--set", "train.batch_size=256", "--set", "model.max_table_rows=1000", "--status-port", "0")
     assert result.returncode == 0, result.stderr
+    assert re.search(r"trainer status served on 127\.0\.0\.1:[1-9]\d* \(neorec status ", result.stderr), result.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert "eval AUC" in result.stdout and "oracle" in result.stdout
     result = neorec("eval", "configs/demo.toml", "--checkpoint", str(run / "checkpoint"),

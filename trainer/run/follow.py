@@ -315,9 +315,8 @@ class Follower:
                 log.info("waiting for the partition after %s", (state.partitions_done or ["(none)"])[-1])
                 announced = True
             if progress is not None:
-                progress(StepReport(state.global_step, state.epoch, 0.0, 0.0, state.global_step,
-                                    partition=(state.partitions_done or [""])[-1], marker_time=self.marker_time,
-                                    phase="waiting"))
+                progress(run.step_report(0.0, state.global_step, partition=(state.partitions_done or [""])[-1],
+                                         marker_time=self.marker_time, phase="waiting"))
             deadline = time.monotonic() + run.config.data.poll_interval_s
             while time.monotonic() < deadline and not self.signal.requested:
                 time.sleep(min(_SLEEP_SLICE_S, max(0.0, deadline - time.monotonic())))

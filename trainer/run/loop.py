@@ -274,12 +274,7 @@ class TrainingRun:
                 state.step_in_epoch += 1
                 interval.add(share, batch.num_valid)
                 if progress is not None:
-                    committed = self.checkpointer.writer.last_committed
-                    progress(StepReport(state.global_step, state.epoch, self.logged_loss, interval.qps(),
-                                        self.total_steps,
-                                        state.wait_seconds / state.train_seconds if state.train_seconds else 0.0,
-                                        committed.name if committed else "",
-                                        dynamic=_dynamic_counters(self.dlrm, collective=False).get("dynamic", {})))
+                    progress(self.step_report(interval.qps(), self.total_steps))
                 time_due = False
                 if state.global_step % self.config.train.log_every == 0 or state.global_step == self.total_steps:
                     time_due = self._log_interval(interval, self.checkpointer.due_by_time())
@@ -303,6 +298,16 @@ class TrainingRun:
             if source is not None:
                 state.wait_seconds += source.wait_seconds
                 source.close()
+
+    def step_report(self, qps: float, total_steps: int, **following: Any) -> StepReport:
+        """The progress report of the run as it stands: the last interval's loss, ``qps``,
+        the newest checkpoint and the dynamic tables' counters (``following``: the
+        partition fields and the phase of a following run)."""
+        state, committed = self.state, self.checkpointer.writer.last_committed
+        return StepReport(state.global_step, state.epoch, self.logged_loss, qps, total_steps,
+                          state.wait_seconds / state.train_seconds if state.train_seconds else 0.0,
+                          committed.name if committed else "",
+                          dynamic=_dynamic_counters(self.dlrm, collective=False).get("dynamic", {}), **following)
 
     def _stop_reading(self) -> None:
         """Close the readers, then stop the first epoch's background thread if it still runs (in

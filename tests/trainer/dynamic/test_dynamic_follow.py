@@ -32,8 +32,15 @@ def followed(tmp_path, **dynamic: int | str) -> TrainConfig:
 
 
 def test_partition_ttl_expires_ids_at_partition_ends(tmp_path):
-    summary = train(followed(tmp_path))
+    reports = []
+    summary = train(followed(tmp_path), progress=reports.append)
     assert_expiry_at_partition_ends(tmp_path / "run", summary)
+    waiting = [r for r in reports if r.phase == "waiting"]  # after the third partition, until idle_exit_s
+    assert waiting and all(r.global_step == summary["steps"] for r in waiting)
+    assert waiting[-1].dynamic == {table: {key: summary["dynamic"][table][key] for key in counts}
+                                   for table, counts in waiting[-1].dynamic.items()}  # the counters stay shown
+    assert waiting[-1].dynamic.keys() == summary["dynamic"].keys()
+    assert waiting[-1].last_checkpoint and waiting[-1].loss > 0  # and so do the newest checkpoint and the loss
 
 
 def train_on_rank(rank: int, world: int, config: TrainConfig) -> dict:
