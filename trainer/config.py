@@ -470,9 +470,23 @@ class TrainConfig:
                         self.security, self.launch, self.embedding_store):
             section.validate()
         self.for_world(self.launch.nproc)  # the ranks of one host, at least
+        if not self.data.follow:
+            self._check_partition_counts()
         if self.train.device == "cuda" and self.embedding_store.tables:
             raise ConfigError("embedding_store.tables: store-backed tables train on the CPU only; with "
                               "train.device = 'cuda' keep every table in device memory (or train on the CPU)")
+
+    def _check_partition_counts(self) -> None:
+        """:class:`ConfigError` for a setting that counts partitions in a run that follows
+        none (it would never take effect)."""
+        for name, dynamic in self.model.dynamic.items():
+            if dynamic.ttl and dynamic.ttl_unit == "partitions":
+                raise ConfigError(f"model.dynamic.{name}.ttl_unit: 'partitions' counts the partitions a following "
+                                  f"run trains (data.follow), and this run follows none, so no id would expire; "
+                                  f"count 'steps', or follow")
+        if self.checkpoint.every_partitions:
+            raise ConfigError("checkpoint.every_partitions: counts the partitions a following run trains "
+                              "(data.follow), and this run follows none; use every_steps or every_minutes")
 
     def for_world(self, world_size: int) -> "TrainConfig":
         """This config for a run of ``world_size`` ranks: its dynamic tables' ``shards`` 0

@@ -122,6 +122,12 @@ def test_raw_ids_need_a_dynamic_table_and_dynamic_tables_need_the_data(raw_datas
         train(config)
     with pytest.raises(ConfigError, match=r"model.dynamic.t_C1.capacity: must be a positive"):
         TrainConfig.from_dict({"model": {"dynamic": {"t_C1": {"capacity": 0}}}})
+    by_partitions = {"model": {"dynamic": {"t_C1": {"capacity": 8, "ttl": 1, "ttl_unit": "partitions"}}}}
+    with pytest.raises(ConfigError, match=r"^model.dynamic.t_C1.ttl_unit: 'partitions' counts .* follows none"):
+        TrainConfig.from_dict(by_partitions)  # no id would ever expire
+    with pytest.raises(ConfigError, match=r"^checkpoint.every_partitions: counts the partitions"):
+        TrainConfig.from_dict({"checkpoint": {"every_partitions": 2}})
+    TrainConfig.from_dict({**by_partitions, "data": {"follow": True}, "checkpoint": {"every_partitions": 2}})
     with pytest.raises(ConfigError, match=r"^model.dynamic.t_C1.capacity: 10 rows do not split into 4 equal map "
                                           r"shards \(shards = 4\); make the capacity a multiple of it$"):
         TrainConfig.from_dict({"model": {"dynamic": {"t_C1": {"capacity": 10, "shards": 4}}}})
