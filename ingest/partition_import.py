@@ -78,12 +78,12 @@ def import_partition(spec: ImportSpec, dataset_dir: str | Path, name: str, *, so
         raise PartitionError("no dataset to add a partition to: import the first data without --partition",
                              file=str(root)) from None
     _check_name(root, name)
+    _check_same_encoding(name, root, (dataset.generator or {}).get("spec"), spec)  # first: it names the key
     encoding = load_encoding(spec, root)
     schema = dataset_schema(spec, encoding)
     if schema != dataset.schema:
         raise PartitionSchemaError(f"partition {name!r} would change the dataset's schema: "
                                    f"{_difference(dataset.schema.to_json(), schema.to_json())}", file=str(root))
-    _check_same_encoding(name, root, (dataset.generator or {}).get("spec"), spec)
     directory = partitions_dir(root) / name
     held = DirectoryLock(directory, what="partition", owners="another import of it")
     try:
@@ -149,8 +149,11 @@ def _check_same_encoding(name: str, root: Path, imported: dict[str, Any] | None,
     if imported is None:
         return
     now = asdict(spec)
+    hashed = "hash" in (imported.get("categorical", {}).get("encoding"), spec.categorical.encoding)
     for section, keys in ENCODING_KEYS.items():
         for key in keys:
+            if (section, key) == ("categorical", "hash_rows") and not hashed:
+                continue  # only hashing folds ids into hash_rows
             before, after = imported.get(section, {}).get(key), now[section][key]
             if before != after:
                 raise PartitionSchemaError(f"partition {name!r} would be encoded otherwise than the dataset: "

@@ -56,15 +56,18 @@ def test_taken_and_late_names_a_schema_change_and_no_dataset_are_named_errors(im
         import_partition(new, imported / "data", "2026-01-02T05")
     with pytest.raises(PartitionOrderError, match="2026-01-02T05"):
         import_partition(new, imported / "data", "2026-01-02T04")
-    with pytest.raises(PartitionSchemaError, match="sparse"):
+    with pytest.raises(PartitionSchemaError, match="categorical.columns is \\['user'\\]"):
         import_partition(spec(imported / "new.csv", categorical={"columns": ["user"]}), imported / "data",
                          "2026-01-02T06")
     for changed, said in (({"dense": {"transform": "log1p"}}, "dense.transform is 'log1p', the dataset was imported "
                                                                "with 'standardize'"),
                           ({"label": {"transform": ">= 3"}}, "label.transform is '>= 3'"),
-                          ({"dense": {"fill": -5.0}}, "dense.fill is -5.0")):
+                          ({"dense": {"fill": -5.0}}, "dense.fill is -5.0"),
+                          ({"categorical": {"encoding": "raw"}}, "categorical.encoding is 'raw'")):
         with pytest.raises(PartitionSchemaError, match=f"would be encoded otherwise than the dataset: {said}"):
             import_partition(spec(imported / "new.csv", **changed), imported / "data", "2026-01-02T06")
+    hash_rows = spec(imported / "new.csv", categorical={"hash_rows": 1000})  # unused by vocabularies: no difference
+    import_partition(hash_rows, imported / "data", "2026-01-02T06")
     for bad in ("_tmp", "a b", "2026*", "a\\b", "a\nb"):
         with pytest.raises(PartitionError, match="not a partition name"):
             import_partition(new, imported / "data", bad)
