@@ -146,3 +146,26 @@ def test_a_run_that_ends_closes_its_tensorboard_writer(criteo_dataset, tmp_path,
     (writer,) = EventWriter.made
     assert writer.file.closed and not writer.thread.is_alive()
     assert "train/loss 2 " in (tmp_path / "run" / "tensorboard" / "events").read_text()
+
+
+@pytest.mark.parametrize("failure", [MemoryError("Unable to allocate 59.6 GiB for an array with shape (2000000001, 8)"),
+                                     RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                                                  "64000000032 bytes")])
+def test_a_model_the_host_cannot_allocate_is_a_config_error_that_releases_all(criteo_dataset, tmp_path, monkeypatch,
+                                                                              failure):
+    """``sharding.memory_per_rank`` may promise more than the host has: the allocation's
+    failure names the settings to change (numpy's MemoryError, torch's RuntimeError)."""
+    from neorec.trainer.config import ConfigError
+    from neorec.trainer.embedding import fused
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(fused, "initial_table_weight", fail)
+    config = TrainConfig.from_dict({"data": {"path": str(criteo_dataset.root)},
+                                    "model": {"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [32, 1]},
+                                    "run": {"dir": str(tmp_path / "run")}})
+    _fails_and_releases(config, ConfigError)
+    with pytest.raises(ConfigError, match=r"^the model does not fit this host's memory \(.*allocate.*\): lower "
+                                          r"model.max_table_rows .* sharding.memory_per_rank is 16GiB\)$"):
+        train(config)

@@ -153,8 +153,23 @@ def build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None
     than one rank, this rank's :class:`ShardedEmbeddingBagCollection`; given a plan that
     puts tables on the embedding store, ``store`` says where), initialised from the seed:
     the same weights whichever it is. Dynamic tables keep their map shards in this process,
-    or, sharded, on the ranks holding their rows (:func:`check_dynamic_plan`). ``table_weights``: float32 ``[rows, dim]`` of every
-    table, to start the fused module from instead."""
+    or, sharded, on the ranks holding their rows (:func:`check_dynamic_plan`).
+    ``table_weights``: float32 ``[rows, dim]`` of every table, to start the fused module
+    from instead. A model this host cannot allocate (``sharding.memory_per_rank`` promised
+    more than it has) is a :class:`ConfigError`."""
+    try:
+        return _build_model(dataset, config, plan, table_weights, store)
+    except (MemoryError, RuntimeError) as err:
+        if isinstance(err, RuntimeError) and "can't allocate memory" not in str(err):  # torch's allocator's words
+            raise
+        raise ConfigError(f"the model does not fit this host's memory ({' '.join(str(err).split())}): lower "
+                          "model.max_table_rows or the dynamic tables' capacity, or shard over more ranks "
+                          "(`neorec plan` shows what each table needs; sharding.memory_per_rank is "
+                          f"{config.sharding.memory_per_rank})") from None
+
+
+def _build_model(dataset: Dataset, config: TrainConfig, plan: ShardingPlan | None,
+                 table_weights: dict[str, torch.Tensor] | None, store: StoreSettings | None) -> DLRM:
     schema = dataset.schema
     seed = config.train.seed
     config = config.for_world(1 if plan is None else plan.world_size)
