@@ -40,7 +40,7 @@ def build_section(kind: type, obj: Any, where: str, error: type[Exception]) -> A
     missing key keeps its default; an unknown key or a value of the wrong type raises
     ``error`` naming the key (``where`` prefixes it)."""
     if not isinstance(obj, dict):
-        raise error(f"{where or 'config'}: expected a table of keys, got {obj!r}")
+        raise error(f"{where.rstrip('.') or 'config'}: expected a table of keys, got {obj!r}")
     hints = typing.get_type_hints(kind)
     fields = {_key(f): f.name for f in dataclasses.fields(kind)}
     for key in obj:

@@ -120,6 +120,8 @@ class SynthSpec:
             raise SynthSpecError(f"zipf_alpha must be > 1, got {self.zipf_alpha}")
         if not (self.partitions >= 0 and 0 <= self.drift < math.inf):
             raise SynthSpecError(f"partitions and drift must be >= 0, got {self.partitions} and {self.drift}")
+        if self.drift and not self.partitions:
+            raise SynthSpecError(f"drift {self.drift:g} turns the teacher between partitions: give partitions too")
         if self.partitions and self.rows < self.partitions:
             raise SynthSpecError(f"{self.rows} rows cannot fill {self.partitions} partitions")
         if self.id_space < 0 or self.id_space >= 2**62:

@@ -65,6 +65,7 @@ def test_multihot_profile_has_variable_length_lists(multihot_dataset):
     ({"seed": -1}, "seed must be >= 0, got -1"),
     ({"rows": 3, "partitions": 5}, "3 rows cannot fill 5 partitions"),
     ({"partitions": 2, "drift": float("inf")}, "partitions and drift must be >= 0"),
+    ({"drift": 0.1}, "drift 0.1 turns the teacher between partitions: give partitions too"),
 ])
 def test_a_spec_that_cannot_be_generated_is_a_user_error(changes, expected):
     from neorec.common.errors import UserError

@@ -112,6 +112,7 @@ def test_an_imported_dataset_s_vocabularies_are_verified_and_a_damaged_one_named
     dataset = import_dataset(spec(tmp_path / "log.csv"), tmp_path / "d")
     sound = verify_dataset(dataset)
     assert [r.split for r in sound] == ["train", "eval", "vocab"] and not any(r.problems for r in sound)
+    assert sound[-1].files == sound[-1].row_groups == len(list((tmp_path / "d" / "vocab").iterdir()))  # one each
     vocabulary = tmp_path / "d" / "vocab" / "user.parquet"
     vocabulary.write_bytes(next(with_a_bit_flipped_in_each_column(vocabulary, row_group=0)))
     (problem,) = verify_dataset(dataset)[-1].problems

@@ -31,6 +31,7 @@ def test_demo_config_loads_with_overrides():
     ("[sharding]\ntables = { t_C1 = 'diagonal' }\n", "sharding.tables.t_C1: .*unknown sharding type 'diagonal'"),
     ("[sharding]\ntables = { t_C1 = 3 }\n", "sharding.tables.t_C1: expected a string"),
     ("[sharding]\ntables = 'row_wise'\n", "sharding.tables: expected a table of keys"),
+    ("[model.dynamic]\nt_C1 = 5\n", "^[^ ]+: model.dynamic.t_C1: expected a table of keys, got 5$"),
 ])
 def test_bad_config_names_the_key(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
