@@ -16,7 +16,7 @@ from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 from neorec.trainer.run.train import evaluate_checkpoint, train
 from neorec.orchestration.processes import torchrun_command
-from tests.orchestration.test_cli import _neorec
+from tests.cli import neorec
 from tests.trainer.reference import random_kjt
 from tests.trainer.test_fused_embedding import OPTIMIZERS, _tables, train_against_reference
 from tests.trainer.test_train import _config, final_state, untimed
@@ -147,7 +147,7 @@ def test_train_under_torchrun_on_the_gpu_and_more_ranks_than_gpus_named(criteo_d
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((run / "summary.json").read_text())["eval_auc"] > 0.6
     gpus = torch.cuda.device_count()
-    result = _neorec("train", "configs/demo.toml", "--nproc", str(gpus + 1), "--set", f"run.dir='{tmp_path / 'x'}'",
-                     *settings)
+    result = neorec("train", "configs/demo.toml", "--nproc", str(gpus + 1), "--set", f"run.dir='{tmp_path / 'x'}'",
+                    *settings)
     assert result.returncode != 0
     assert f"{gpus + 1} ranks on this host but {gpus} visible GPUs" in result.stderr
