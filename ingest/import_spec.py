@@ -120,6 +120,10 @@ class CategoricalSpec:
             raise SpecError(f"categorical.max_rows: 0 (no cap) or at least 2, got {self.max_rows}")
         if self.hash_rows < 2:
             raise SpecError(f"categorical.hash_rows: must be >= 2, got {self.hash_rows}")
+        for key, value, unset in (("min_count", self.min_count, 1), ("max_rows", self.max_rows, 0)):
+            if self.encoding != "vocab" and value != unset:
+                raise SpecError(f"categorical.{key}: it caps a vocabulary, and encoding = {self.encoding!r} gives "
+                                f"every value an id; leave it out (or encode with 'vocab')")
 
 
 @dataclass

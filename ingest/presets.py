@@ -57,6 +57,8 @@ class PresetOptions:
 def preset(name: str, files: Sequence[str], options: PresetOptions = PresetOptions()) -> tuple[ImportSpec, object]:
     """The import spec of preset ``name`` for ``files``, and its block source (None: the
     spec's files)."""
+    if options.hash_rows and options.min_count != 1:
+        raise SpecError("--min-count caps a vocabulary and --hash-rows hashes the values instead: give one of them")
     categorical = dict(encoding="hash", hash_rows=options.hash_rows) if options.hash_rows else \
         dict(min_count=options.min_count)
     if options.eval_files:

@@ -196,6 +196,9 @@ def test_bad_labels_missing_files_and_bad_specs_are_named(tmp_path):
         spec(path, split={"kinds": "random"})
     with pytest.raises(SpecError, match="'user' is both categorical and multivalued"):
         spec(path, multivalued={"columns": {"user": "|"}})
+    for encoding, key, value in (("raw", "min_count", 5), ("hash", "max_rows", 100)):  # would be ignored
+        with pytest.raises(SpecError, match=f"^categorical.{key}: it caps a vocabulary, and encoding = '{encoding}'"):
+            spec(path, categorical={"encoding": encoding, key: value})
 
 
 def test_a_split_left_empty_names_the_input_files(tmp_path):

@@ -179,6 +179,11 @@ def test_a_directory_or_an_archive_is_refused_by_name(tmp_path):
         convert("avazu", archive, tmp_path / "out")
 
 
+def test_min_count_and_hash_rows_together_are_refused():
+    with pytest.raises(SpecError, match="--min-count caps a vocabulary and --hash-rows hashes"):
+        preset("criteo", [str(FIXTURES / "criteo_sample.tsv")], PresetOptions(min_count=2, hash_rows=1000))
+
+
 def test_movielens_refuses_eval_files(tmp_path):
     with pytest.raises(SpecError, match="--eval-files: MovieLens is split by timestamp"):
         preset("movielens", [str(FIXTURES / "movielens-1m")], PresetOptions(eval_files=("ratings.dat",)))
