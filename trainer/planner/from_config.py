@@ -162,6 +162,8 @@ def check_before_ranks(dataset: Dataset, config: TrainConfig, world_size: int, r
     config = config.for_world(world_size)
     if config.train.device == "cuda" or (config.train.device == "auto" and cuda_devices()):
         return
+    if config.data.follow and first_ready(dataset.root) is None:
+        return  # the ranks plan once the first partition lands
     if not config.sharding.ranks_per_node:
         config = replace(config, sharding=replace(config.sharding, ranks_per_node=ranks_per_node))
     plan = plan_for_config(dataset, config, world_size).plan

@@ -117,3 +117,16 @@ def test_what_the_ranks_would_refuse_is_one_line_before_they_start(raw_dataset: 
     assert planned.returncode == 2 and "dynamic tables train beside store tables" in planned.stderr, planned.stderr
     assert neorec_in_process("plan", config, "--world-size", "1", "--set", "embedding_store.tables.t_C2=0.1"
                              ).returncode == 0  # one process trains them beside store tables
+
+
+def test_a_follower_started_before_its_first_partition_is_not_refused_before_its_ranks(tmp_path) -> None:
+    """The ranks of a following run plan once a partition lands; the check before them
+    must not ask for a partition to sample."""
+    from neorec.ingest.synth import partitioned_dataset
+    from neorec.trainer.planner.from_config import check_before_ranks
+
+    empty = partitioned_dataset(SynthSpec(rows=600, partitions=2, raw_ids=True, id_space=10**8), tmp_path / "d")
+    config = TrainConfig.from_dict({"data": {"path": str(empty.root), "follow": True},
+                                    "model": {"embedding_dim": 8, "bottom_mlp": [16, 8],
+                                              "dynamic": {f.table: {"capacity": 64} for f in empty.schema.sparse}}})
+    check_before_ranks(empty, config, 2, 2)
