@@ -43,7 +43,11 @@ def test_dynamic_tables_are_planned_by_capacity_with_their_map(raw_dataset: Data
     assert {t.sharding_type for t in result.plan.tables} <= {"table_wise", "row_wise", "table_row_wise"}
     text = render(result)
     assert "dynamic tables" in text
-    assert "t_C1: capacity 1,000 rows, 2 map shards of 500 slots, min_count 2, ttl 5 steps, LRU when full" in text
+    assert ("t_C1: capacity 1,000 rows, 2 map shards of 500 slots, min_count 2, ttl 5 steps, LRU when full; "
+            "admission sketch 4 x 2,048 counters a map shard") in text
+    narrow = replace(config.model.dynamic["t_C1"], shards=2, sketch_width=256).describe()
+    assert narrow.endswith("admission sketch 4 x 128 counters a map shard (fewer than its slots: ids share counters "
+                           "and reach min_count early)")
 
 
 @pytest.mark.parametrize("kind", ["column_wise", "data_parallel"])

@@ -108,4 +108,10 @@ class DynamicTableConfig:
         """The settings in words (``neorec plan``)."""
         ttl = f"ttl {self.ttl} {self.ttl_unit}" if self.ttl else "no ttl"
         shards = f", {self.map_shards} map shards of {self.shard_capacity:,} slots" if self.map_shards > 1 else ""
-        return f"capacity {self.capacity:,} rows{shards}, min_count {self.min_count}, {ttl}, LRU when full"
+        text = f"capacity {self.capacity:,} rows{shards}, min_count {self.min_count}, {ttl}, LRU when full"
+        if self.min_count == 1:
+            return text
+        text += f"; admission sketch {self.sketch_depth} x {self.sketch_columns():,} counters a map shard"
+        if self.sketch_columns() < self.shard_capacity:  # many ids share each counter
+            text += " (fewer than its slots: ids share counters and reach min_count early)"
+        return text
