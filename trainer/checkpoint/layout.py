@@ -316,7 +316,10 @@ def prune(root: Path, keep: int, protect: set[str] = frozenset()) -> list[str]:
         return []
     kept = set(protect)
     for path in done[-keep:]:
-        kept.update(read_manifest(path).chain)
+        try:
+            kept.update(read_manifest(path).chain)
+        except CheckpointError:  # one a resume skipped (checkpoint.fallback): left for the user to look at
+            kept.add(path.name)
     newest = done[-1].name
     deleted = []
     for path in sorted(root.iterdir()):

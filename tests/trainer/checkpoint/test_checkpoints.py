@@ -193,6 +193,21 @@ def test_old_checkpoints_are_pruned_but_not_the_chains_that_are_kept(tmp_path):
     assert_same_state(state(restored), state(embeddings))
 
 
+def test_a_checkpoint_whose_manifest_is_corrupt_is_kept_aside_by_the_pruning_that_follows(tmp_path):
+    """A resume with checkpoint.fallback skipped it; the run's next commits must not stop on it."""
+    embeddings = module()
+    writer = checkpointer(tmp_path, embeddings, keep=2, mode="full")
+    for step in (1, 2):
+        train_steps(embeddings, 1, seed=step)
+        writer.save(global_step=step, epoch=0, step_in_epoch=step, dense=None, wait=True)
+    corrupt = tmp_path / "step-000000002" / "manifest.json"
+    corrupt.write_text(corrupt.read_text()[:50])
+    for step in (3, 4, 5):
+        train_steps(embeddings, 1, seed=step)
+        writer.save(global_step=step, epoch=0, step_in_epoch=step, dense=None, wait=True)
+    assert [p.name for p in complete(tmp_path)] == ["step-000000004", "step-000000005"]  # pruned as usual after
+
+
 @pytest.mark.parametrize("bits,tolerance", [(16, 1e-3), (8, 0.02), (4, 0.2)])
 def test_quantized_checkpoints_restore_within_their_precision(tmp_path, bits, tolerance):
     embeddings = module()
