@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from neorec.common.durable import fsync_directory, fsync_file, remove_quietly
-from neorec.common.errors import UserError
+from neorec.common.errors import UserError, describe
 from neorec.common.dir_lock import DirectoryLock
 
 MAGIC = b"NSG1"
@@ -39,12 +39,22 @@ HEADER = struct.Struct("<4sIQI")
 """magic, row bytes, row count, CRC-32 of ids and rows."""
 BLOCK = 4096
 SEGMENT_BYTES = 32 << 20
+INDEX_PAGE = mmap.PAGESIZE
+"""The index's file is given disk blocks a page of the mapping at a time."""
 """Buffered rows are written as a segment once they reach this size."""
 COMPACT_BELOW = 0.5
 """A segment whose live rows fall below this share of its rows is compacted."""
 NEVER = 0
 """Index value of a row in no segment."""
 SEGMENT_NAME = re.compile(r"\d{8,}\.seg")
+
+
+class TierWriteError(UserError, OSError):
+    """A tier's disk refused a write (full, over a quota or a file-size limit): its
+    ``errno``, and a message naming the file."""
+
+    def __str__(self) -> str:
+        return self.strerror
 
 
 class SegmentError(UserError, RuntimeError):
@@ -137,8 +147,11 @@ class SegmentTier:
         self.segments = {}
         index_path = self.directory / "index.bin"
         index_path.unlink(missing_ok=True)
-        with open(index_path, "wb") as f:
-            f.truncate(8 * self.rows)  # sparse: a table of billions of rows costs what it stores
+        try:
+            with open(index_path, "wb") as f:
+                f.truncate(8 * self.rows)  # sparse: a table of billions of rows costs what it stores
+        except OSError as err:  # a file-size limit, say
+            raise TierWriteError(err.errno, f"cannot write the store's index {index_path}: {describe(err)}") from None
         self.index = np.memmap(index_path, dtype=np.int64, mode="r+", shape=(self.rows,))
         for path in sorted(self.directory.glob("*.seg")):
             self._replay(path)
@@ -252,6 +265,7 @@ class SegmentTier:
         number = self._next
         self._next += 1
         path = self.directory / f"{number:08d}.seg"
+        self._reserve_index(rows)
         ids, body = rows.astype("<i8").tobytes(), data.tobytes()
         header = HEADER.pack(MAGIC, self.row_bytes, rows.size, zlib.crc32(body, zlib.crc32(ids)))
         tmp = path.with_name(path.name + ".tmp")
@@ -263,14 +277,35 @@ class SegmentTier:
                 if sync:
                     f.flush()
                     os.fsync(f.fileno())
-        except BaseException:  # a full disk: the rows stay buffered, the part-written file goes
+        except BaseException as err:  # a full disk: the rows stay buffered, the part-written file goes
             remove_quietly(tmp)
+            if isinstance(err, OSError):
+                raise TierWriteError(err.errno, f"cannot write the store's segment {path}: {describe(err)}") from None
             raise
         os.replace(tmp, path)
         if not sync:
             self._unsynced.add(number)
         self.stats.bytes_written += len(header) + len(ids) + len(body)
         self._add(number, path, rows)
+
+    def _reserve_index(self, rows: np.ndarray) -> None:
+        """Give the index's sparse file the disk blocks under ``rows``' entries before they
+        are written through the mapping: a full disk is then an ``OSError`` (ENOSPC) naming
+        the index, where a store to an unbacked page of the mapping would be a SIGBUS."""
+        pages = np.unique(rows.astype(np.int64) * 8 // INDEX_PAGE)
+        if not pages.size:
+            return
+        starts = pages[np.flatnonzero(np.diff(pages, prepend=pages[0] - 2) != 1)]
+        ends = pages[np.flatnonzero(np.diff(pages, append=pages[-1] + 2) != 1)] + 1
+        fd = os.open(self.index.filename, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            for start, end in zip(starts.tolist(), ends.tolist()):
+                os.posix_fallocate(fd, start * INDEX_PAGE, min(end * INDEX_PAGE, 8 * self.rows) - start * INDEX_PAGE)
+        except OSError as err:
+            raise TierWriteError(err.errno, f"cannot write the store's index {self.index.filename}: "
+                                            f"{describe(err)}") from None
+        finally:
+            os.close(fd)
 
     def _add(self, number: int, path: Path, rows: np.ndarray) -> None:
         """Register segment ``number`` holding ``rows`` (in order) as their newest copy."""
@@ -288,6 +323,7 @@ class SegmentTier:
         """Index a segment found on open, after checking it is whole."""
         rows, _ = _segment_contents(path, self.row_bytes)
         self._check_rows(rows)
+        self._reserve_index(rows)
         self._add(int(path.stem), path, rows)
 
     def _compact(self, sync: bool) -> None:

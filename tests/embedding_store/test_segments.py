@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -83,7 +85,7 @@ def test_a_flush_on_a_full_disk_keeps_the_rows_buffered_and_no_part_written_file
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(segments.os, "fsync", full)
-    with pytest.raises(OSError, match="No space left on device"):
+    with pytest.raises(segments.TierWriteError, match=r"^cannot write the store's segment .*00000001\.seg: no space"):
         tier.flush(sync=True)
     assert list(tmp_path.glob("*.tmp")) == []  # the part-written segment holds no space
     found, data = tier.read(np.arange(10, dtype=np.int64))
@@ -94,9 +96,47 @@ def test_a_flush_on_a_full_disk_keeps_the_rows_buffered_and_no_part_written_file
     assert found.all() and (data == 7).all()
 
 
+def test_the_index_s_blocks_are_given_before_a_flush_so_a_full_disk_is_an_error_not_a_sigbus(tmp_path, monkeypatch):
+    """The index is a sparse file written through a mapping: a store to a page the full disk
+    could not back would kill the process with SIGBUS."""
+    rows = np.array([3, 900, 901, ROWS - 1], dtype=np.int64)
+    tier = SegmentTier(tmp_path, ROWS, WIDTH)
+    given: list[tuple[int, int]] = []
+    monkeypatch.setattr(segments.os, "posix_fallocate", lambda fd, offset, length: given.append((offset, length)))
+    tier.write(rows, np.full((rows.size, WIDTH), 5, dtype=np.uint8))
+    tier.flush(sync=True)
+    page = segments.INDEX_PAGE
+    pages = sorted({int(r) * 8 // page for r in rows})
+    covered = [p for offset, length in given for p in range(offset // page, -(-(offset + length) // page))]
+    assert sorted(covered) == pages  # the pages under the rows' entries, each once (runs of pages in one call)
+    assert all(offset + length <= 8 * ROWS for offset, length in given)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(segments.os, "posix_fallocate", full)
+    tier.write(rows, np.full((rows.size, WIDTH), 6, dtype=np.uint8))
+    with pytest.raises(segments.TierWriteError, match=f"^cannot write the store's index {tmp_path / 'index.bin'}: "
+                                                       "no space left on device$"):
+        tier.flush(sync=True)
+    assert list(tmp_path.glob("*.tmp")) == [] and tier.read(rows)[1].min() == 6  # still buffered
+    monkeypatch.undo()
+    tier.close()
+
+
 def test_rows_outside_the_table_are_refused(tmp_path):
     tier = SegmentTier(tmp_path, ROWS, WIDTH)
     with pytest.raises(IndexError, match=r"\[0, 5000\)"):
         tier.read(np.array([ROWS]))
     with pytest.raises(ValueError, match="24 bytes"):
         tier.write(np.array([1]), np.zeros((1, 3), dtype=np.uint8))
+
+
+def test_an_index_larger_than_the_file_size_limit_is_named(tmp_path):
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
+            "from neorec.embedding_store.segments import SegmentTier, TierWriteError\n"
+            "try:\n    SegmentTier(sys.argv[1], 10**6, 8)\nexcept TierWriteError as err:\n    print(err)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t")], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.strip() == f"cannot write the store's index {tmp_path / 't' / 'index.bin'}: File too large", \
+        done.stderr
