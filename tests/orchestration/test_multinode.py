@@ -177,19 +177,20 @@ def test_checkpoints_restore_from_two_nodes_of_two_ranks_into_one_node_of_three_
                          "sharding.tables={" + ", ".join(f"{t}='{k}'" for t, k in tables.items()) + "}",
                          "train.threads=1")
 
-    _run_nodes(_node_commands(2, 2, settings(on_nodes, 2)))
+    _run_nodes(_node_commands(2, 2, settings(on_nodes, 0)))  # one whole epoch
     run = tmp_path / "run"
     config = json.loads((run / "config.json").read_text())
+    first = json.loads((run / "summary.json").read_text())["steps"]
     on_three = run_ranks(_restored, 3, config, str(run / "checkpoint"), 3, on_one)
     assert {t["sharding_type"] for t in on_three[0]["plan"]["tables"]} >= {"row_wise", "table_wise"}
     _assert_restored(on_three[0], run)
 
-    # a run cut by max_steps counts its epoch as done: the resumed run trains on in the next
-    result = neorec("train", "configs/demo.toml", "--nproc", "3", "--resume", str(run), *settings(on_one, 3),
+    # the epoch ended: the resumed run, on another number of ranks, trains on in the next
+    result = neorec("train", "configs/demo.toml", "--nproc", "3", "--resume", str(run), *settings(on_one, first + 1),
                     "--set", "train.epochs=2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((run / "summary.json").read_text())["world_size"] == 3
-    assert (run / "checkpoint" / "LATEST").read_text().strip() == "step-000000003"
+    assert (run / "checkpoint" / "LATEST").read_text().strip() == f"step-{first + 1:09d}"
     on_four = run_ranks(_restored, 4, config, str(run / "checkpoint"), 2, on_nodes)
     assert "table_row_wise" in {t["sharding_type"] for t in on_four[0]["plan"]["tables"]}
     _assert_restored(on_four[0], run)

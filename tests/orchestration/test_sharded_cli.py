@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.test_train import final_state
-from tests.cli import NEOREC, neorec
+from tests.cli import NEOREC, neorec, neorec_in_process
 
 
 @pytest.mark.slow  # two ranks end to end, ~14 s: CI runs it with -m slow
@@ -216,10 +216,16 @@ def test_a_user_error_in_the_ranks_exits_2_and_torchrun_leaves_no_files(criteo_d
                      "--set", "train.batch_size=100000")  # found by the ranks: their one line, torchrun's report
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "neorec: error: split 'train'" in refused.stderr
-    alone = neorec("train", "configs/demo.toml", "--nproc", "2", *_settings(criteo_dataset, tmp_path / "run"),
-                   "--set", "sharding.tables.t_C1='table_wise:5'")  # found by rank 0 alone: rank 1 waits for it
+    planned = neorec_in_process("train", "configs/demo.toml", "--nproc", "2",
+                                *_settings(criteo_dataset, tmp_path / "run"), "--set",
+                                "sharding.tables.t_C1='table_wise:5'")  # found before the ranks start
+    assert planned.returncode == 2 and planned.stderr.strip() == \
+        "neorec: error: table 't_C1': rank 5 is outside world size 2", planned.stderr
+    (tmp_path / "held").mkdir()
+    (tmp_path / "held" / "metrics.jsonl").write_text("{}\n")  # another run's: rank 0 claims the directory alone
+    alone = neorec("train", "configs/demo.toml", "--nproc", "2", *_settings(criteo_dataset, tmp_path / "held"))
     assert alone.returncode == 2, alone.stderr[-3000:]
-    assert alone.stderr.count("neorec: error:") == 1 and "rank 5 is outside world size 2" in alone.stderr
+    assert alone.stderr.count("neorec: error:") == 1 and "already holds a run" in alone.stderr
     assert "neorec: rank 1 stopped with rank 0, whose error is above" in alone.stderr
     assert "RuntimeError" not in alone.stderr, alone.stderr[-3000:]  # not the gloo traceback of rank 1
     assert _torchrun_dirs() <= before and live_run.is_dir()  # another run's may go: it was abandoned too
