@@ -413,6 +413,13 @@ def _link_or_copy(source: Path, target: Path) -> None:
         fsync_file(target)
 
 
+def check_segments(paths: list[Path], row_bytes: int) -> None:
+    """Raise :class:`SegmentError` naming the first of the segment files ``paths`` that is
+    not whole (its header, row width or checksum), one file in memory at a time."""
+    for path in paths:
+        _segment_contents(path, row_bytes)
+
+
 def read_segments(paths: list[Path], row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """The newest copy of every row in the segment files ``paths``: int64 ``rows`` (sorted)
     and uint8 ``[n, row_bytes]`` data. Later segment numbers supersede earlier ones. Raises

@@ -188,18 +188,22 @@ def test_two_ranks_with_row_wise_store_shards_equal_two_ranks_in_memory(criteo_d
     assert_same_model(final_model(tmp_path / "memory", tmp_path / "t1"), final_model(tmp_path / "store", tmp_path / "t2"))
 
 
-def test_a_corrupt_segment_is_named_when_resuming(criteo_dataset, tmp_path):
+def test_a_corrupt_segment_is_named_when_resuming_and_fallback_takes_the_checkpoint_before(criteo_dataset, tmp_path):
     run = tmp_path / "run"
-    train(_config(criteo_dataset, run, {"tables": STORE}, max_steps=5))
+    train(_config(criteo_dataset, run, {"tables": STORE}, {"every_steps": 5}, max_steps=10))
     manifest = checkpoint.open_checkpoint(run / "checkpoint").manifest
     entry = next(e for e in manifest.store if e.files)
-    segment = run / "checkpoint" / manifest.name / entry.directory / entry.files[0].name
+    segment = run / "checkpoint" / manifest.name / entry.directory / entry.files[-1].name
     data = bytearray(segment.read_bytes())
     data[-1] ^= 0xFF
     segment.unlink()  # a link: replace the file, not the tier's copy
     segment.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=segment.name):
-        train(_config(criteo_dataset, run, {"tables": STORE}, max_steps=10), resume=True)
+    tier = sorted(p.name for p in (run / "store" / entry.key).iterdir())
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(segment))}: corrupt"):  # the checkpoint's copy
+        train(_config(criteo_dataset, run, {"tables": STORE}, max_steps=15), resume=True)
+    assert sorted(p.name for p in (run / "store" / entry.key).iterdir()) == tier  # the tier left as it was
+    summary = train(_config(criteo_dataset, run, {"tables": STORE}, {"fallback": True}, max_steps=15), resume=True)
+    assert summary["steps"] == 15 and [s["checkpoint"] for s in summary["resume_skipped"]] == [manifest.name]
 
 
 class Crash(Exception):

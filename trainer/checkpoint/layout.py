@@ -28,7 +28,7 @@ import numpy as np
 
 from neorec.common.durable import write_durably
 from neorec.common.errors import UserError
-from neorec.embedding_store.segments import SegmentError, read_segments
+from neorec.embedding_store.segments import SegmentError, check_segments, read_segments
 
 FORMAT = "neorec-checkpoint/2"
 MANIFEST = "manifest.json"
@@ -288,7 +288,15 @@ def verify(directory: Path, manifest: Manifest) -> None:
     for record in manifest.records:
         read_record(directory, record)
     for piece in manifest.store:
-        read_store_segments(directory, piece)
+        check_store_segments(directory, piece)
+
+
+def check_store_segments(directory: Path, piece: StoreEntry) -> None:
+    """:class:`CheckpointError` naming the first segment of a store piece that is not whole."""
+    try:
+        check_segments([directory / piece.directory / f.name for f in piece.files], piece.row_bytes)
+    except SegmentError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def read_store_segments(directory: Path, piece: StoreEntry) -> tuple[np.ndarray, np.ndarray]:

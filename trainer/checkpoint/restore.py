@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from neorec.trainer.checkpoint import records
-from neorec.trainer.checkpoint.layout import (DENSE_FILE, CheckpointError, Manifest, RecordEntry, check_sizes, complete,
-                                       read_manifest, read_record, sha256_of)
+from neorec.trainer.checkpoint.layout import (DENSE_FILE, CheckpointError, Manifest, RecordEntry, check_sizes,
+                                       check_store_segments, complete, read_manifest, read_record, sha256_of)
 from neorec.trainer.embedding.fused import ShardView
 
 AgreeFn = Callable[[bool], bool]
@@ -97,6 +97,8 @@ def check(restorable: Restorable, views: list[ShardView], need_dense: bool) -> N
         check_sizes(directory, manifest)
         for entry in _overlapping(manifest, views):
             read_record(directory, entry)
+    for piece in restorable.manifest.store:  # before any is linked into a tier, whose own segments it replaces
+        check_store_segments(restorable.directory, piece)
     if need_dense:
         dense = next(f for f in restorable.manifest.files if f.name == DENSE_FILE)
         if sha256_of(restorable.directory / DENSE_FILE) != dense.sha256:
