@@ -19,20 +19,17 @@ def describe(directory: str | Path, verify: bool = False) -> dict[str, Any]:
     :class:`CheckpointError` when the directory holds no checkpoint, complete or not, and is
     not a run's (an empty listing for a run that has written none yet)."""
     root, _ = checkpoints_root(directory)
-    latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    latest = (root / LATEST).read_text(errors="replace").strip() if (root / LATEST).is_file() else None
     checkpoints = []
     found: dict[str, str | None] = {}
     for path in complete(root):
-        manifest = read_manifest(path)
-        total = sum(t["rows"] for t in manifest.tables.values())
-        touched = sum(manifest.stats.get("touched", {}).values())
-        written = sum(r.count for r in manifest.records)
-        entry = {"name": manifest.name, "step": manifest.step, "epoch": manifest.epoch, "kind": manifest.kind,
-                 "chain": manifest.chain, "bits": manifest.bits, "world_size": manifest.world_size,
-                 "bytes": manifest.stats.get("bytes", sum(f.bytes for f in manifest.files)),
-                 "rows_written": written, "rows_touched": touched, "rows_total": total,
-                 "touched_fraction": touched / total if total else 0.0,
-                 "snapshot_s": manifest.stats.get("snapshot_s"), "write_s": manifest.stats.get("write_s")}
+        try:
+            manifest = read_manifest(path)
+            entry = _entry(manifest)
+        except (CheckpointError, AttributeError, KeyError, TypeError, ValueError) as err:  # a damaged manifest
+            found[path.name] = f"{path / layout.MANIFEST}: cannot be read ({' '.join(str(err).split())})"
+            checkpoints.append({"name": path.name, "verified": False, "error": found[path.name]})
+            continue
         if verify:
             error = _chain_error(root, manifest, found)
             entry["verified"] = error is None
@@ -44,6 +41,19 @@ def describe(directory: str | Path, verify: bool = False) -> dict[str, Any]:
     if not checkpoints and not incomplete and not _holds_a_run(Path(directory), root):
         raise CheckpointError(f"{directory}: no checkpoints, and not a run directory or its checkpoint directory")
     return {"root": str(root), "latest": latest, "checkpoints": checkpoints, "incomplete": incomplete}
+
+
+def _entry(manifest: layout.Manifest) -> dict[str, Any]:
+    """A checkpoint's line of the listing, from its manifest."""
+    total = sum(t["rows"] for t in manifest.tables.values())
+    touched = sum(manifest.stats.get("touched", {}).values())
+    written = sum(r.count for r in manifest.records)
+    return {"name": manifest.name, "step": manifest.step, "epoch": manifest.epoch, "kind": manifest.kind,
+            "chain": manifest.chain, "bits": manifest.bits, "world_size": manifest.world_size,
+            "bytes": manifest.stats.get("bytes", sum(f.bytes for f in manifest.files)),
+            "rows_written": written, "rows_touched": touched, "rows_total": total,
+            "touched_fraction": touched / total if total else 0.0,
+            "snapshot_s": manifest.stats.get("snapshot_s"), "write_s": manifest.stats.get("write_s")}
 
 
 def _chain_error(root: Path, manifest: layout.Manifest, found: dict[str, str | None]) -> str | None:
@@ -75,6 +85,9 @@ def render(described: dict[str, Any]) -> str:
     header = f"{'name':<16} {'step':>8} {'epoch':>5} {'kind':<11} {'bits':>4} {'bytes':>13} {'touched':>8}  chain"
     lines.append(header)
     for c in described["checkpoints"]:
+        if "step" not in c:  # its manifest cannot be read
+            lines.append(f"{c['name']:<16} CORRUPT: {c['error']}")
+            continue
         chain = " <- ".join(reversed(c["chain"][:-1])) if len(c["chain"]) > 1 else "-"
         status = "" if "verified" not in c else ("  ok" if c["verified"] else f"  CORRUPT: {c['error']}")
         lines.append(f"{c['name']:<16} {c['step']:>8} {c['epoch']:>5} {c['kind']:<11} {c['bits']:>4} "

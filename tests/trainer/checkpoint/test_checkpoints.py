@@ -13,7 +13,7 @@ from tests.trainer.checkpoint.helpers import assert_same_state, checkpointer, mo
 from neorec.trainer.checkpoint.inspect import describe
 from neorec.trainer.checkpoint.layout import CheckpointError, complete, read_manifest
 from neorec.trainer.checkpoint.restore import choose, open_checkpoint, restore_embeddings
-from tests.cli import NEOREC
+from tests.cli import NEOREC, neorec_in_process
 
 
 def _restored(root, **module_kwargs):
@@ -138,9 +138,10 @@ def test_a_manifest_whose_position_or_chain_no_checkpoint_writes_is_named(tmp_pa
     obj = json.loads(path.read_text())
     assert obj["chain"] == ["step-000000001", "step-000000002"]
     path.write_text(json.dumps({**obj, **damage}))
-    for read in (open_checkpoint, describe):  # restoring it, inspecting it
-        with pytest.raises(CheckpointError, match=f"{path}.*{re.escape(expected)}"):
-            read(tmp_path)
+    with pytest.raises(CheckpointError, match=f"{path}.*{re.escape(expected)}"):  # restoring it
+        open_checkpoint(tmp_path)
+    listed = describe(tmp_path)["checkpoints"][-1]  # inspecting it: listed as corrupt, the error named
+    assert listed["verified"] is False and re.search(f"{path}.*{re.escape(expected)}", listed["error"])
 
 
 def test_inspect_verify_fails_a_checkpoint_whose_chain_is_not_complete(tmp_path):
@@ -176,6 +177,26 @@ def test_inspect_verify_marks_every_increment_on_a_corrupt_base_and_the_command_
     assert command.returncode == 2 and "Traceback" not in command.stderr, command.stderr
     assert command.stderr.strip() == (f"neorec: error: 3 checkpoints of 3 in {tmp_path} cannot be restored: "
                                       "step-000000001, step-000000002, step-000000003")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "wrong types"])
+def test_inspect_lists_a_checkpoint_whose_manifest_is_damaged_as_corrupt_beside_the_others(tmp_path, damage):
+    embeddings = module()
+    writer = checkpointer(tmp_path, embeddings, mode="full")
+    for step in (1, 2):
+        train_steps(embeddings, 1, seed=step)
+        writer.save(global_step=step, epoch=0, step_in_epoch=step, dense=None, wait=True)
+    manifest = tmp_path / "step-000000002" / "manifest.json"
+    text = manifest.read_text()
+    manifest.write_text(text[:60] if damage == "truncated" else json.dumps({**json.loads(text), "tables": "x"}))
+    (tmp_path / "LATEST").write_bytes(b"step-\xff\n")  # not UTF-8 either
+    listed = describe(tmp_path)["checkpoints"]
+    assert [c["name"] for c in listed] == ["step-000000001", "step-000000002"] and "step" in listed[0]
+    assert listed[1]["verified"] is False and listed[1]["error"].startswith(f"{manifest}: cannot be read")
+    command = neorec_in_process("checkpoint", "inspect", tmp_path)
+    assert command.returncode == 2 and "step-000000002   CORRUPT:" in command.stdout, command.stdout
+    assert command.stderr.strip() == \
+        f"neorec: error: 1 checkpoint of 2 in {tmp_path} cannot be restored: step-000000002"
 
 
 def test_old_checkpoints_are_pruned_but_not_the_chains_that_are_kept(tmp_path):
