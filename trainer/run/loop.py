@@ -134,7 +134,9 @@ class TrainingRun:
         if context.distributed:
             dist.barrier()  # no rank opens its store tiers in the run directory while the old run is removed
         store_dir = Path(config.embedding_store.dir or self.run_dir / run_directory.STORE)
-        self.dlrm = build_model(self.dataset, config, self.plan, store=store_settings(config, store_dir, not resume))
+        # tiers emptied, also when resuming: the checkpoint restored replaces them (a tier's own segments,
+        # newer than any checkpoint, cannot be used, and one a crash damaged must not stop the resume)
+        self.dlrm = build_model(self.dataset, config, self.plan, store=store_settings(config, store_dir, reset=True))
         self.dlrm = self.dlrm.to(context.device)
         self.store = store_of(self.dlrm.embeddings)
         if self.store is not None:
