@@ -43,7 +43,7 @@ from neorec.ingest.row_group_cache import DEFAULT_CAPACITY_BYTES, RowGroupCache
 from neorec.ingest.rows import RowGroupInfo, RowSpan, Window
 from neorec.ingest.partitions import MARKER, with_partition_split
 from neorec.ingest.schema import Dataset
-from neorec.ingest.service_limits import DEFAULT_MAX_STREAMS
+from neorec.ingest.service_limits import DEFAULT_MAX_STREAMS, MAX_BATCH_SIZE
 from neorec.common.confine import confined, resolve_roots
 from neorec.common.transport import (MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, RequestError, ServerSecurity,
                                      ServiceHost, abort)
@@ -53,7 +53,6 @@ from neorec.protos import ingest_pb2, ingest_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH_SIZE = 1 << 20
 RATE_WINDOW_S = 5.0
 
 

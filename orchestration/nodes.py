@@ -84,6 +84,8 @@ def nodes_from_args(args: argparse.Namespace) -> Nodes:
         raise ValueError(f"--node-rank {args.node_rank}: must be below --nnodes {args.nnodes}")
     if args.rdzv:
         check_address(args.rdzv, "--rdzv")
+    if not args.rdzv_id.strip():
+        raise ValueError("--rdzv-id: give the job an id, the same on every node (torchrun would draw one a node)")
     nodes = Nodes(args.nnodes, args.node_rank, args.rdzv or "", args.rdzv_id, args.max_restarts)
     if nodes.standalone and nodes.max_restarts:  # one node that restarts: its own rendezvous, known here
         from neorec.orchestration.launch import free_ports

@@ -103,5 +103,11 @@ def job_services(run_dir: str | Path) -> list[str]:
                          f"`neorec launch` job") from None
     except (OSError, json.JSONDecodeError) as err:
         raise TargetError(f"{path}: {err}") from None
-    return [address for addresses in services.values() for address in addresses]
+    if not (isinstance(services, dict) and all(isinstance(a, list) and all(isinstance(x, str) for x in a)
+                                               for a in services.values())):
+        raise TargetError(f"{path}: not a job's services file (an object of roles, each a list of addresses)")
+    addresses = [address for addresses in services.values() for address in addresses]
+    if not addresses:
+        raise TargetError(f"{path}: lists no service")
+    return addresses
 

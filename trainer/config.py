@@ -9,6 +9,7 @@ from typing import Any
 
 from neorec.common.addresses import check_address
 from neorec.common.errors import ConfigError
+from neorec.ingest.service_limits import MAX_BATCH_SIZE
 from neorec.ingest.client import COMPRESSIONS
 from neorec.ingest.decoder import DENSE_TRANSFORMS, ID_MAPPINGS
 from neorec.ingest.plan import REMAINDER_POLICIES, SHUFFLE_MODES
@@ -470,6 +471,11 @@ class TrainConfig:
                         self.security, self.launch, self.embedding_store):
             section.validate()
         self.for_world(self.launch.nproc)  # the ranks of one host, at least
+        if self.data.ingest:
+            for key in ("batch_size", "eval_batch_size"):
+                if getattr(self.train, key) > MAX_BATCH_SIZE:
+                    raise ConfigError(f"train.{key}: a reader service cuts batches of at most {MAX_BATCH_SIZE:,} rows, "
+                                      f"got {getattr(self.train, key):,} (data.ingest reads through services)")
         if not self.data.follow:
             self._check_partition_counts()
         if self.train.device == "cuda" and self.embedding_store.tables:

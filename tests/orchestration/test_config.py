@@ -32,6 +32,8 @@ def test_demo_config_loads_with_overrides():
     ("[sharding]\ntables = { t_C1 = 3 }\n", "sharding.tables.t_C1: expected a string"),
     ("[sharding]\ntables = 'row_wise'\n", "sharding.tables: expected a table of keys"),
     ("[model.dynamic]\nt_C1 = 5\n", "^[^ ]+: model.dynamic.t_C1: expected a table of keys, got 5$"),
+    ("[data]\ningest = ['127.0.0.1:1']\n[train]\neval_batch_size = 2000000\n",
+     "train.eval_batch_size: a reader service cuts batches of at most 1,048,576 rows, got 2,000,000"),
 ])
 def test_bad_config_names_the_key(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):

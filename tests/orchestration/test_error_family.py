@@ -140,3 +140,22 @@ def test_a_benchmark_s_json_path_is_checked_before_it_runs(tmp_path, where, expe
     assert result.returncode == 2 and result.stdout == "", result.stdout[-2000:]  # no benchmark ran
     assert result.stderr.strip() == f"neorec: error: {tmp_path / where}" + (
         f" {expected}" if where == "dir" else f": {tmp_path / expected}")
+
+
+@pytest.mark.parametrize("services,said", [("[1, 2]", "not a job's services file"),
+                                           ('{"ingest": [5]}', "not a job's services file"),
+                                           ('{"ingest": "127.0.0.1:1"}', "not a job's services file"),
+                                           ('{"ingest": []}', "lists no service")])
+def test_a_job_s_services_file_of_another_shape_is_named(tmp_path, services, said):
+    (tmp_path / "services.json").write_text(services)
+    result = neorec_in_process("status", tmp_path)
+    assert result.returncode == 1 and result.stderr.strip() == \
+        f"neorec: error: {tmp_path / 'services.json'}: {said}" + (
+            " (an object of roles, each a list of addresses)" if "shape" not in said and "file" in said else ""), \
+        result.stderr
+
+
+def test_an_empty_rendezvous_id_is_refused():  # torchrun would draw one on each node: they would never meet
+    result = neorec_in_process("train", "configs/demo.toml", "--nnodes", "2", "--rdzv", "127.0.0.1:1",
+                               "--rdzv-id", "")
+    assert result.returncode == 2 and "--rdzv-id: give the job an id" in result.stderr, result.stderr
