@@ -4,15 +4,18 @@ works from a snapshot, corruption is named, old checkpoints are pruned."""
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from tests.trainer.checkpoint.helpers import assert_same_state, checkpointer, module, state, train_steps
+from neorec.trainer.checkpoint.checkpointer import Checkpointer
 from neorec.trainer.checkpoint.inspect import describe
 from neorec.trainer.checkpoint.layout import CheckpointError, complete, read_manifest
 from neorec.trainer.checkpoint.restore import choose, open_checkpoint, restore_embeddings
+from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 from tests.cli import NEOREC, neorec_in_process
 
 
@@ -36,6 +39,16 @@ def test_a_chain_of_increments_restores_bit_exactly(tmp_path, optimizer, weight_
     assert manifest.kind == "incremental" and manifest.chain == ["step-000000001", "step-000000002", "step-000000003"]
     restored, _ = _restored(tmp_path, optimizer=optimizer, weight_dtype=weight_dtype)
     assert_same_state(state(restored), state(embeddings))
+
+
+def _checkpointed(root: Path, steps, **config) -> tuple[FusedEmbeddingBagCollection, Checkpointer]:
+    """A module trained one step before each of ``steps``, checkpointed after it under ``root``."""
+    embeddings = module()
+    writer = checkpointer(root, embeddings, **config)
+    for step in steps:
+        train_steps(embeddings, 1, seed=step)
+        writer.save(global_step=step, epoch=0, step_in_epoch=step, dense=None, wait=True)
+    return embeddings, writer
 
 
 def test_an_increment_writes_only_the_modified_rows(tmp_path):
@@ -129,11 +142,7 @@ def test_a_corrupt_or_truncated_file_is_named_and_fallback_restores_the_one_befo
     ({"name": "step-000000001", "step": 1, "chain": ["step-000000001"], "kind": "full"}, "not of the directory"),
 ])
 def test_a_manifest_whose_position_or_chain_no_checkpoint_writes_is_named(tmp_path, damage, expected):
-    embeddings = module()
-    writer = checkpointer(tmp_path, embeddings, mode="incremental")
-    for step in (1, 2):
-        train_steps(embeddings, 1, seed=step)
-        writer.save(global_step=step, epoch=0, step_in_epoch=step, dense=None, wait=True)
+    embeddings, writer = _checkpointed(tmp_path, (1, 2), mode="incremental")
     path = tmp_path / "step-000000002" / "manifest.json"
     obj = json.loads(path.read_text())
     assert obj["chain"] == ["step-000000001", "step-000000002"]
@@ -145,11 +154,7 @@ def test_a_manifest_whose_position_or_chain_no_checkpoint_writes_is_named(tmp_pa
 
 
 def test_inspect_verify_fails_a_checkpoint_whose_chain_is_not_complete(tmp_path):
-    embeddings = module()
-    writer = checkpointer(tmp_path, embeddings, mode="incremental")
-    for step in (1, 2):
-        train_steps(embeddings, 1, seed=step)
-        writer.save(global_step=step, epoch=0, step_in_epoch=step, dense=None, wait=True)
+    embeddings, writer = _checkpointed(tmp_path, (1, 2), mode="incremental")
     (tmp_path / "step-000000001" / "manifest.json").unlink()
     [verified] = describe(tmp_path, verify=True)["checkpoints"]
     assert verified["name"] == "step-000000002" and not verified["verified"]
@@ -157,11 +162,7 @@ def test_inspect_verify_fails_a_checkpoint_whose_chain_is_not_complete(tmp_path)
 
 
 def test_inspect_verify_marks_every_increment_on_a_corrupt_base_and_the_command_exits_2(tmp_path):
-    embeddings = module()
-    writer = checkpointer(tmp_path, embeddings, mode="incremental")
-    for step in (1, 2, 3):
-        train_steps(embeddings, 1, seed=step)
-        writer.save(global_step=step, epoch=0, step_in_epoch=step, dense=None, wait=True)
+    embeddings, writer = _checkpointed(tmp_path, (1, 2, 3), mode="incremental")
     base = tmp_path / "step-000000001"
     damaged = next(p for p in sorted(base.iterdir()) if p.name != "manifest.json" and p.stat().st_size)
     data = bytearray(damaged.read_bytes())
@@ -181,11 +182,7 @@ def test_inspect_verify_marks_every_increment_on_a_corrupt_base_and_the_command_
 
 @pytest.mark.parametrize("damage", ["truncated", "wrong types"])
 def test_inspect_lists_a_checkpoint_whose_manifest_is_damaged_as_corrupt_beside_the_others(tmp_path, damage):
-    embeddings = module()
-    writer = checkpointer(tmp_path, embeddings, mode="full")
-    for step in (1, 2):
-        train_steps(embeddings, 1, seed=step)
-        writer.save(global_step=step, epoch=0, step_in_epoch=step, dense=None, wait=True)
+    embeddings, writer = _checkpointed(tmp_path, (1, 2), mode="full")
     manifest = tmp_path / "step-000000002" / "manifest.json"
     text = manifest.read_text()
     manifest.write_text(text[:60] if damage == "truncated" else json.dumps({**json.loads(text), "tables": "x"}))
@@ -200,11 +197,7 @@ def test_inspect_lists_a_checkpoint_whose_manifest_is_damaged_as_corrupt_beside_
 
 
 def test_old_checkpoints_are_pruned_but_not_the_chains_that_are_kept(tmp_path):
-    embeddings = module()
-    writer = checkpointer(tmp_path, embeddings, keep=2)
-    for step in range(1, 6):
-        train_steps(embeddings, 1, seed=step)
-        writer.save(global_step=step, epoch=0, step_in_epoch=step, dense=None, wait=True)
+    embeddings, writer = _checkpointed(tmp_path, range(1, 6), keep=2)
     names = [p.name for p in complete(tmp_path)]
     newest = read_manifest(tmp_path / names[-1])
     assert set(newest.chain) <= set(names)  # the chain of the newest is whole
@@ -216,11 +209,7 @@ def test_old_checkpoints_are_pruned_but_not_the_chains_that_are_kept(tmp_path):
 
 def test_a_checkpoint_whose_manifest_is_corrupt_is_kept_aside_by_the_pruning_that_follows(tmp_path):
     """A resume with checkpoint.fallback skipped it; the run's next commits must not stop on it."""
-    embeddings = module()
-    writer = checkpointer(tmp_path, embeddings, keep=2, mode="full")
-    for step in (1, 2):
-        train_steps(embeddings, 1, seed=step)
-        writer.save(global_step=step, epoch=0, step_in_epoch=step, dense=None, wait=True)
+    embeddings, writer = _checkpointed(tmp_path, (1, 2), keep=2, mode="full")
     corrupt = tmp_path / "step-000000002" / "manifest.json"
     corrupt.write_text(corrupt.read_text()[:50])
     for step in (3, 4, 5):
