@@ -44,11 +44,7 @@ def recorded_spec(dataset_dir: str | Path) -> dict[str, Any]:
     dataset, and :class:`SpecError` for a dataset that no such spec describes (synthetic,
     or converted from files the importer joins, as MovieLens's)."""
     root = Path(dataset_dir)
-    try:
-        generator = Dataset.load(root).generator or {}
-    except FileNotFoundError:
-        raise PartitionError("no dataset to add a partition to: import the first data without --partition",
-                             file=str(root)) from None
+    generator = _dataset_to_extend(root).generator or {}
     if generator.get("kind") != "import" or "spec" not in generator:
         raise SpecError(f"{root / DATASET_FILE} records no import spec (it was not written by neorec data import "
                         f"or convert): give the partition's import spec")
@@ -72,11 +68,7 @@ def import_partition(spec: ImportSpec, dataset_dir: str | Path, name: str, *, so
     the dataset's, :class:`DataError` for bad rows or no rows at all."""
     started = time.perf_counter()
     root = Path(dataset_dir)
-    try:
-        dataset = Dataset.load(root)
-    except FileNotFoundError:
-        raise PartitionError("no dataset to add a partition to: import the first data without --partition",
-                             file=str(root)) from None
+    dataset = _dataset_to_extend(root)
     _check_name(root, name)
     _check_same_encoding(name, root, (dataset.generator or {}).get("spec"), spec)  # first: it names the key
     encoding = load_encoding(spec, root)
@@ -134,6 +126,16 @@ def _check_name(root: Path, name: str) -> None:
     if later:
         raise PartitionOrderError(f"partition {name!r} sorts before partition {later[-1]!r}, which has landed: "
                                   f"partitions must land in name (time) order", file=str(partitions_dir(root)))
+
+
+def _dataset_to_extend(root: Path) -> Dataset:
+    """The dataset at ``root`` that a partition is added to (:class:`PartitionError` when
+    there is none yet)."""
+    try:
+        return Dataset.load(root)
+    except FileNotFoundError:
+        raise PartitionError("no dataset to add a partition to: import the first data without --partition",
+                             file=str(root)) from None
 
 
 ENCODING_KEYS = {"label": ("column", "transform"), "dense": ("columns", "transform", "fill"),
