@@ -164,9 +164,7 @@ def check_before_ranks(dataset: Dataset, config: TrainConfig, world_size: int, r
         return
     if config.data.follow and first_ready(dataset.root) is None:
         return  # the ranks plan once the first partition lands
-    if not config.sharding.ranks_per_node:
-        config = replace(config, sharding=replace(config.sharding, ranks_per_node=ranks_per_node))
-    plan = plan_for_config(dataset, config, world_size).plan
+    plan = plan_for_config(dataset, _with_ranks_per_node(config, ranks_per_node), world_size).plan
     if world_size > 1:
         check_dynamic_plan(plan, config)
 
@@ -206,5 +204,12 @@ def for_job(config: TrainConfig, context: DistributedContext) -> TrainConfig:
         config = replace(config, embedding_store=replace(config.embedding_store, cache_fraction=0.0))
     if context.distributed and not config.sharding.ranks_per_node:
         check_same_local_world(context)
-        config = replace(config, sharding=replace(config.sharding, ranks_per_node=context.local_world_size))
+        config = _with_ranks_per_node(config, context.local_world_size)
     return config
+
+
+def _with_ranks_per_node(config: TrainConfig, ranks_per_node: int) -> TrainConfig:
+    """``config`` planned for ``ranks_per_node`` ranks a node where it leaves that to the job (0)."""
+    if config.sharding.ranks_per_node:
+        return config
+    return replace(config, sharding=replace(config.sharding, ranks_per_node=ranks_per_node))
