@@ -8,6 +8,7 @@ import argparse
 import json
 import logging
 import os
+import select
 import signal
 import sys
 from pathlib import Path
@@ -31,6 +32,9 @@ log = logging.getLogger("neorec")
 
 
 INTERRUPTED = 130
+OUTPUT_CLOSED = 141
+"""The status of a command whose standard output was closed under it (``neorec … | head``):
+a shell's for a process that SIGPIPE stopped."""
 BAD_ARGUMENTS = 1
 """``neorec status``'s exit status for bad arguments (grpc_health_probe's)."""
 
@@ -61,6 +65,11 @@ def _command(argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt:
         print("neorec: interrupted", file=sys.stderr)
         return INTERRUPTED
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        return OUTPUT_CLOSED
     except UserError as err:
         print(f"neorec: error: {one_line(err)}", file=sys.stderr)
         return USER_ERROR
@@ -70,6 +79,18 @@ def _command(argv: Sequence[str] | None) -> int:
             raise
         print(f"neorec: rank {os.environ.get('RANK')} stopped with rank {peer}, whose error is above", file=sys.stderr)
         return USER_ERROR
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader has gone (a broken pipe that is some
+    other connection's is a defect, and keeps its traceback)."""
+    try:
+        output = sys.stdout.fileno()
+    except (OSError, ValueError):  # not a file (a caller's buffer)
+        return False
+    poll = select.poll()
+    poll.register(output, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poll.poll(0))
 
 
 def _parser() -> argparse.ArgumentParser:

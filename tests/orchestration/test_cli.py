@@ -1,13 +1,17 @@
 """The ``neorec`` command as a user runs it (a real subprocess)."""
 
 import json
+import os
 import re
+import subprocess
 
 import pytest
 
+from neorec.orchestration import cli_data
+
 from tests.trainer.test_train import untimed
 from tests.ingest.workers import start_worker, stop_all
-from tests.cli import neorec
+from tests.cli import NEOREC, neorec, neorec_in_process
 
 
 def test_synth_train_eval_round_trip(tmp_path):
@@ -105,3 +109,27 @@ def test_unreachable_reader_service_is_a_clear_error(criteo_dataset, tmp_path):
         assert result.returncode == 2, (group, result.stderr)
         assert result.stderr.startswith("neorec: error:") and worker.address in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_output_closed_by_its_reader_ends_the_command_quietly_with_141(tmp_path):
+    """``neorec … | head`` that stops reading: the command's work is done, and its end is
+    the shell's status for SIGPIPE, not a BrokenPipeError traceback."""
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        result = subprocess.run([*NEOREC, "data", "synth", "--rows", "500", "--out", str(tmp_path / "d")],
+                                stdout=writer, stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(writer)
+    assert result.returncode == 141, result.stderr
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr
+    assert json.loads((tmp_path / "d" / "dataset.json").read_text())["rows"]["train"] == 400
+
+
+def test_a_broken_pipe_that_is_not_the_output_stays_a_defect(monkeypatch, tmp_path):
+    def broken(args):
+        raise BrokenPipeError("a connection of the command's own")
+
+    monkeypatch.setattr(cli_data, "_synth", broken)
+    with pytest.raises(BrokenPipeError):
+        neorec_in_process("data", "synth", "--rows", "10", "--out", tmp_path / "d")
