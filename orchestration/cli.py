@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 from neorec.common.durable import write_durably
 from neorec.common.errors import ConfigError, PathError, UserError, user_paths
 from neorec.orchestration.cli_args import (CommandParser, add_client_security, at_least, client_security, one_line,
-                                           port, seconds)
+                                           port, seconds, service_addresses)
 from neorec.orchestration.progress import LazyBar
 from neorec.orchestration.nodes import add_node_arguments, nodes_from_args, uses_torchrun
 from neorec.orchestration.processes import USER_ERROR, rank_stopped_by_user_error, record_rank_exit
@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a DLRM as a config says")
     train.add_argument("config")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    train.add_argument("--ingest", metavar="HOST:PORT,...",
+    train.add_argument("--ingest", type=service_addresses, metavar="HOST:PORT,...",
                        help="read through these reader services instead of in process")
     train.add_argument("--nproc", type=at_least(1), default=1,
                        help="trainer processes on this machine (torchrun; tables sharded by the planner)")
@@ -162,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="a run directory, its checkpoint directory, or one checkpoint (default: the newest)")
     evaluate.add_argument("--best", action="store_true",
                           help="the run's checkpoint of the best eval AUC (checkpoint.keep_best)")
-    evaluate.add_argument("--ingest", metavar="HOST:PORT,...",
+    evaluate.add_argument("--ingest", type=service_addresses, metavar="HOST:PORT,...",
                           help="read the eval split through these reader services (default: in process, whatever "
                                "the run read through)")
     evaluate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -208,7 +208,7 @@ def _train(args: argparse.Namespace) -> int:
         [f"data.idle_exit_s={args.idle_exit}"] if args.idle_exit is not None else [])
     overrides = list(args.set)
     if args.ingest:
-        overrides.append(f"data.ingest={json.dumps(args.ingest.split(','))}")
+        overrides.append(f"data.ingest={json.dumps(args.ingest)}")
     if args.resume:
         if args.overwrite:
             raise ConfigError("--resume continues a run, --overwrite replaces it: give one of them")
@@ -229,7 +229,7 @@ def _train(args: argparse.Namespace) -> int:
         if args.status_port is not None:
             flags += ["--status-port", str(args.status_port), "--status-host", args.status_host]
         return run_torchrun(args.nproc, ["train", args.config, *[a for o in args.set for a in ("--set", o)],
-                                         *(["--ingest", args.ingest] if args.ingest else []), *flags], nodes)
+                                         *(["--ingest", ",".join(args.ingest)] if args.ingest else []), *flags], nodes)
     loop = config.train
     context = (init_from_torchrun(loop.device, loop.collective_timeout_s) if launched_by_torchrun()
                else single_process(loop.device))
@@ -336,7 +336,7 @@ def _eval(args: argparse.Namespace) -> int:
         raise ConfigError("--set changes a config file's values: give the config file too")
     with user_paths():
         metrics = evaluate_checkpoint(args.checkpoint, config, best=args.best,
-                                      ingest=args.ingest.split(",") if args.ingest else ())
+                                      ingest=args.ingest or ())
     print(json.dumps(metrics, indent=2, sort_keys=True))
     return 0
 

@@ -38,6 +38,19 @@ def port(text: str) -> int:
     return port
 
 
+def service_addresses(text: str) -> list[str]:
+    """An argparse type: ``HOST:PORT,...``, at least one address, each checked as
+    :func:`~neorec.common.addresses.check_address` does."""
+    from neorec.common.addresses import AddressError, check_address
+
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give at least one reader service address, HOST:PORT,...")
+    try:
+        return [check_address(address.strip(), "reader service address") for address in text.split(",")]
+    except AddressError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def at_least(minimum: int):
     def parse(text: str) -> int:
         try:

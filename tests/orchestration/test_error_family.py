@@ -87,6 +87,12 @@ def test_unreadable_user_paths_are_named_not_tracebacks(tmp_path):
     (["train", "c.toml", "--nproc", "0"], "neorec: error: train: argument --nproc: must be at least 1, got 0", 2),
     (["ingest", "serve", "--port", "70000"], "neorec: error: ingest serve: argument --port: port 70000 is outside", 2),
     (["bogus"], "neorec: error: argument command: invalid choice: 'bogus'", 2),
+    (["train", "c.toml", "--ingest", ""],
+     "neorec: error: train: argument --ingest: give at least one reader service address, HOST:PORT,...", 2),
+    (["train", "c.toml", "--ingest", "h:1,,h:2"],
+     "neorec: error: train: argument --ingest: reader service address '' is not host:port", 2),
+    (["eval", "--checkpoint", "r", "--ingest", "no-port"],
+     "neorec: error: eval: argument --ingest: reader service address 'no-port' is not host:port", 2),
     (["status"], "neorec: error: status: the following arguments are required", 1),  # grpc_health_probe's 1
 ])
 def test_bad_arguments_are_one_line_not_the_usage_block(argv, expected, status):
