@@ -4,12 +4,14 @@ checkpoint of the best eval AUC, which ``neorec eval --best`` evaluates."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from neorec.orchestration.report import PLOTS, figures, read_run
-from neorec.trainer.checkpoint.layout import BEST, complete, read_manifest
+from neorec.trainer.checkpoint.layout import BEST, best_checkpoint, complete, read_manifest, step_name
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.run.train import evaluate_checkpoint, train
 from tests.trainer.run_records import logged
@@ -62,6 +64,21 @@ def test_the_best_checkpoint_is_kept_and_evaluated(runs):
     assert read_manifest(run / "checkpoint" / name).step == best["step"]
     assert name in {p.name for p in complete(run / "checkpoint")}  # kept though keep = 1
     assert evaluate_checkpoint(run, best=True)["auc"] == best["auc"]
+
+
+def test_the_best_checkpoint_is_known_when_a_crash_came_between_its_commit_and_best(runs, tmp_path):
+    """The manifest commits a checkpoint as the best; ``BEST`` is written after it. A run
+    killed between the two still knows its best: a resume protects it from pruning and
+    ``neorec eval --best`` evaluates it."""
+    root = Path(shutil.copytree(runs[1], tmp_path / "run")) / "checkpoint"
+    name = (root / BEST).read_text().strip()
+    assert read_manifest(root / name).best
+    assert not any(read_manifest(p).best for p in complete(root) if p.name > name)
+    (root / BEST).unlink()  # killed before the run's first BEST
+    assert best_checkpoint(root) == name
+    (root / BEST).write_text(step_name(0) + "\n")  # killed before BEST moved from an older best
+    assert best_checkpoint(root) == name
+    assert evaluate_checkpoint(root.parent, best=True) == evaluate_checkpoint(root / name)
 
 
 def test_a_following_run_gets_its_progressive_auc_and_lag_per_partition(tmp_path):

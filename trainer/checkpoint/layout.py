@@ -158,6 +158,9 @@ class Manifest:
     and ``write_s``."""
     store: list[StoreEntry] = field(default_factory=list)
     """The pieces of the tables on the embedding store (their rows are not in ``records``)."""
+    best: bool = False
+    """Committed as the best model so far (``checkpoint.keep_best``): ``BEST`` is written
+    after the commit, and a crash between the two must not lose which one is best."""
     format: str = FORMAT
 
     def to_json(self) -> dict[str, Any]:
@@ -208,9 +211,19 @@ def commit(directory: Path, manifest: Manifest) -> None:
 
 
 def best_checkpoint(root: Path) -> str | None:
-    """The name ``BEST`` gives (None when the run keeps no best checkpoint)."""
+    """The run's best checkpoint (None when it keeps none): the name ``BEST`` gives, or a
+    newer complete checkpoint committed as the best (a crash came before its ``BEST``)."""
     path = root / BEST
-    return path.read_text().strip() if path.is_file() else None
+    named = path.read_text(errors="replace").strip() if path.is_file() else None
+    for directory in reversed(complete(root)):
+        if named is not None and directory.name <= named:
+            break
+        try:
+            if read_manifest(directory).best:
+                return directory.name
+        except CheckpointError:  # left for the user to look at, as prune leaves it
+            continue
+    return named
 
 
 def read_manifest(directory: Path) -> Manifest:

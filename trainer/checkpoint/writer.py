@@ -187,6 +187,7 @@ def _commit(job: CheckpointJob, own: RankRecord, write_s: float) -> Manifest:
             touched[table] = touched.get(table, 0) + count
     manifest.stats = {"bytes": sum(f.bytes for f in manifest.files), "touched": touched,
                       "snapshot_s": job.snapshot_s, "write_s": write_s}
+    manifest.best = job.best
     commit(job.directory, manifest)
     if job.best:
         write_durably(job.directory.parent / BEST, (manifest.name + "\n").encode())
