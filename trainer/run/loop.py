@@ -235,12 +235,15 @@ class TrainingRun:
         while state.epoch < loop.epochs and state.global_step < self.total_steps:
             self._epoch(progress)
             state.eval_metrics = self._evaluate()
-            if self._improved(state.eval_metrics):
+            improved = self._improved(state.eval_metrics)
+            inside = state.step_in_epoch < self.steps_per_epoch  # stopped by train.max_steps: a resume goes on
+            if not inside:  # before the best checkpoint, so that a resume from it does not evaluate the epoch again
+                state.epoch += 1
+                state.step_in_epoch = 0
+            if improved:
                 self._checkpoint(best=True)
-            if state.step_in_epoch < self.steps_per_epoch:  # stopped inside it (train.max_steps): a resume goes on
+            if inside:
                 break
-            state.epoch += 1
-            state.step_in_epoch = 0
         if not state.eval_metrics:
             state.eval_metrics = self._evaluate()
 

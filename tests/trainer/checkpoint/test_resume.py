@@ -54,6 +54,22 @@ def test_resuming_a_stopped_run_ends_bit_identical(criteo_dataset, tmp_path, sto
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), [k for k in a if not a[k].equal(b[k])]
 
 
+def test_a_run_resumed_from_its_best_checkpoint_at_an_epoch_end_evaluates_that_epoch_once(criteo_dataset, tmp_path):
+    def config(run_dir):
+        config = config_for(criteo_dataset, run_dir, every_steps=1000, keep_best=True)
+        config.train.eval_every = 0  # evaluations at the epochs' ends only
+        return config
+
+    whole = train(config(tmp_path / "whole"))
+    with pytest.raises(Crash):  # the newest checkpoint: the best one, after the first epoch's evaluation
+        train(config(tmp_path / "stopped"), progress=crash_after(whole["steps"] // 2 + 1))
+    resumed = train(config(tmp_path / "stopped"), resume=True)
+    assert untimed(resumed) == untimed(whole)
+    assert records(tmp_path / "stopped") == records(tmp_path / "whole")
+    a, b = final_state(tmp_path / "whole"), final_state(tmp_path / "stopped")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), [k for k in a if not a[k].equal(b[k])]
+
+
 def test_a_run_stopped_by_max_steps_inside_an_epoch_resumes_the_rest_of_that_epoch(criteo_dataset, tmp_path):
     whole = train(config_for(criteo_dataset, tmp_path / "whole"))
     stopped = config_for(criteo_dataset, tmp_path / "stopped")
