@@ -168,3 +168,31 @@ def test_group_by_row_without_scales_gives_none():
         np.array([0, 2, 3], dtype=np.int64), 1, np.array([0, 1], dtype=np.int64), np.array([0, 2], dtype=np.int64)))
     assert id_scale.shape == (0,)
     assert id_upstream.tolist() == [64, 0, 128] and runs.tolist() == [0, 1, 3] and run_rows.tolist() == [1, 3]
+
+
+def _square_sum_in_eight_lanes(g: np.ndarray) -> np.float32:
+    """The sum of squares as FBGEMM's 8-lane CPU kernel orders it: element ``d`` in lane
+    ``d % 8`` (a width's tail too), then the lanes added pairwise."""
+    lanes = [np.float32(0.0)] * 8
+    for d, value in enumerate(g.astype(np.float32)):
+        lanes[d % 8] = np.float32(lanes[d % 8] + np.float32(value * value))
+    return np.float32(np.float32(np.float32(lanes[0] + lanes[1]) + np.float32(lanes[2] + lanes[3]))
+                      + np.float32(np.float32(lanes[4] + lanes[5]) + np.float32(lanes[6] + lanes[7])))
+
+
+@pytest.mark.parametrize("dim", [1, 4, 8, 12, 20, 100, 132])
+def test_rowwise_adagrad_sums_squares_in_fbgemm_order_at_every_width(dim):
+    """A row's mean of squared gradients is summed in FBGEMM's order, so that its weights
+    equal FBGEMM's bit for bit whatever the width (not only at multiples of 8)."""
+    from neorec import FusedEmbeddingBagCollection, KeyedJaggedTensor, SparseOptimizer, TableConfig
+
+    rows, batch = 64, 16
+    module = FusedEmbeddingBagCollection([TableConfig("t", rows, dim, ("f",))],
+                                         SparseOptimizer("rowwise_adagrad", learning_rate=0.05), kernels="numba")
+    ids = torch.randperm(rows, generator=torch.Generator().manual_seed(dim))[:batch]  # one id a bag: a row's gradient
+    upstream = torch.randn(batch, dim, generator=torch.Generator().manual_seed(dim + 1))
+    (module(KeyedJaggedTensor(("f",), torch.ones(batch, dtype=torch.int32), ids)) * upstream).sum().backward()
+    momentum = module.table_state("t")[0].reshape(-1)
+    for row, gradient in zip(ids.tolist(), upstream.numpy()):
+        expected = np.float32(_square_sum_in_eight_lanes(gradient) / np.float32(dim))
+        assert momentum[row].item() == expected, (row, momentum[row].item(), expected)
