@@ -318,3 +318,28 @@ def test_torch_ops_round_stochastically_like_the_numba_kernels(weight_dtype, bat
             (out * upstream).sum().backward()
     assert torch.equal(modules[0].weights, modules[1].weights)
     assert torch.equal(modules[0].touched, modules[1].touched)
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: SparseOptimizer("adam", beta1=1.0), "beta1 must lie in \\[0, 1\\), got 1.0"),
+    (lambda: SparseOptimizer("adam", beta2=1.5), "beta2 must lie in \\[0, 1\\)"),
+    (lambda: SparseOptimizer("sgd", learning_rate=float("nan")), "learning_rate must be a finite number > 0"),
+    (lambda: SparseOptimizer("adagrad", eps=-1e-8), "eps must be a finite number >= 0"),
+    (lambda: SparseOptimizer("sgd", weight_decay=-0.1), "weight_decay must be a finite number >= 0"),
+    (lambda: TableConfig("t", 10, 4, ("f",), learning_rate=-0.5), "table 't': learning_rate must be a finite"),
+    (lambda: TableConfig("t", 10, 4, ("f",), learning_rate=0.0), "table 't': learning_rate must be a finite"),
+    (lambda: TableConfig("t", 10, 4, "user"), "feature_names is a sequence of names, got the string 'user'"),
+    (lambda: TableConfig("t", 10, 4.9, ("f",)), "embedding_dim must be a positive integer, got 4.9"),
+    (lambda: TableConfig("t", True, 4, ("f",)), "num_embeddings must be a positive integer"),
+    (lambda: TableConfig("", 10, 4, ("f",)), "name must be a non-empty string"),
+])
+def test_settings_that_would_fail_in_a_kernel_or_train_wrongly_are_refused_when_made(make, message):
+    """Before, these were accepted: a bias correction divided by zero in the first update,
+    a NaN or negative learning rate trained the loss upwards, a string's letters became
+    four features, a float width was truncated."""
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_a_tables_feature_names_may_be_any_sequence():
+    assert TableConfig("t", 10, 4, ["a", "b"]).feature_names == ("a", "b")

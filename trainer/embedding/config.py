@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 POOLINGS = ("sum", "mean")
@@ -27,12 +29,24 @@ class TableConfig:
     learning_rate: float | None = None
 
     def __post_init__(self) -> None:
-        if self.num_embeddings <= 0 or self.embedding_dim <= 0:
-            raise ValueError(f"table {self.name!r}: num_embeddings and embedding_dim must be positive")
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"a table's name must be a non-empty string, got {self.name!r}")
+        for key in ("num_embeddings", "embedding_dim"):
+            value = getattr(self, key)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"table {self.name!r}: {key} must be a positive integer, got {value!r}")
+        if isinstance(self.feature_names, str):
+            raise ValueError(f"table {self.name!r}: feature_names is a sequence of names, got the string "
+                             f"{self.feature_names!r} (write ({self.feature_names!r},))")
+        object.__setattr__(self, "feature_names", tuple(self.feature_names))
         if not self.feature_names:
             raise ValueError(f"table {self.name!r}: no feature looks it up")
+        if not all(isinstance(f, str) and f for f in self.feature_names):
+            raise ValueError(f"table {self.name!r}: feature names must be non-empty strings, got {self.feature_names}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"table {self.name!r}: pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.learning_rate is not None:
+            _check(f"table {self.name!r}: learning_rate", self.learning_rate, positive=True)
 
 
 @dataclass(frozen=True)
@@ -60,8 +74,13 @@ class SparseOptimizer:
     def __post_init__(self) -> None:
         if self.kind not in SPARSE_OPTIMIZERS:
             raise ValueError(f"sparse optimizer must be one of {SPARSE_OPTIMIZERS}, got {self.kind!r}")
-        if self.learning_rate <= 0:
-            raise ValueError("sparse optimizer learning_rate must be positive")
+        _check("sparse optimizer learning_rate", self.learning_rate, positive=True)
+        _check("sparse optimizer eps", self.eps)
+        _check("sparse optimizer weight_decay", self.weight_decay)
+        for key in ("beta1", "beta2"):
+            value = getattr(self, key)
+            if not 0 <= value < 1:  # (a NaN fails too) 1 - beta ** step is a bias correction's divisor
+                raise ValueError(f"sparse optimizer {key} must lie in [0, 1), got {value}")
         if not 0 < self.adagrad_decay <= 1:
             raise ValueError(f"sparse optimizer adagrad_decay must lie in (0, 1], got {self.adagrad_decay}")
 
@@ -72,3 +91,10 @@ class SparseOptimizer:
     @property
     def num_states(self) -> int:
         return {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 1, "adam": 2}[self.kind]
+
+
+def _check(what: str, value: float, positive: bool = False) -> None:
+    """ValueError unless ``value`` is a finite number, positive or at least 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or (
+            value <= 0 if positive else value < 0):
+        raise ValueError(f"{what} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
