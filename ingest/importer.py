@@ -13,8 +13,9 @@ Passes over the input, each streaming it in blocks (:mod:`neorec.ingest.sources`
 Memory holds one block, the vocabularies, and for a chronological split the time column
 (8 bytes a row). Every step is vectorized (Arrow compute, numpy, a Numba hash); no Python
 code runs per row. Bad input is a :class:`~neorec.ingest.errors.DataError` naming the file, column
-and row. The dataset keeps its vocabularies (``vocab/COLUMN.parquet``) and the dense
-statistics, so that later data is encoded the same way (``vocab_from``).
+and line (found, for the error only, by reading the file again). The dataset keeps its
+vocabularies (``vocab/COLUMN.parquet``) and the dense statistics, so that later data is
+encoded the same way (``vocab_from``).
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
-import pyarrow.parquet as pq
 
-from neorec.ingest.errors import DataError
+from neorec.ingest.errors import DataError, no_column
 from neorec.common.hashing import combine, splitmix64, unit_floats
 from neorec.ingest.import_spec import LABEL_TRANSFORM, ImportSpec
-from neorec.ingest.schema import PARQUET_WRITE_OPTIONS, RAW_CARDINALITY, Dataset, DatasetSchema, SparseFeature
-from neorec.ingest.sources import Block, expand, read_blocks
+from neorec.ingest.schema import RAW_CARDINALITY, Dataset, DatasetSchema, SparseFeature
+from neorec.ingest.sources import Block, FileSource, expand
+from neorec.ingest.split_writer import SplitWriter
 from neorec.ingest.vocab import ValueCounter, Vocabulary, as_strings, hash_encode
 
 VOCAB_DIRECTORY = "vocab"
@@ -44,6 +45,9 @@ HASH_KEY = 0x4E52
 """Hashed ids are a function of the column's name and the value alone."""
 CSV_TRUE, CSV_FALSE = pacsv.ConvertOptions().true_values, pacsv.ConvertOptions().false_values
 """The text of the booleans Arrow's CSV reader reads (as 1 and 0 where a number is due)."""
+NULL_SPELLINGS = frozenset(pacsv.ConvertOptions().null_values) - {""}
+"""Arrow's spellings of a missing value other than an empty field (``NA``, ``null``, ``NaN``,
+…): values here (:data:`~neorec.ingest.sources.MISSING`), named as such when refused."""
 COMPARISONS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">": operator.gt,
                "<": operator.lt}
 ProgressFn = Callable[[int], None]
@@ -55,28 +59,6 @@ class BlockSource(Protocol):
     def blocks(self, columns: list[str]) -> Iterator[Block]:
         """Every row, in a fixed order, with (at least) ``columns``."""
         ...
-
-
-class FileSource:
-    """The files of an import spec's ``[input]``."""
-
-    def __init__(self, spec: ImportSpec) -> None:
-        self.spec = spec
-        self.files = expand(spec.input.files)
-
-    def blocks(self, columns: list[str]) -> Iterator[Block]:
-        """Categorical, dense, label and time columns are read as strings (the numbers and
-        times parsed when used: a type inferred from a file's first block, e.g. int64 for
-        ratings or times all whole there, or null for a column empty there, would refuse the
-        values of a later one)."""
-        given = self.spec.input
-        split = self.spec.split
-        time = (split.time_column,) if split.kind == "chronological" else ()
-        strings = [c for c in (*self.spec.feature_columns, *self.spec.dense.columns, self.spec.label.column, *time)
-                   if c in columns]
-        for file in self.files:
-            yield from read_blocks(file, given.format, header=given.header, column_names=given.column_names,
-                                   delimiter=given.separator, columns=columns, string_columns=strings)
 
 
 @dataclass
@@ -107,7 +89,7 @@ def import_dataset(spec: ImportSpec, out_dir: str | Path, *, source: BlockSource
                    profile: str = "import") -> Dataset:
     """Write the dataset ``spec`` describes into ``out_dir`` (see the module docstring)."""
     started = time.perf_counter()
-    block_source = type(source).__name__ if source is not None else None
+    block_source = None if source is None or isinstance(source, FileSource) else type(source).__name__  # joins files
     source = source or FileSource(spec)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -253,7 +235,7 @@ def _times(block: Block, column: str) -> np.ndarray:
     if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
         values = _parsed_times(block, column, values)
     if values.null_count:
-        raise DataError("missing time", file=block.file, column=column, row=_row(block, values.is_null()))
+        raise DataError("missing time", file=block.file, column=column, **_where(block, values.is_null()))
     if pa.types.is_timestamp(values.type) or pa.types.is_date(values.type):
         nanoseconds = values.cast(pa.timestamp("ns", tz=getattr(values.type, "tz", None))).cast(pa.int64())
         return nanoseconds.to_numpy(zero_copy_only=False) / 1e9
@@ -284,7 +266,7 @@ def _parsed_times(block: Block, column: str, text: pa.Array) -> pa.Array:
     at = _first_unparsed(text, kind)
     raise DataError(f"not a time like the column's first (numbers or ISO 8601 timestamps, with an offset "
                     f"or without, all alike): {text[at].as_py()!r}", file=block.file, column=column,
-                    row=_row_at(block, at))
+                    **block.where(at))
 
 
 # ------------------------------------------------------------------------------- counting
@@ -300,9 +282,7 @@ def count(spec: ImportSpec, source: BlockSource, splitter: Splitter) -> Encoding
             for column, counter in counters.items():
                 counter.add(_values(spec, block, column).filter(_repeat(train, spec, block, column)))
             for column, acc in sums.items():
-                values = _dense(spec, block, column, fill=False)[np.asarray(train)]
-                values = values[~np.isnan(values)]
-                acc += (values.size, values.sum(), np.square(values).sum())
+                _accumulate(acc, block, column, _dense(spec, block, column, fill=False), np.asarray(train))
         splitter.rewind()
     vocabularies = {c: counter.vocabulary(spec.categorical.min_count, spec.categorical.max_rows)
                     for c, counter in counters.items()}
@@ -312,6 +292,20 @@ def count(spec: ImportSpec, source: BlockSource, splitter: Splitter) -> Encoding
         std = {c: float(np.sqrt(max(s[2] / s[0] - mean[c] ** 2, 0.0))) if s[0] else 1.0 for c, s in sums.items()}
         stats = DenseStats(mean, {c: v if v > 0 else 1.0 for c, v in std.items()})
     return Encoding(vocabularies, stats)
+
+
+def _accumulate(acc: np.ndarray, block: Block, column: str, values: np.ndarray, train: np.ndarray) -> None:
+    """Add a block's train values of a dense column (NaN: missing) to ``acc`` (count, sum,
+    sum of squares); values too large for that (a sum beyond float64's range) are a
+    :class:`DataError` naming the column and, if one value's square is, its line."""
+    kept = train & ~np.isnan(values)
+    with np.errstate(over="ignore", invalid="ignore"):
+        squares = np.square(values)
+        acc += (kept.sum(), values[kept].sum(), squares[kept].sum())
+    if not np.isfinite(acc).all():
+        huge = np.isinf(squares) & kept
+        raise DataError("values too large to standardize: their squares sum beyond float64's range",
+                        file=block.file, column=column, **(_where(block, huge) if huge.any() else {}))
 
 
 def load_encoding(spec: ImportSpec, dataset_dir: Path) -> Encoding:
@@ -351,12 +345,7 @@ def encode_block(spec: ImportSpec, encoding: Encoding, block: Block, misses: Voc
     vocabulary columns."""
     arrays = {"label": pa.array(_label(spec, block))}
     for column in spec.dense.columns:
-        values = _dense(spec, block, column, fill=True)
-        if spec.dense.transform == "log1p":
-            values = np.log1p(np.maximum(values, 0.0))
-        elif spec.dense.transform == "standardize":
-            values = (values - encoding.dense.mean[column]) / encoding.dense.std[column]
-        arrays[column] = pa.array(values.astype(np.float32))
+        arrays[column] = pa.array(_dense_output(spec, encoding, block, column))
     for column in spec.feature_columns:
         multi = column in spec.multivalued.columns
         lists = _lists(spec, block, column) if multi else None
@@ -376,7 +365,7 @@ def _label(spec: ImportSpec, block: Block) -> np.ndarray:
     column = spec.label.column
     numbers = _numbers(block, column, "the label must be a number")
     if numbers.null_count:
-        raise DataError("missing label", file=block.file, column=column, row=_row(block, numbers.is_null()))
+        raise DataError("missing label", file=block.file, column=column, **_where(block, numbers.is_null()))
     values = numbers.to_numpy(zero_copy_only=False)
     if spec.label.transform:
         op, number, _ = LABEL_TRANSFORM.fullmatch(spec.label.transform).groups()
@@ -384,7 +373,7 @@ def _label(spec: ImportSpec, block: Block) -> np.ndarray:
     bad = (values != 0) & (values != 1)
     if bad.any():
         raise DataError(f"the label must be 0 or 1 (or give label.transform), got {values[bad][0]:g}",
-                        file=block.file, column=column, row=_row(block, bad))
+                        file=block.file, column=column, **_where(block, bad))
     return values.astype(np.float32)
 
 
@@ -394,9 +383,33 @@ def _dense(spec: ImportSpec, block: Block, column: str, fill: bool) -> np.ndarra
     out = pc.fill_null(values, spec.dense.fill).to_numpy(zero_copy_only=False).copy()
     bad = ~np.isfinite(out)
     if bad.any():
-        raise DataError("not a finite number", file=block.file, column=column, row=_row(block, bad))
+        raise DataError("not a finite number", file=block.file, column=column, **_where(block, bad))
     if not fill and values.null_count:
         out[values.is_null().to_numpy(zero_copy_only=False)] = np.nan
+    return out
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _dense_output(spec: ImportSpec, encoding: Encoding, block: Block, column: str) -> np.ndarray:
+    """float32 values of a dense column as the dataset holds them: filled and transformed.
+    A value beyond float32's range, as read or once transformed, is a :class:`DataError`
+    naming its line (as a text ``inf`` is)."""
+    raw = _dense(spec, block, column, fill=True)
+    with np.errstate(over="ignore"):
+        values = raw
+        if spec.dense.transform == "log1p":
+            values = np.log1p(np.maximum(values, 0.0))
+        elif spec.dense.transform == "standardize":
+            values = (values - encoding.dense.mean[column]) / encoding.dense.std[column]
+        out = values.astype(np.float32)
+    bad = ~np.isfinite(out)
+    if bad.any():
+        at = int(np.argmax(bad))
+        transformed = "" if values is raw else f", {values[at]:g} after {spec.dense.transform},"
+        raise DataError(f"not a finite float32: {raw[at]:g}{transformed} is beyond float32's range "
+                        f"(±{FLOAT32_MAX:.4g})", file=block.file, column=column, **block.where(at))
     return out
 
 
@@ -416,8 +429,10 @@ def _numbers(block: Block, column: str, problem: str) -> pa.Array:
         return pc.cast(lenient, pa.float64())
     except pa.ArrowInvalid:
         at = _first_unparsed(lenient)
-        raise DataError(f"{problem}, got {raw[at].as_py()!r}", file=block.file, column=column,
-                        row=_row_at(block, at)) from None
+        value = raw[at].as_py()
+        missing = " (only an empty field is a missing value)" if value.strip() in NULL_SPELLINGS else ""
+        raise DataError(f"{problem}, got {value!r}{missing}", file=block.file, column=column,
+                        **block.where(at)) from None
 
 
 def _lenient(strings: pa.Array) -> pa.Array:
@@ -494,18 +509,13 @@ def _repeat(train: pa.Array, spec: ImportSpec, block: Block, column: str) -> pa.
 def _column(block: Block, column: str) -> pa.Array:
     index = block.batch.schema.get_field_index(column)
     if index < 0:
-        raise DataError(f"no column {column!r} (it has {', '.join(block.batch.schema.names)})", file=block.file)
+        raise no_column(column, block.batch.schema.names, block.file)
     return block.batch.column(index)
 
 
-def _row(block: Block, bad) -> int:
-    """The 1-based data row (header excluded) of the first true value of ``bad``."""
-    return _row_at(block, int(np.argmax(np.asarray(bad))))
-
-
-def _row_at(block: Block, index: int) -> int:
-    """The 1-based data row (header excluded) of the block's row ``index``."""
-    return block.first_row + index + 1
+def _where(block: Block, bad) -> dict[str, int]:
+    """The place (:meth:`Block.where`: its line) of the first true value of ``bad``."""
+    return block.where(int(np.argmax(np.asarray(bad))))
 
 
 def needed_columns(spec: ImportSpec) -> list[str]:
@@ -520,72 +530,3 @@ def arrow_schema(schema: DatasetSchema) -> pa.Schema:
                      + [pa.field(c, pa.float32(), nullable=False) for c in schema.dense]
                      + [pa.field(f.name, pa.list_(pa.int64()) if f.multi_hot else pa.int64(), nullable=False)
                         for f in schema.sparse])
-
-
-# -------------------------------------------------------------------------------- writing
-class SplitWriter:
-    """One split's rows into ``SPLIT-00000.parquet``, … of ``file_rows`` rows each, in row
-    groups of ``row_group_rows``. As a context manager, it is closed when the block ends
-    (:meth:`close`, or :meth:`abandon` when the block raised)."""
-
-    def __init__(self, out: Path, split: str, schema: pa.Schema, row_group_rows: int, file_rows: int) -> None:
-        self.out = out
-        self.split = split
-        self.schema = schema
-        self.row_group_rows = row_group_rows
-        self.file_rows = file_rows
-        self.files: list[str] = []
-        self.rows = 0
-        self._writer: pq.ParquetWriter | None = None
-        self._in_file = 0
-        self._pending: list[pa.Table] = []
-        self._pending_rows = 0
-
-    def write(self, table: pa.Table) -> None:
-        if table.num_rows:
-            self._pending.append(table.cast(self.schema))
-            self._pending_rows += table.num_rows
-            self.rows += table.num_rows
-        while self._pending_rows >= self.row_group_rows:
-            self._flush(self.row_group_rows)
-
-    def _flush(self, rows: int) -> None:
-        pending = pa.concat_tables(self._pending)
-        group, rest = pending.slice(0, rows), pending.slice(rows)
-        if self._writer is None or self._in_file >= self.file_rows:
-            self._open_next()
-        self._writer.write_table(group, row_group_size=rows)
-        self._in_file += group.num_rows
-        self._pending, self._pending_rows = ([rest] if rest.num_rows else []), rest.num_rows
-
-    def _open_next(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        name = f"{self.split}-{len(self.files):05d}.parquet"
-        self._writer = pq.ParquetWriter(self.out / name, self.schema, **PARQUET_WRITE_OPTIONS)
-        self.files.append(name)
-        self._in_file = 0
-
-    def close(self) -> None:
-        if self._pending_rows:
-            self._flush(self._pending_rows)
-        if self._writer is not None:
-            self._writer.close()
-
-    def __enter__(self) -> "SplitWriter":
-        return self
-
-    def __exit__(self, kind, error, traceback) -> None:
-        if kind is None:
-            self.close()
-        else:
-            self.abandon()
-
-    def abandon(self) -> None:
-        """Close the file being written, after a failure: what closing it raises (a writer
-        the disk already refused fails again) would hide the failure itself."""
-        if self._writer is not None:
-            try:
-                self._writer.close()
-            except (OSError, pa.ArrowException):
-                pass

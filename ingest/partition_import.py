@@ -27,11 +27,13 @@ from neorec.common.dir_lock import LOCK_FILE, DirectoryLock
 from neorec.common.durable import fsync_directories, fsync_tree, write_durably
 from neorec.ingest.errors import DataError
 from neorec.ingest.import_spec import ImportSpec, SpecError
-from neorec.ingest.importer import (BlockSource, Encoding, FileSource, ProgressFn, SplitWriter, VocabMisses,
-                                    arrow_schema, dataset_schema, encode_block, load_encoding, needed_columns)
+from neorec.ingest.importer import (BlockSource, Encoding, ProgressFn, VocabMisses, arrow_schema,
+                                    dataset_schema, encode_block, load_encoding, needed_columns)
 from neorec.ingest.partitions import (MARKER, PARTITION_FILE, PartitionError, PartitionOrderError,
                                       PartitionSchemaError, is_ready, partition_names, partitions_dir)
 from neorec.ingest.schema import DATASET_FILE, Dataset, DatasetSchema
+from neorec.ingest.sources import FileSource
+from neorec.ingest.split_writer import SplitWriter
 
 PART_PREFIX = "part"
 """The partition's files are ``part-00000.parquet``, …"""

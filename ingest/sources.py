@@ -1,7 +1,8 @@
 """Reading a user's files as record batches: CSV/TSV streamed in blocks, Parquet row group
 by row group, from local paths (globs expanded) or any pyarrow filesystem URI
 (``s3://bucket/logs/*.csv`` included). Each batch comes with its file and the number of its
-first row, so an error can name both."""
+first row, so an error can name both: a delimited file's rows by the line they begin on
+(:class:`TextLayout`), found only when an error is made, by reading the file again."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import io
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -20,12 +21,18 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from neorec.common.wording import counted
-from neorec.ingest.errors import DataError
+from neorec.ingest.errors import DataError, WrongWidthError, no_column
+
+if TYPE_CHECKING:
+    from neorec.ingest.import_spec import ImportSpec
 
 BLOCK_BYTES = 16 << 20
 """CSV bytes parsed at a time (one batch): memory stays bounded whatever the file's size."""
 LINE_SCAN_BYTES = 1 << 30
-"""How far into a file (uncompressed) a bad row's line is looked for, to name its row."""
+"""How far into a file (uncompressed) a bad row's line is looked for, to name it."""
+MISSING = [""]
+"""The only text of a delimited file that is a missing value: an empty field (quoted or
+not). Arrow's other default spellings (``NA``, ``null``, ``NaN``, …) are values."""
 ARCHIVES = (".zip", ".tar", ".tar.gz", ".tgz")
 """Archives of files, which must be extracted first (a compressed file, ``.gz`` and the
 like, is read as it is)."""
@@ -49,12 +56,57 @@ class SourceFile:
 
 
 @dataclass(frozen=True)
+class TextLayout:
+    """How the data rows of a delimited ``file`` lie on its lines: after ``skipped`` rows
+    (blank lines included) and, if ``header``, a header row; blank lines between rows
+    skipped; a ``quote`` (None: none) opening a field may hold line breaks."""
+
+    file: SourceFile
+    skipped: int = 0
+    header: bool = False
+    quote: str | None = None
+    delimiter: str = ","
+
+    def line_of(self, row: int) -> int | None:
+        """The 1-based line data row ``row`` (0-based) begins on; None where that lies
+        beyond the first :data:`LINE_SCAN_BYTES` or the file cannot be read again. A scan
+        of the file: for an error's message only."""
+        skip, header = self.skipped, self.header
+        for number, blank in _records(self.file, self.quote, self.delimiter):
+            if skip:
+                skip -= 1
+            elif blank:
+                continue
+            elif header:
+                header = False
+            elif row == 0:
+                return number
+            else:
+                row -= 1
+        return None
+
+
+@dataclass(frozen=True)
 class Block:
-    """Rows ``[first_row, first_row + batch.num_rows)`` (0-based, data rows) of ``file``."""
+    """Rows ``[first_row, first_row + batch.num_rows)`` (0-based, data rows) of ``file``;
+    ``layout``: where they lie on its lines (None: a file without lines, Parquet)."""
 
     batch: pa.RecordBatch
     file: str
     first_row: int
+    layout: TextLayout | None = None
+
+    def where(self, index: int) -> dict[str, int]:
+        """The place of the block's row ``index`` (:func:`place`)."""
+        return place(self.layout, self.first_row + index)
+
+
+def place(layout: TextLayout | None, row: int) -> dict[str, int]:
+    """The place of data row ``row`` (0-based) as :class:`DataError`'s keywords: the
+    ``line`` it begins on, else (no ``layout``, or too far into the file) its 1-based data
+    ``row``."""
+    line = layout.line_of(row) if layout is not None else None
+    return {"line": line} if line is not None else {"row": row + 1}
 
 
 def expand(patterns: Sequence[str]) -> list[SourceFile]:
@@ -111,7 +163,7 @@ def read_blocks(file: SourceFile, format: str, *, header: bool = True, column_na
                 string_columns: Sequence[str] = ()) -> Iterator[Block]:
     """The rows of ``file`` in blocks. CSV/TSV values are parsed by type inference, except
     ``string_columns``, kept as strings (ids: ``007`` must not become 7); an empty field
-    is missing. ``columns``: read only these (all when None)."""
+    (only: :data:`MISSING`) is missing. ``columns``: read only these (all when None)."""
     if format != "parquet":
         yield from _csv_blocks(file, format, header, column_names, delimiter, columns, string_columns)
         return
@@ -129,11 +181,19 @@ def _csv_blocks(file: SourceFile, format: str, header: bool, column_names: Seque
     parse = pacsv.ParseOptions(delimiter=delimiter, quote_char='"' if delimiter == "," else False)
     convert = pacsv.ConvertOptions(column_types={c: pa.string() for c in string_columns},
                                    include_columns=list(columns) if columns is not None else None,
-                                   strings_can_be_null=True, quoted_strings_can_be_null=True)
+                                   null_values=MISSING, strings_can_be_null=True,
+                                   quoted_strings_can_be_null=True)
+    layout = text_layout(file, read, parse)
     first = 0
     for batch in csv_batches(file, read, parse, convert, format):
-        yield Block(batch, file.name, first)
+        yield Block(batch, file.name, first, layout)
         first += batch.num_rows
+
+
+def text_layout(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOptions) -> TextLayout:
+    """Where the rows of ``file`` read with these options lie on its lines."""
+    header = not (read.column_names or read.autogenerate_column_names)
+    return TextLayout(file, read.skip_rows, header, parse.quote_char or None, parse.delimiter)
 
 
 def csv_batches(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOptions,
@@ -160,6 +220,9 @@ def csv_batches(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOpt
     except (pa.ArrowInvalid, pa.ArrowKeyError, OSError) as err:  # KeyError: a named column the file lacks
         if invalid:
             raise _wrong_width(file, invalid[0], read) from None
+        missing = _missing_column(file, err, convert, read, parse)
+        if missing is not None:
+            raise missing from None
         raise DataError(f"cannot read it as {what}: {_first_line(err)}", file=file.name) from None
 
 
@@ -179,17 +242,33 @@ def _check_text(file: SourceFile) -> None:
                         f"input.format = 'parquet')", file=file.name)
 
 
+def _missing_column(file: SourceFile, err: Exception, convert: pacsv.ConvertOptions, read: pacsv.ReadOptions,
+                    parse: pacsv.ParseOptions) -> DataError | None:
+    """The error naming the column to read that ``file`` lacks, when that is what ``err``
+    (Arrow's) says, with the columns it has (its header read again)."""
+    columns = convert.include_columns or []
+    wanted = next((c for c in columns if isinstance(err, pa.ArrowKeyError) and repr(c) in str(err)), None)
+    if wanted is None:
+        return None
+    try:
+        with file.filesystem.open_input_stream(file.path, compression="detect") as stream, \
+                pacsv.open_csv(stream, read_options=read, parse_options=parse) as reader:
+            names = reader.schema.names
+    except (pa.ArrowException, OSError):
+        return None
+    return no_column(wanted, names, file.name)
+
+
 def _wrong_width(file: SourceFile, row: pacsv.InvalidRow, read: pacsv.ReadOptions) -> DataError:
-    """The error of a row with the wrong number of fields, naming its (1-based, data) row:
-    the first line of its text (a row whose quoted field is never closed runs on over
-    the lines after it)."""
+    """The error of a row with the wrong number of fields, naming its line: the first line
+    of its text (a row whose quoted field is never closed runs on over the lines after
+    it)."""
     first_line, *more = row.text.rstrip("\r\n").split("\n", 1)
-    line = _line_of(file, first_line, read.encoding)
-    header = read.skip_rows + (0 if read.column_names or read.autogenerate_column_names else 1)
     problem = f"{counted(row.actual_columns, 'field')}, expected {row.expected_columns}"
     if more and '"' in row.text:
         problem += "; a quote opened in this row runs over the lines after it: is it closed?"
-    return DataError(problem, file=file.name, row=line - header if line is not None else None)
+    return WrongWidthError(problem, actual=row.actual_columns, expected=row.expected_columns, file=file.name,
+                           line=_line_of(file, first_line, read.encoding))
 
 
 def _line_of(file: SourceFile, text: str, encoding: str) -> int | None:
@@ -214,6 +293,45 @@ def _line_of(file: SourceFile, text: str, encoding: str) -> int | None:
     return None
 
 
+def _records(file: SourceFile, quote: str | None, delimiter: str) -> Iterator[tuple[int, bool]]:
+    """The 1-based line each row (record) of a delimited file begins on, and whether it is
+    a blank line, within the first :data:`LINE_SCAN_BYTES` (none if the file cannot be read
+    again); a row may run over several lines inside a ``quote``."""
+    quoted, scanned = False, 0
+    marks = (ord(quote), ord(delimiter)) if quote else None
+    try:
+        with file.filesystem.open_input_stream(file.path, compression="detect") as stream:
+            for number, line in enumerate(io.BufferedReader(stream, 1 << 20), 1):
+                scanned += len(line)
+                if scanned > LINE_SCAN_BYTES:
+                    return
+                text = line.rstrip(b"\r\n")
+                if not quoted:
+                    yield number, not text
+                if marks is not None and (quoted or marks[0] in text):
+                    quoted = _ends_quoted(text, *marks, quoted)
+    except OSError:
+        return
+
+
+def _ends_quoted(line: bytes, quote: int, delimiter: int, quoted: bool) -> bool:
+    """Whether a line of a delimited file ends inside a quoted field, given whether it
+    begins in one. Arrow's rules: a quote opens a field only as its first character; two
+    quotes inside one are a quote."""
+    at_start, i = not quoted, 0
+    while i < len(line):
+        char = line[i]
+        if quoted and char == quote and line[i + 1:i + 2] == bytes((quote,)):
+            i += 1
+        elif quoted:
+            quoted = char != quote
+        elif char == quote and at_start:
+            quoted = True
+        at_start = not quoted and char == delimiter
+        i += 1
+    return quoted
+
+
 def _parquet_blocks(file: SourceFile, columns: Sequence[str] | None) -> Iterator[Block]:
     with file.filesystem.open_input_file(file.path) as handle:
         parquet = pq.ParquetFile(handle, page_checksum_verification=True)  # of pages that carry one
@@ -225,3 +343,26 @@ def _parquet_blocks(file: SourceFile, columns: Sequence[str] | None) -> Iterator
 
 def _first_line(err: BaseException) -> str:
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+class FileSource:
+    """The files of an import spec's ``[input]``, read as blocks (the importer's source of rows
+    unless it is given another)."""
+
+    def __init__(self, spec: ImportSpec) -> None:
+        self.spec = spec
+        self.files = expand(spec.input.files)
+
+    def blocks(self, columns: list[str]) -> Iterator[Block]:
+        """Categorical, dense, label and time columns are read as strings (the numbers and
+        times parsed when used: a type inferred from a file's first block, e.g. int64 for
+        ratings or times all whole there, or null for a column empty there, would refuse the
+        values of a later one)."""
+        given = self.spec.input
+        split = self.spec.split
+        time = (split.time_column,) if split.kind == "chronological" else ()
+        strings = [c for c in (*self.spec.feature_columns, *self.spec.dense.columns, self.spec.label.column, *time)
+                   if c in columns]
+        for file in self.files:
+            yield from read_blocks(file, given.format, header=given.header, column_names=given.column_names,
+                                   delimiter=given.separator, columns=columns, string_columns=strings)

@@ -55,9 +55,7 @@ def staged_output(out: str | Path, overwrite: bool = False, inputs: Sequence[str
     blocking = file_in_the_way(out.parent)
     if blocking is not None:
         raise OutputExistsError(f"{named} cannot be made: {blocking} is a file, not a directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned(out)
-    staging = _staging_directory(out)
+    staging = _prepared(named, out)
     writeback = _Writeback(staging)
     try:
         with _sigterm_raises():
@@ -72,7 +70,7 @@ def staged_output(out: str | Path, overwrite: bool = False, inputs: Sequence[str
         if isinstance(err, _Terminated):
             os.kill(os.getpid(), signal.SIGTERM)  # its default action again: the process ends as it would have
         if isinstance(err, OSError) and err.errno in FULL_OR_READ_ONLY:  # Arrow's writers name no file
-            raise PathError(f"cannot write the dataset {named}: {describe(err)}") from None
+            raise _cannot_write(named, err) from None
         raise
     _swap_in(staging, out)
 
@@ -132,6 +130,24 @@ def _sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _prepared(named: str | Path, out: Path) -> Path:
+    """The staging directory of ``out`` (:func:`_staging_directory`), its parent made and
+    abandoned ones removed first; a directory that refuses it is a :class:`PathError`
+    naming ``out`` as the user did, ``named`` (not the staging directory, which is ours)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(out)
+        return _staging_directory(out)
+    except OSError as err:
+        raise _cannot_write(named, err) from None
+
+
+def _cannot_write(named: str | Path, err: OSError) -> PathError:
+    """The error of a dataset ``named`` that the file system refuses (``err``), in words."""
+    words = describe(err)
+    return PathError(f"cannot write the dataset {named}: {words[:1].lower()}{words[1:]}")
 
 
 def _staging_directory(out: Path) -> Path:

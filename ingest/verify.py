@@ -7,7 +7,8 @@ the columns' types, every label, dense value and id (ids within their feature's 
 cardinality: the strict mapping, which no table size hides). A bad row group is reported
 and the reading goes on with the next one, so one pass names every bad row group; a split
 whose rows differ from the count ``dataset.json`` (or a partition's ``partition.json``)
-gives is reported too, and so is an imported dataset's vocabulary that cannot be read.
+gives is reported too, and so is an imported dataset's vocabulary that cannot be read, or
+that its encoding needs and it lacks (named by its column).
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ def verify_dataset(dataset: Dataset, progress: Callable[[int], object] = lambda 
     options = DecodeOptions(table_rows=tuple(1 if f.name in raw else f.cardinality for f in dataset.schema.sparse),
                             id_mapping="strict", raw_features=raw)
     reports = [_verify_files(dataset, split, options, progress) for split in dataset.splits]
-    vocabularies = sorted((dataset.root / VOCAB_DIRECTORY).glob("*.parquet"))
-    if vocabularies:
-        reports.append(_verify_vocabularies(vocabularies))
+    vocab_dir = dataset.root / VOCAB_DIRECTORY
+    vocabularies = sorted(vocab_dir.glob("*.parquet"))
+    missing = [c for c in needed_vocabularies(dataset) if not (vocab_dir / f"{c}.parquet").is_file()]
+    if vocabularies or missing:
+        reports.append(_verify_vocabularies(vocabularies, [vocab_dir / f"{c}.parquet" for c in missing]))
     for name in partition_names(dataset.root):
         if not is_ready(dataset.root, name):
             reports.append(SplitReport(SPLIT_PREFIX + name, ready=False))
@@ -90,10 +93,24 @@ def _verify_files(dataset: Dataset, split: str, options: DecodeOptions,
     return report
 
 
-def _verify_vocabularies(paths: list[Path]) -> SplitReport:
+def needed_vocabularies(dataset: Dataset) -> list[str]:
+    """The columns whose vocabularies an imported dataset keeps: its categorical columns,
+    when it encoded them with vocabularies (none for hashed or raw ids, or another dataset)."""
+    generator = dataset.generator or {}
+    encoding = ((generator.get("spec") or {}).get("categorical") or {}).get("encoding")
+    if generator.get("kind") != "import" or encoding != "vocab":
+        return []
+    return [feature.name for feature in dataset.schema.sparse]
+
+
+def _verify_vocabularies(paths: list[Path], missing: list[Path]) -> SplitReport:
     """Read an imported dataset's vocabularies (reported as ``vocab``): new data and its
-    partitions are encoded with them."""
-    report = SplitReport(VOCAB_DIRECTORY, files=len(paths))
+    partitions are encoded with them; each of ``missing`` (``vocab/COLUMN.parquet``, that
+    the dataset's encoding needs) is a problem naming its column."""
+    report = SplitReport(VOCAB_DIRECTORY, files=len(paths),
+                         problems=[DataError("missing: the dataset's ids of this column are this vocabulary's, and "
+                                             "new data and partitions are encoded with it", file=str(path),
+                                             column=path.stem) for path in missing])
     for path in paths:
         try:
             report.rows += len(Vocabulary.load(path).values)

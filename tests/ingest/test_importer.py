@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import csv
 import math
+import re
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -164,9 +166,9 @@ def test_a_parquet_list_column_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("line,where", [
-    ("u1,3,7,a,10,", "column 'rating', row 2: missing label"),
+    ("u1,3,7,a,10,", "column 'rating', line 3: missing label"),
     ("u1,3,x7,a,10,4", "column 'count'"),
-    ('"u1,3,7,a,10,4', "row 2: 1 field, expected 6; a quote opened in this row runs over the lines after it"),
+    ('"u1,3,7,a,10,4', "line 3: 1 field, expected 6; a quote opened in this row runs over the lines after it"),
 ])
 def test_bad_rows_are_named(tmp_path, line, where):
     path = tmp_path / "bad.csv"
@@ -186,7 +188,7 @@ def test_a_named_column_the_file_lacks_is_named(tmp_path):
 def test_bad_labels_missing_files_and_bad_specs_are_named(tmp_path):
     path = tmp_path / "log.csv"
     path.write_text("user,item,count,genres,ts,rating\nu0,1,2,a,5,1\nu1,1,2,a,6,3\n")
-    with pytest.raises(DataError, match="column 'rating', row 2: the label must be 0 or 1"):
+    with pytest.raises(DataError, match="column 'rating', line 3: the label must be 0 or 1"):
         import_dataset(spec(path, label={"transform": ""}), tmp_path / "out")
     with pytest.raises(DataError, match="nothere.csv"):
         import_dataset(spec(tmp_path / "nothere.csv"), tmp_path / "out")
@@ -239,7 +241,7 @@ def test_a_value_that_is_not_a_number_is_named_by_its_row_in_a_later_block(tmp_p
     lines = [f"u{i},1,{i},a,{i},4" for i in range(60)]
     lines[41] = "u41,1,4x,a,41,4"
     path.write_text("user,item,count,genres,ts,rating\n" + "\n".join(lines) + "\n")
-    with pytest.raises(DataError, match="column 'count', row 42: a dense column must hold numbers, got '4x'"):
+    with pytest.raises(DataError, match="column 'count', line 43: a dense column must hold numbers, got '4x'"):
         import_dataset(spec(path), tmp_path / "out")
 
 
@@ -281,5 +283,61 @@ def test_a_time_that_is_not_one_is_named_by_its_row(tmp_path, monkeypatch):
     path = tmp_path / "log.csv"
     path.write_text("user,item,count,genres,ts,rating\n"
                     + "\n".join(f"u{i},1,{i},a,{t},4" for i, t in enumerate(times)) + "\n")
-    with pytest.raises(DataError, match="column 'ts', row 42: not a time like the column's first .*'yesterday'"):
+    with pytest.raises(DataError, match="column 'ts', line 43: not a time like the column's first .*'yesterday'"):
+        import_dataset(spec(path), tmp_path / "out")
+
+
+HEADER = "user,item,count,genres,ts,rating\n"
+
+
+@pytest.mark.parametrize("transform,count,problem", [
+    ("none", "1" + "0" * 40, "not a finite float32: 1e+40 is beyond float32's range"),
+    ("standardize", "1e200", "values too large to standardize: their squares sum beyond float64's range"),
+])
+def test_a_dense_value_beyond_float32_is_refused_by_its_line(tmp_path, transform, count, problem):
+    path = tmp_path / "log.csv"
+    path.write_text(HEADER + "u0,1,2,a,5,4\n" + f"u1,1,{count},a,6,4\n" + "u2,1,2,a,7,3\n" * 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # numpy's overflow warnings: none
+        with pytest.raises(DataError, match=f"^file {path}, column 'count', line 3: {re.escape(problem)}"):
+            import_dataset(spec(path, dense={"transform": transform}), tmp_path / "out")
+
+
+def test_a_dense_value_beyond_float32_imports_once_log1p_brings_it_within(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text(HEADER + "u0,1,1e40,a,5,4\n" + "u2,1,2,a,7,3\n" * 4)
+    dataset = import_dataset(spec(path, dense={"transform": "log1p"}, split={"kind": "ordered"}), tmp_path / "out")
+    assert rows_of(dataset, "train")[0]["count"] == pytest.approx(math.log1p(1e40))
+
+
+@pytest.mark.parametrize("spelling", ["NA", "null", "N/A", "NaN", "NULL", "#N/A", "nan", "-NaN"])
+def test_only_an_empty_field_is_missing(tmp_path, spelling):
+    """Arrow's other spellings of a missing value are values: a category of their own, and
+    not a number in a dense column (named as such); an empty field is missing."""
+    path = tmp_path / "log.csv"
+    path.write_text(HEADER + f"{spelling},1,2,a,5,4\n,1,2,a,6,4\nu1,1,2,a,7,3\nu1,1,2,a,8,3\n")
+    dataset = import_dataset(spec(path, split={"kind": "ordered"}), tmp_path / "out")
+    vocabulary = pq.read_table(tmp_path / "out" / "vocab" / "user.parquet")["value"].to_pylist()
+    assert sorted(vocabulary) == sorted(["u1", spelling])
+    assert [r["user"] for r in rows_of(dataset, "train")] == [vocabulary.index(spelling) + 1, 0,
+                                                               vocabulary.index("u1") + 1]
+    path.write_text(HEADER + f"u0,1,2,a,5,4\nu1,1,{spelling},a,6,4\nu1,1,,a,7,3\nu1,1,2,a,8,3\n")
+    problem = "not a finite number" if spelling.lower().lstrip("-") == "nan" else \
+        f"a dense column must hold numbers, got '{spelling}' (only an empty field is a missing value)"
+    with pytest.raises(DataError, match=f"column 'count', line 3: {re.escape(problem)}$"):
+        import_dataset(spec(path), tmp_path / "out2")
+
+
+@pytest.mark.parametrize("bad,where", [
+    ("u1,1,x7,a,6,4", "column 'count', line 6: a dense column must hold numbers"),
+    ("u1,1,7,a,6,4,extra", "line 6: 7 fields, expected 6"),
+])
+def test_a_value_error_and_a_width_error_name_the_same_line(tmp_path, bad, where):
+    """Blank lines and a quoted line break before the bad row: both errors name the line
+    ``sed -n Np`` shows."""
+    path = tmp_path / "log.csv"
+    text = HEADER + '\n"u0\nstill u0",1,2,a,5,4\n\n' + bad + "\n" + "u2,1,2,a,7,3\n" * 3
+    path.write_text(text)
+    assert text.splitlines()[5] == bad
+    with pytest.raises(DataError, match=f"^file {path}, {re.escape(where)}"):
         import_dataset(spec(path), tmp_path / "out")

@@ -108,7 +108,7 @@ def test_a_failed_import_leaves_nothing_to_block_the_partitions_after_it(importe
     lines = (imported / "new.csv").read_text().splitlines()
     bad = imported / "bad.csv"
     bad.write_text("\n".join(lines[:300] + [lines[300].rsplit(",", 1)[0] + ",x"] + lines[301:]) + "\n")
-    with pytest.raises(DataError, match="row 300"):
+    with pytest.raises(DataError, match="line 301: "):
         import_partition(spec(bad), imported / "data", "2026-01-02T00")
     assert not (imported / "data" / "partitions" / "2026-01-02T00").exists()
     import_partition(spec(imported / "new.csv"), imported / "data", "2026-01-02T00")  # the same name, once fixed

@@ -100,13 +100,14 @@ def write_criteo(path: Path, lines: list[str]) -> Path:
 
 
 @pytest.mark.parametrize("lines,where", [
-    ([criteo_line(), criteo_line(), criteo_line() + "\textra", criteo_line()], "row 3: 41 fields, expected 40"),
-    ([criteo_line()[2:]] * 3, "row 1: 39 fields, expected 40"),  # test.txt: no label column
-    ([criteo_line().replace("\t", " ")], "row 1: 1 field, expected 40"),  # spaces, not tabs
+    ([criteo_line(), criteo_line(), criteo_line() + "\textra", criteo_line()], "line 3: 41 fields, expected 40"),
+    ([criteo_line()[2:]] * 3, "line 1: 39 fields, expected 40; this looks like Criteo's unlabelled test file, "
+                              "which cannot be imported for training (it has no label)"),  # test.txt: no label column
+    ([criteo_line().replace("\t", " ")], "line 1: 1 field, expected 40"),  # spaces, not tabs
 ])
 def test_a_criteo_row_of_the_wrong_width_is_named(tmp_path, lines, where):
     path = write_criteo(tmp_path / "day_0", lines)
-    with pytest.raises(DataError, match=re.escape(f"file {path}, {where}")):
+    with pytest.raises(DataError, match=re.escape(f"file {path}, {where}") + "$"):
         convert("criteo", path, tmp_path / "out")
 
 
@@ -115,13 +116,22 @@ def test_an_avazu_row_of_the_wrong_width_is_named(tmp_path):
     lines[3] += ",x"
     path = tmp_path / "train.csv"
     path.write_text("\r\n".join(lines) + "\r\n")
-    with pytest.raises(DataError, match="train.csv, row 3: 25 fields, expected 24"):
+    with pytest.raises(DataError, match="train.csv, line 4: 25 fields, expected 24"):
+        convert("avazu", path, tmp_path / "out")
+
+
+def test_avazu_s_unlabelled_test_file_is_named_as_one(tmp_path):
+    lines = [line.split(",") for line in (FIXTURES / "avazu_sample.csv").read_text().splitlines()]
+    path = tmp_path / "test.csv"
+    path.write_text("".join(",".join(fields[:1] + fields[2:]) + "\n" for fields in lines))  # no click column
+    with pytest.raises(DataError, match=f"^file {path}: no column 'click' \\(it has id, hour, C1, .*\\); this looks "
+                                        "like Avazu's unlabelled test file, which cannot be imported for training"):
         convert("avazu", path, tmp_path / "out")
 
 
 @pytest.mark.parametrize("index,where", [
-    (0, "column 'label', row 3: the label must be a number, got 'x1'"),
-    (3, "column 'I3', row 3: a dense column must hold numbers, got 'x1'"),
+    (0, "column 'label', line 3: the label must be a number, got 'x1'"),
+    (3, "column 'I3', line 3: a dense column must hold numbers, got 'x1'"),
 ])
 def test_a_criteo_value_that_is_not_a_number_is_named(tmp_path, index, where):
     bad = criteo_line().split("\t")
@@ -191,20 +201,26 @@ def test_movielens_refuses_eval_files(tmp_path):
 
 @pytest.mark.parametrize("directory,damage,where", [
     ("movielens-100k", ("u.data", lambda t: t.replace("\t3\t881250949", "\t3", 1)),
-     "u.data, row 1: 3 fields, expected 4"),
-    ("movielens-100k", ("u.item", lambda t: t.replace("|0|", "|", 1)), "u.item, row 1: 23 fields, expected 24"),
+     "u.data, line 1: 3 fields, expected 4"),
+    ("movielens-100k", ("u.item", lambda t: t.replace("|0|", "|", 1)), "u.item, line 1: 23 fields, expected 24"),
     ("movielens-100k", ("u.data", lambda t: ""), "u.data: cannot read it"),
     ("movielens-25m", ("ratings.csv", lambda t: t.replace("1147880044", "1147880044,x", 1)),
-     "ratings.csv, row 1: 5 fields, expected 4"),
+     "ratings.csv, line 2: 5 fields, expected 4"),
     ("movielens-25m", ("movies.csv", None), "movies.csv: missing from the MovieLens directory"),
     ("movielens-1m", ("ratings.dat", lambda t: t.replace("::5::", "::x::", 1)),
-     "ratings.dat, column 'rating', row 1: the label must be a number, got 'x'"),
+     "ratings.dat, column 'rating', line 1: the label must be a number, got 'x'"),
     ("movielens-25m", ("ratings.csv", lambda t: t.replace("5.0,1147880044", "x,1147880044", 1)),
-     "ratings.csv, column 'rating', row 1: the label must be a number, got 'x'"),
+     "ratings.csv, column 'rating', line 2: the label must be a number, got 'x'"),
     ("movielens-25m", ("ratings.csv", lambda t: "\n".join(",".join(line.split(",")[:3]) for line in t.split("\n"))),
-     "ratings.csv: cannot read it as a MovieLens file: Column 'timestamp' in include_columns does not exist"),
+     "ratings.csv: no column 'timestamp' \\(it has userId, movieId, rating\\)"),
+    ("movielens-1m", ("users.dat", lambda t: t.replace("::48067", "::48067::extra", 1)),
+     "users.dat, line 1: expected 5 fields separated by '::', got 6"),
+    ("movielens-1m", ("movies.dat", lambda t: t.replace("Musical\n", "Musical::extra\n", 1)),
+     "movies.dat, line 1: expected 3 fields separated by '::', got 4"),
+    ("movielens-1m", ("ratings.dat", lambda t: "\n\n" + t.replace("::978302109", "::978302109::7", 1)),
+     "ratings.dat, line 4: expected 4 fields separated by '::', got 5"),
     ("movielens-100k", ("u.item", lambda t: t.replace("|0|1|0|0|", "|0|x|0|0|", 1)),
-     "u.item, column 'Action', row 1: a genre flag must be 0 or 1, got 'x'"),
+     "u.item, column 'Action', line 1: a genre flag must be 0 or 1, got 'x'"),
 ])
 def test_a_damaged_movielens_file_is_named(tmp_path, directory, damage, where):
     copy = Path(shutil.copytree(FIXTURES / directory, tmp_path / directory))

@@ -249,3 +249,24 @@ def test_a_killed_writers_staging_directory_is_removed_by_the_next_write_on_its_
         (staging / "dataset.json").write_text("{}")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["data", running.name, elsewhere.name, other_output.name])
+
+
+def test_an_output_in_a_directory_that_refuses_it_is_named_not_the_staging_directory(tmp_path, monkeypatch):
+    def refused(self, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    out = tmp_path / "ro" / "x"
+    out.parent.mkdir()
+    monkeypatch.setattr(Path, "mkdir", refused)  # as a read-only parent refuses the staging directory
+    with pytest.raises(PathError, match=f"^cannot write the dataset {out}: permission denied$"):
+        with staged_output(out):
+            pass
+    monkeypatch.undo()
+    if os.geteuid() != 0:  # root writes anywhere
+        out.parent.chmod(0o555)
+        try:
+            line = _error_line(neorec_in_process("data", "synth", "--rows", "100", "--out", out))
+        finally:
+            out.parent.chmod(0o755)
+        assert line == f"neorec: error: cannot write the dataset {out}: permission denied"
+    assert list(out.parent.iterdir()) == []

@@ -119,3 +119,20 @@ def test_an_imported_dataset_s_vocabularies_are_verified_and_a_damaged_one_named
     assert problem.file == str(vocabulary) and "cannot read this vocabulary" in problem.problem
     with pytest.raises(DataError, match=f"file {vocabulary}: cannot read this vocabulary"):  # as new data is encoded
         import_partition(spec(tmp_path / "log.csv"), tmp_path / "d", "2026-01-01T00")
+
+
+def test_a_vocabulary_the_dataset_needs_and_lacks_is_named_by_its_column(tmp_path):
+    from neorec.ingest.importer import import_dataset
+    from tests.ingest.test_importer import spec, write_log
+
+    write_log(tmp_path / "log.csv", rows=200)
+    dataset = import_dataset(spec(tmp_path / "log.csv"), tmp_path / "d")
+    (tmp_path / "d" / "vocab" / "item.parquet").unlink()
+    (problem,) = verify_dataset(dataset)[-1].problems
+    assert (problem.file, problem.column) == (str(tmp_path / "d" / "vocab" / "item.parquet"), "item")
+    assert problem.problem.startswith("missing")
+    for name in ("user", "genres"):
+        (tmp_path / "d" / "vocab" / f"{name}.parquet").unlink()
+    assert sorted(p.column for p in verify_dataset(dataset)[-1].problems) == ["genres", "item", "user"]
+    hashed = import_dataset(spec(tmp_path / "log.csv", categorical={"encoding": "hash"}), tmp_path / "h")
+    assert [r.split for r in verify_dataset(hashed)] == ["train", "eval"]  # no vocabulary needed
