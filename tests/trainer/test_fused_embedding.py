@@ -343,3 +343,32 @@ def test_settings_that_would_fail_in_a_kernel_or_train_wrongly_are_refused_when_
 
 def test_a_tables_feature_names_may_be_any_sequence():
     assert TableConfig("t", 10, 4, ["a", "b"]).feature_names == ("a", "b")
+
+
+@pytest.mark.parametrize("weight_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("kernels", ["numba", "torch"])
+def test_per_id_weights_that_require_grad_get_the_gradient_embedding_bag_gives(kernels, weight_dtype):
+    """A feature processor that learns per-id weights trains through their gradient (the
+    rows as the forward read them, before the update), for tables of any width, both
+    poolings, a table two features share, and a batch feature no table reads."""
+    rng = np.random.default_rng(5)
+    tables = [TableConfig("a", 50, 3, ("f1", "f2")), TableConfig("b", 30, 12, ("f3",), pooling="mean"),
+              TableConfig("c", 20, 1, ("f4",))]
+    module = FusedEmbeddingBagCollection(tables, SparseOptimizer("sgd", learning_rate=0.5), seed=3,
+                                         weight_dtype=weight_dtype, kernels=kernels)
+    before = {t.name: module.table_weight(t.name).float().clone() for t in tables}
+    for step in range(2):
+        kjt = random_kjt(tables, 7, rng, weighted=True)
+        extra = 6  # a feature of no table: its ids' weights get 0
+        kjt = KeyedJaggedTensor((*kjt.keys, "unread"), torch.cat([kjt.lengths, torch.full((7,), 1, dtype=torch.int32)]),
+                                torch.cat([kjt.values, torch.arange(7) + extra]), torch.cat([kjt.weights, torch.ones(7)]))
+        learned = kjt.weights.clone().requires_grad_()
+        upstream = torch.from_numpy(rng.standard_normal((7, module.output_dim)).astype(np.float32))
+        (module(KeyedJaggedTensor(kjt.keys, kjt.lengths, kjt.values, learned)) * upstream).sum().backward()
+        expected = kjt.weights.clone().requires_grad_()
+        reference = reference_pooled(tables, before, KeyedJaggedTensor(kjt.keys, kjt.lengths, kjt.values, expected))
+        (reference * upstream).sum().backward()
+        assert torch.allclose(learned.grad, expected.grad, rtol=1e-5, atol=1e-6), (step, learned.grad, expected.grad)
+        assert torch.equal(learned.grad[-7:], torch.zeros(7))
+        assert not torch.equal(module.table_weight("a").float(), before["a"])  # the update still ran
+        before = {t.name: module.table_weight(t.name).float().clone() for t in tables}

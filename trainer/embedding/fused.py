@@ -21,6 +21,7 @@ from neorec.embedding_store.initial import initial_block
 from neorec.trainer.batch import KeyedJaggedTensor
 from neorec.trainer.embedding.bounds import BoundsCheck
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
+from neorec.trainer.embedding.id_weight_grads import id_weight_grads
 from neorec.trainer.embedding.kernels import backward as backward_kernels
 from neorec.trainer.embedding.kernels import torch_ops
 from neorec.trainer.embedding.kernels.forward import (bags_per_job, pooled_forward, pooled_sum_lanes,
@@ -286,7 +287,8 @@ class FusedEmbeddingBagCollection(nn.Module):
     # ---------------------------------------------------------------------------- compute
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
         if self.training and torch.is_grad_enabled():
-            return _FusedLookup.apply(self._anchor, self, sparse)
+            learned = sparse.weights if sparse.weights is not None and sparse.weights.requires_grad else None
+            return _FusedLookup.apply(self._anchor, self, sparse, learned)
         out, lookup = self._lookup(sparse)
         self._note_bad_ids(sparse, lookup)
         self.check_ids()
@@ -361,6 +363,13 @@ class FusedEmbeddingBagCollection(nn.Module):
             self._bounds(sparse)
             self._refuse(bad)
         return out, ctx
+
+    def _id_weight_grads(self, sparse: KeyedJaggedTensor, grad_out: torch.Tensor) -> torch.Tensor:
+        """float32 ``[n]``: the gradient of ``sparse``'s per-id weights (before the update)."""
+        return id_weight_grads(self.weights, self._table_offsets.tolist(), self._rows.tolist(), self._dims.tolist(),
+                               self._mean_pooling.tolist(), self._feature_table.tolist(), self._out_columns.tolist(),
+                               self._module_features(sparse), sparse.lengths, sparse.values, sparse.batch_size,
+                               grad_out)
 
     def _tables_on(self, device: torch.device) -> torch_ops.TorchTables:
         """The layout the torch ops index, on ``device`` (copied there once)."""
@@ -471,17 +480,24 @@ def check_ids(model: nn.Module) -> None:
 
 class _FusedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, module: FusedEmbeddingBagCollection, sparse: KeyedJaggedTensor):
+    def forward(ctx, anchor: torch.Tensor, module: FusedEmbeddingBagCollection, sparse: KeyedJaggedTensor,
+                learned_weights: torch.Tensor | None):
+        """``learned_weights``: ``sparse.weights`` when they require a gradient (an input of
+        the graph then), else None."""
         out, lookup = module._lookup(sparse)
         ctx.module = module
         ctx.lookup = lookup
+        ctx.sparse = sparse if learned_weights is not None else None
         module._note_bad_ids(sparse, lookup)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        ctx.module._backward_update(ctx.lookup, grad_out.contiguous().float())
-        return None, None, None
+        grad_out = grad_out.contiguous().float()
+        module = ctx.module
+        learned = module._id_weight_grads(ctx.sparse, grad_out) if ctx.sparse is not None else None  # rows unchanged
+        module._backward_update(ctx.lookup, grad_out)
+        return None, None, None, learned
 
 
 class _PendingIdCheck:

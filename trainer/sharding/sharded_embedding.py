@@ -138,7 +138,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.input_group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD), timeout=timeout)
 
     def prepare(self, sparse: KeyedJaggedTensor) -> PreparedSparse:
-        """Route ``sparse`` for the input all-to-all (no collective: any thread may call it)."""
+        """Route ``sparse`` for the input all-to-all (no collective: any thread may call it).
+        Per-id weights that require a gradient are refused: they cross the all-to-all as
+        data, so no gradient would reach them (a module on one process gives it)."""
+        if sparse.weights is not None and sparse.weights.requires_grad:
+            raise NotImplementedError("per-id weights that require a gradient are not supported with sharded tables "
+                                      "(the weights reach the tables' ranks as data); use one process's "
+                                      "FusedEmbeddingBagCollection, or detach them")
         source = self.input_dist.feature_positions(sparse, sparse.lengths.device)
         lengths = sparse.lengths.view(len(sparse.keys), sparse.batch_size)[source]
         return PreparedSparse(self.input_dist.prepare(sparse), lengths)

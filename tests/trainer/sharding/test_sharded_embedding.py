@@ -151,3 +151,20 @@ def test_an_invalid_id_on_one_rank_fails_every_rank():
     messages = run_ranks(bad_id_rank, 2)
     assert "outside its table's rows" in messages[1] and "[0, " in messages[1]
     assert "rank(s) [1]" in messages[0]
+
+
+def learned_weights_rank(rank: int, world: int) -> str:
+    module = ShardedEmbeddingBagCollection(TABLES, SparseOptimizer("sgd", 0.1), plan_of([ROW_WISE] * 3, world))
+    kjt = random_kjt(TABLES, BATCH, np.random.default_rng(rank))
+    learned = torch.ones(kjt.values.numel(), requires_grad=True)
+    try:
+        module(KeyedJaggedTensor(kjt.keys, kjt.lengths, kjt.values, learned))
+    except NotImplementedError as err:
+        return str(err)
+    return "no error"
+
+
+def test_per_id_weights_that_require_grad_are_refused_by_sharded_tables():
+    """They would cross the all-to-all as data and get no gradient, silently."""
+    assert all("per-id weights that require a gradient are not supported with sharded tables" in message
+               for message in run_ranks(learned_weights_rank, 2))
