@@ -372,3 +372,36 @@ def test_per_id_weights_that_require_grad_get_the_gradient_embedding_bag_gives(k
         assert torch.equal(learned.grad[-7:], torch.zeros(7))
         assert not torch.equal(module.table_weight("a").float(), before["a"])  # the update still ran
         before = {t.name: module.table_weight(t.name).float().clone() for t in tables}
+
+
+def test_the_state_dict_is_by_table_and_loads_only_into_the_same_tables():
+    """Keyed as TorchRec keys an EmbeddingBagCollection's tables: tables in another order
+    load by name; tables of other sizes are refused whole, nothing overwritten (the flat
+    buffers alone, of the same total size, loaded into any module before)."""
+    def made(tables, seed):
+        return FusedEmbeddingBagCollection([TableConfig(*t) for t in tables], SparseOptimizer("adam"), seed=seed)
+
+    user, item = ("user", 100, 8, ("u",)), ("item", 50, 16, ("i",))
+    source = made([user, item], 1)
+    source.optimizer_step.fill_(3)
+    saved = source.state_dict()
+    assert {k: tuple(v.shape) for k, v in saved.items()} == {
+        "embedding_bags.user.weight": (100, 8), "embedding_bags.user.momentum1": (100, 8),
+        "embedding_bags.user.momentum2": (100, 8), "embedding_bags.item.weight": (50, 16),
+        "embedding_bags.item.momentum1": (50, 16), "embedding_bags.item.momentum2": (50, 16), "optimizer_step": ()}
+    swapped = made([item, user], 2)
+    swapped.load_state_dict(saved)
+    for name in ("user", "item"):
+        assert torch.equal(swapped.table_weight(name), source.table_weight(name))
+    assert int(swapped.optimizer_step) == 3
+    other = made([user, ("item", 60, 16, ("i",))], 3)
+    before = other.weights.clone()
+    with pytest.raises(RuntimeError, match=r"size mismatch for embedding_bags.item.weight.*\(50, 16\).*\(60, 16\)"):
+        other.load_state_dict(saved)
+    assert torch.equal(other.weights, before)
+    torchrec_like = torch.nn.ModuleDict({"embedding_bags": torch.nn.ModuleDict(
+        {"user": torch.nn.EmbeddingBag(100, 8), "item": torch.nn.EmbeddingBag(50, 16)})})
+    loaded = made([user, item], 4)
+    missing = loaded.load_state_dict(torchrec_like.state_dict(), strict=False).missing_keys
+    assert sorted(missing) == sorted(k for k in saved if "momentum" in k or k == "optimizer_step")
+    assert torch.equal(loaded.table_weight("item"), torchrec_like["embedding_bags"]["item"].weight.detach())

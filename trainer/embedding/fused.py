@@ -28,6 +28,7 @@ from neorec.trainer.embedding.kernels.forward import (bags_per_job, pooled_forwa
                                                         streams_output, sums_in_registers)
 from neorec.trainer.embedding.kernels.precision import FP32, PRECISIONS
 from neorec.trainer.embedding.memory import huge_page_empty
+from neorec.trainer.embedding.state_dict import load_tables, save_tables
 from neorec.trainer.embedding.touched import TouchedRows, bitmap_bytes, bitmap_offsets
 from neorec.common.offsets import exclusive_cumsum
 
@@ -196,6 +197,24 @@ class FusedEmbeddingBagCollection(nn.Module):
         size = int(self._rows[t]) * width
         states = [self.state1, self.state2][: self.optimizer.num_states]
         return [s[start : start + size].view(int(self._rows[t]), width) for s in states]
+
+    def state_views(self) -> dict[str, torch.Tensor]:
+        """The module's state by table, as its state dict names it (see
+        :mod:`~neorec.trainer.embedding.state_dict`): views of its buffers."""
+        views = {}
+        for t, table in enumerate(self.tables):
+            views[f"embedding_bags.{table.name}.weight"] = self._table_view(t)
+            for i, state in enumerate(self._state_views(t), 1):
+                views[f"embedding_bags.{table.name}.momentum{i}"] = state
+        views["optimizer_step"] = self.optimizer_step
+        return views
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        save_tables(self.state_views(), destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        load_tables(self.state_views(), state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs)
 
     def read_rows(self, name: str, rows: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Copies of rows ``rows`` (int64 ``[n]``) of table ``name``: weights float32

@@ -43,7 +43,8 @@ def checkpointer(root: Path, embeddings: FusedEmbeddingBagCollection, **config) 
 
 
 def state(embeddings: FusedEmbeddingBagCollection) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in embeddings.state_dict().items()}
+    """Copies of the module's flat buffers: ``weights``, ``state1``, ``state2``, ``optimizer_step``."""
+    return {k: getattr(embeddings, k).clone() for k in ("weights", "state1", "state2", "optimizer_step")}
 
 
 def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -267,7 +267,7 @@ def test_killing_the_writer_at_any_point_leaves_the_newest_complete_checkpoint_w
         restored.set_optimizer_steps(restorable.manifest.sparse_steps)
         expected = crash_writer.state_after(step)
         for key in ("weights", "state1", "optimizer_step"):
-            assert torch.equal(restored.state_dict()[key], expected[key]), (attempt, step, key)
+            assert torch.equal(state(restored)[key], expected[key]), (attempt, step, key)
         steps_seen.append(step)
     # Each restart goes on from the newest complete checkpoint: never back, and forward overall (how far
     # depends on how fast the machine is, not on the checkpoints).
