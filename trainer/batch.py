@@ -32,7 +32,11 @@ class KeyedJaggedTensor:
         """Check the invariants the kernels rely on (``TypeError`` for a wrong type or
         dtype, ``ValueError`` for a wrong shape or inconsistent lengths): O(1) checks and
         one reduction over ``lengths``. Non-contiguous tensors are made contiguous."""
+        if isinstance(self.keys, str):
+            raise TypeError(f"keys is a sequence of feature names, got the string {self.keys!r}")
         self.keys = tuple(self.keys)
+        if len(set(self.keys)) != len(self.keys):
+            raise ValueError(f"a feature appears twice in the keys {self.keys}")
         for name, tensor, dtype in (("lengths", self.lengths, torch.int32), ("values", self.values, torch.int64),
                                     ("weights", self.weights, torch.float32)):
             if name == "weights" and tensor is None:

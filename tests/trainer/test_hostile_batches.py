@@ -46,6 +46,16 @@ def test_inconsistent_batches_are_refused_when_made(lengths, values, weights, er
         _kjt(lengths, values, weights)
 
 
+def test_keys_are_distinct_feature_names_and_the_module_takes_only_a_batch():
+    with pytest.raises(ValueError, match=r"a feature appears twice in the keys \('a', 'a'\)"):
+        _kjt([1, 1], [0, 1], keys=("a", "a"))
+    with pytest.raises(TypeError, match="keys is a sequence of feature names, got the string 'ab'"):
+        _kjt([1, 1], [0, 1], keys="ab")
+    module = FusedEmbeddingBagCollection(TABLES, SparseOptimizer("sgd", 0.1))
+    with pytest.raises(TypeError, match="looks up a KeyedJaggedTensor, got Tensor"):
+        module(torch.arange(4))
+
+
 @pytest.mark.parametrize("lengths, values, weights, match", [
     (torch.ones(4, dtype=torch.int64), torch.arange(4), None, "lengths must be torch.int32"),
     (torch.ones(4, dtype=torch.int32), torch.arange(4, dtype=torch.int32), None, "values must be torch.int64"),

@@ -305,6 +305,8 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     # ---------------------------------------------------------------------------- compute
     def forward(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        if not isinstance(sparse, KeyedJaggedTensor):
+            raise TypeError(f"the module looks up a KeyedJaggedTensor, got {type(sparse).__name__}")
         if self.training and torch.is_grad_enabled():
             learned = sparse.weights if sparse.weights is not None and sparse.weights.requires_grad else None
             return _FusedLookup.apply(self._anchor, self, sparse, learned)
