@@ -21,7 +21,6 @@ encoded the same way (``vocab_from``).
 from __future__ import annotations
 
 import operator
-import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -88,7 +87,6 @@ def import_dataset(spec: ImportSpec, out_dir: str | Path, *, source: BlockSource
                    vocab_from: str | Path | None = None, progress: ProgressFn | None = None,
                    profile: str = "import") -> Dataset:
     """Write the dataset ``spec`` describes into ``out_dir`` (see the module docstring)."""
-    started = time.perf_counter()
     block_source = None if source is None or isinstance(source, FileSource) else type(source).__name__  # joins files
     source = source or FileSource(spec)
     out = Path(out_dir)
@@ -122,8 +120,7 @@ def import_dataset(spec: ImportSpec, out_dir: str | Path, *, source: BlockSource
                           "kind": "import", "spec": asdict(spec), "block_source": block_source,
                           "dense_transform": spec.dense.transform,
                           "dense_stats": asdict(encoding.dense) if encoding.dense else None,
-                          "vocab_from": str(vocab_from) if vocab_from else None,
-                          "seconds": time.perf_counter() - started})
+                          "vocab_from": str(vocab_from) if vocab_from else None})
     dataset.save()
     return dataset
 

@@ -151,6 +151,17 @@ def test_min_count_max_rows_and_hashing(tmp_path):
     assert len(vocab) > 20
 
 
+def test_the_same_input_imports_to_the_same_bytes(tmp_path):
+    """Every file of the dataset, dataset.json included (it recorded the import's wall time)."""
+    write_log(tmp_path / "log.csv")
+    for out in ("a", "b"):
+        import_dataset(spec(tmp_path / "log.csv"), tmp_path / out)
+    files = {out: {p.relative_to(tmp_path / out): p.read_bytes() for p in sorted((tmp_path / out).rglob("*"))
+                   if p.is_file()} for out in ("a", "b")}
+    assert files["a"].keys() == files["b"].keys() and len(files["a"]) > 3
+    assert [name for name in files["a"] if files["a"][name] != files["b"][name]] == []
+
+
 def test_a_parquet_list_column_round_trips(tmp_path):
     table = pa.table({"click": [1, 0, 1, 0], "tags": [["a", "b"], None, [], ["b", "c", "zz"]],
                       "t": [1, 2, 3, 4]})
