@@ -3,6 +3,7 @@ top MLP."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
@@ -30,13 +31,16 @@ class MLP(nn.Sequential):
             raise ValueError(f"init must be one of {MLP_INITS}, got {init!r}")
         layers: list[nn.Module] = []
         for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-            linear = nn.Linear(fan_in, fan_out)
+            with warnings.catch_warnings():  # a layer of no inputs (no dense features): nothing to draw, say nothing
+                warnings.filterwarnings("ignore", "Initializing zero-element tensors is a no-op")
+                linear = nn.Linear(fan_in, fan_out)
             with torch.no_grad():
                 if init == "normal":
                     linear.weight.normal_(0.0, (2.0 / (fan_in + fan_out)) ** 0.5, generator=generator)
                     linear.bias.normal_(0.0, (1.0 / fan_out) ** 0.5, generator=generator)
-                else:
+                elif fan_in > 0:  # (a layer of no inputs has no weights to draw)
                     nn.init.kaiming_uniform_(linear.weight, a=5**0.5, generator=generator)
+                if init != "normal":
                     bound = fan_in**-0.5 if fan_in > 0 else 0.0  # no inputs (no dense features): zero bias
                     nn.init.uniform_(linear.bias, -bound, bound, generator=generator)
             layers.append(linear)

@@ -86,3 +86,13 @@ def test_uniform_init_is_pytorchs_default_and_deterministic_from_the_seed():
         assert tensor.abs().max() <= bound and tensor.abs().max() > 0.9 * bound
     normal = build("normal", 7)
     assert normal[0].weight.abs().max() > bound  # a Gaussian's tails pass the uniform bound
+
+
+@pytest.mark.parametrize("init", ["uniform", "normal"])
+def test_a_model_of_no_dense_features_builds_without_a_warning(init, recwarn):
+    """Avazu and MovieLens conversions have no dense columns: the bottom MLP's first layer
+    has no inputs (torch warned that initialising its empty weight does nothing)."""
+    from neorec.trainer.model import MLP
+
+    mlp = MLP([0, 4, 2], torch.Generator().manual_seed(0), init=init)
+    assert mlp[0].weight.shape == (4, 0) and not [str(w.message) for w in recwarn]
