@@ -17,6 +17,7 @@ from typing import Sequence
 
 from neorec.common.abandoned import remove_abandoned
 from neorec.common.cpus import available_cpus
+from neorec.common.errors import ConfigError
 from neorec.orchestration.nodes import ONE_NODE, Nodes
 from neorec.orchestration.supervisor import PARENT_DEATH_ENV, signal_on_parent_death
 
@@ -162,9 +163,18 @@ def _wait_for_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes, log_dir
 
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, lambda signum, frame: stopped_by.append(signum)),
                 signal.SIGTERM: signal.signal(signal.SIGTERM, pass_on)}
+    from neorec.orchestration.job_shape import JobShapeCheck  # (torch: not at the parser's import)
+
+    check = None if nodes.standalone else JobShapeCheck(nodes, nproc, lambda message: process.terminate())
     try:
+        if check is not None:
+            check.start()
         code = process.wait()
-        return 128 + stopped_by[0] if stopped_by else code
     finally:
+        if check is not None:
+            check.stop()
         for kind, handler in previous.items():
             signal.signal(kind, handler)
+    if check is not None and check.mismatch is not None:
+        raise ConfigError(check.mismatch)
+    return 128 + stopped_by[0] if stopped_by else code

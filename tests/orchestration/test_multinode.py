@@ -194,3 +194,24 @@ def test_checkpoints_restore_from_two_nodes_of_two_ranks_into_one_node_of_three_
     on_four = run_ranks(_restored, 4, config, str(run / "checkpoint"), 2, on_nodes)
     assert "table_row_wise" in {t["sharding_type"] for t in on_four[0]["plan"]["tables"]}
     _assert_restored(on_four[0], run)
+
+
+@pytest.mark.slow
+def test_nodes_started_with_different_nnodes_are_refused_on_every_node(criteo_dataset, tmp_path):
+    """torchrun's rendezvous takes each node's own count: the node told of three waited for
+    a third that never came (until torchrun's timeout), the other with it; a node told of
+    fewer nodes than came could run a job of another shape than it planned (as could a
+    node of another --nproc)."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    commands = [[*NEOREC, "train", "configs/demo.toml", "--nnodes", str(count), "--node-rank", str(rank), "--rdzv",
+                 endpoint, *_settings(criteo_dataset, tmp_path / "run")] for rank, count in ((0, 3), (1, 2))]
+    nodes = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
+    try:
+        outcomes = [(node.communicate(timeout=120)[1], node.returncode) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for stderr, code in outcomes:
+        assert code == 2, stderr[-3000:]
+        assert stderr.splitlines()[-1].startswith(
+            "neorec: error: the nodes of job 'neorec' were started differently: --nnodes "), stderr[-3000:]
