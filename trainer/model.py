@@ -51,11 +51,15 @@ class MLP(nn.Sequential):
 
 class DotInteraction(nn.Module):
     """``[B, D]`` dense output and ``[B, F * D]`` pooled embeddings → ``[B, D + (F+1)F/2]``:
-    the dense output followed by the pairwise dot products of all ``F + 1`` vectors
-    (strictly lower triangle)."""
+    the dense output followed by the pairwise dot products of all ``F + 1`` vectors (the
+    dense one first), in the DLRM reference's order: the strictly lower triangle row by row,
+    ``(1, 0), (2, 0), (2, 1), (3, 0), …``. (TorchRec's DLRM takes the same pairs as the upper
+    triangle row by row, ``(0, 1), (0, 2), …``: its top MLP's first layer reads them in
+    another order.)"""
 
     def __init__(self, num_sparse: int) -> None:
         super().__init__()
+        self.num_sparse = num_sparse
         rows, cols = torch.tril_indices(num_sparse + 1, num_sparse + 1, offset=-1)
         # positions in the flattened [F+1, F+1] products: a gather whose backward is an
         # index_add (advanced indexing's backward is a much slower accumulating index_put)
@@ -64,6 +68,9 @@ class DotInteraction(nn.Module):
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         batch_size, dim = dense.shape
+        if pooled.shape != (batch_size, self.num_sparse * dim):
+            raise ValueError(f"the interaction takes pooled embeddings [{batch_size}, {self.num_sparse} features x "
+                             f"{dim}], got {list(pooled.shape)}")
         vectors = torch.cat([dense.unsqueeze(1), pooled.view(batch_size, -1, dim)], dim=1)
         products = torch.bmm(vectors, vectors.transpose(1, 2))
         return torch.cat([dense, products.flatten(1).index_select(1, self.pairs)], dim=1)
@@ -96,6 +103,10 @@ class DLRM(nn.Module):
             raise ValueError(f"the bottom MLP must end with the embedding dimension {embedding_dim}, got {list(bottom_mlp)}")
         if not top_mlp or top_mlp[-1] != 1:
             raise ValueError(f"the top MLP must end with one output, got {list(top_mlp)}")
+        width = getattr(embeddings, "output_dim", None)
+        if width is not None and width != num_sparse * embedding_dim:
+            raise ValueError(f"the embeddings pool {width} columns, num_sparse * embedding_dim is "
+                             f"{num_sparse} * {embedding_dim} = {num_sparse * embedding_dim}")
         generator = torch.Generator().manual_seed(seed)
         self.bottom = MLP([num_dense, *bottom_mlp], generator, init=init)
         self.embeddings = embeddings

@@ -96,3 +96,15 @@ def test_a_model_of_no_dense_features_builds_without_a_warning(init, recwarn):
 
     mlp = MLP([0, 4, 2], torch.Generator().manual_seed(0), init=init)
     assert mlp[0].weight.shape == (4, 0) and not [str(w.message) for w in recwarn]
+
+
+def test_a_feature_count_the_embeddings_do_not_pool_is_refused():
+    """num_sparse below the embeddings' features made the interaction pair the wrong
+    vectors (self-products among them) and train on, silently."""
+    tables, _, _ = _models()  # four features of width 8
+    fused = FusedEmbeddingBagCollection(tables, SparseOptimizer("sgd", 0.5), seed=1)
+    with pytest.raises(ValueError, match=r"the embeddings pool 32 columns, num_sparse \* embedding_dim is 2 \* 8 = 16"):
+        DLRM(num_dense=5, num_sparse=2, embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[1], embeddings=fused)
+    from neorec.trainer.model import DotInteraction
+    with pytest.raises(ValueError, match=r"pooled embeddings \[3, 2 features x 8\], got \[3, 32\]"):
+        DotInteraction(2)(torch.zeros(3, 8), torch.zeros(3, 32))
