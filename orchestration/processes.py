@@ -17,6 +17,7 @@ from typing import Sequence
 
 from neorec.common.abandoned import remove_abandoned
 from neorec.common.cpus import available_cpus
+from neorec.common.wording import counted
 from neorec.common.errors import ConfigError
 from neorec.orchestration.nodes import ONE_NODE, Nodes
 from neorec.orchestration.supervisor import PARENT_DEATH_ENV, signal_on_parent_death
@@ -137,7 +138,16 @@ def run_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes = ONE_NODE) ->
         exits = Path(scratch) / "exits"
         exits.mkdir()
         code = _wait_for_torchrun(nproc, neorec_args, nodes, Path(scratch) / "logs", exits)
-        return USER_ERROR if code == 1 and USER_ERROR in _rank_exits(exits).values() else code
+        if code != 1:
+            return code
+        recorded = _rank_exits(exits)
+        if USER_ERROR in recorded.values():
+            return USER_ERROR
+        if len(recorded) < nproc:
+            print(f"neorec: {counted(nproc - len(recorded), 'rank')} of this node ended without an exit status: "
+                  f"killed by a signal, which torchrun's report above names (SIGKILL is often the kernel's "
+                  f"out-of-memory killer); --resume RUN_DIR continues from the newest checkpoint", file=sys.stderr)
+        return code
 
 
 def _wait_for_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes, log_dir: Path, exits: Path) -> int:

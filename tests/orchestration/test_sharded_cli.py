@@ -230,3 +230,25 @@ def test_a_user_error_in_the_ranks_exits_2_and_torchrun_leaves_no_files(criteo_d
     assert "RuntimeError" not in alone.stderr, alone.stderr[-3000:]  # not the gloo traceback of rank 1
     assert _torchrun_dirs() <= before and live_run.is_dir()  # another run's may go: it was abandoned too
     live_run.rmdir()
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_as_killed_not_left_to_torchrun_s_traceback(criteo_dataset, tmp_path):
+    """A rank the kernel kills (its out-of-memory killer, say) records no exit status; the
+    command says so in one line after torchrun's report."""
+    run = tmp_path / "run"
+    process = subprocess.Popen([*NEOREC, "train", "configs/demo.toml", "--nproc", "2", "--set", "train.epochs=100",
+                                *_settings(criteo_dataset, run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.2)
+        os.kill(_rank_processes(process.pid)[1], signal.SIGKILL)
+        _, stderr = process.communicate(timeout=180)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 1
+    assert "ended without an exit status: killed by a signal" in stderr.splitlines()[-1], stderr[-3000:]
