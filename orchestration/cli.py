@@ -61,14 +61,18 @@ def _command(argv: Sequence[str] | None) -> int:
         # neorec's own lines from INFO, other libraries' from WARNING (torch logs INFO lines at exit)
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         log.setLevel(logging.INFO)
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # output a pipe buffers fails here, where a closed reader is caught, not at exit
+        return code
     except KeyboardInterrupt:
         print("neorec: interrupted", file=sys.stderr)
         return INTERRUPTED
     except BrokenPipeError:
         if not _stdout_closed():
             raise
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        nowhere = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(nowhere, sys.stdout.fileno())  # what is left to flush at exit goes nowhere
+        os.close(nowhere)
         return OUTPUT_CLOSED
     except UserError as err:
         print(f"neorec: error: {one_line(err)}", file=sys.stderr)

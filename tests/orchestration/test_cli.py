@@ -117,8 +117,9 @@ def test_output_closed_by_its_reader_ends_the_command_quietly_with_141(tmp_path)
     reader, writer = os.pipe()
     os.close(reader)
     try:
+        buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe's output, as usual
         result = subprocess.run([*NEOREC, "data", "synth", "--rows", "500", "--out", str(tmp_path / "d")],
-                                stdout=writer, stderr=subprocess.PIPE, text=True, timeout=300)
+                                stdout=writer, stderr=subprocess.PIPE, text=True, timeout=300, env=buffered)
     finally:
         os.close(writer)
     assert result.returncode == 141, result.stderr
