@@ -324,7 +324,9 @@ def test_torch_ops_round_stochastically_like_the_numba_kernels(weight_dtype, bat
     (lambda: SparseOptimizer("adam", beta1=1.0), "beta1 must lie in \\[0, 1\\), got 1.0"),
     (lambda: SparseOptimizer("adam", beta2=1.5), "beta2 must lie in \\[0, 1\\)"),
     (lambda: SparseOptimizer("sgd", learning_rate=float("nan")), "learning_rate must be a finite number > 0"),
-    (lambda: SparseOptimizer("adagrad", eps=-1e-8), "eps must be a finite number >= 0"),
+    (lambda: SparseOptimizer("adagrad", eps=-1e-8), "eps must be a finite number > 0"),
+    (lambda: SparseOptimizer("rowwise_adagrad", eps=0.0), "eps must be a finite number > 0"),
+    (lambda: SparseOptimizer("sgd", eps=-1.0), "eps must be a finite number >= 0"),
     (lambda: SparseOptimizer("sgd", weight_decay=-0.1), "weight_decay must be a finite number >= 0"),
     (lambda: TableConfig("t", 10, 4, ("f",), learning_rate=-0.5), "table 't': learning_rate must be a finite"),
     (lambda: TableConfig("t", 10, 4, ("f",), learning_rate=0.0), "table 't': learning_rate must be a finite"),
@@ -360,8 +362,9 @@ def test_per_id_weights_that_require_grad_get_the_gradient_embedding_bag_gives(k
     for step in range(2):
         kjt = random_kjt(tables, 7, rng, weighted=True)
         extra = 6  # a feature of no table: its ids' weights get 0
-        kjt = KeyedJaggedTensor((*kjt.keys, "unread"), torch.cat([kjt.lengths, torch.full((7,), 1, dtype=torch.int32)]),
-                                torch.cat([kjt.values, torch.arange(7) + extra]), torch.cat([kjt.weights, torch.ones(7)]))
+        kjt = KeyedJaggedTensor((*kjt.keys, "unread"), torch.cat([kjt.lengths, torch.ones(7, dtype=torch.int32)]),
+                                torch.cat([kjt.values, torch.arange(7) + extra]),
+                                torch.cat([kjt.weights, torch.ones(7)]))
         learned = kjt.weights.clone().requires_grad_()
         upstream = torch.from_numpy(rng.standard_normal((7, module.output_dim)).astype(np.float32))
         (module(KeyedJaggedTensor(kjt.keys, kjt.lengths, kjt.values, learned)) * upstream).sum().backward()

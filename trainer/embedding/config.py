@@ -75,7 +75,7 @@ class SparseOptimizer:
         if self.kind not in SPARSE_OPTIMIZERS:
             raise ValueError(f"sparse optimizer must be one of {SPARSE_OPTIMIZERS}, got {self.kind!r}")
         _check("sparse optimizer learning_rate", self.learning_rate, positive=True)
-        _check("sparse optimizer eps", self.eps)
+        _check("sparse optimizer eps", self.eps, positive=self.kind != "sgd")  # a zero gradient's 0 / (0 + eps)
         _check("sparse optimizer weight_decay", self.weight_decay)
         for key in ("beta1", "beta2"):
             value = getattr(self, key)
