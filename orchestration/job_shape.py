@@ -8,7 +8,7 @@ another shape than the one it checked and planned (as does a node of another
 train`` writes its shape into the job's rendezvous store (keys under
 ``neorec/shape/RUN_ID/``): the first shape written is the job's; a node whose shape
 differs records the difference there, and every node that sees it stops its torchrun and
-names both shapes.
+names both shapes. Once every node has found its shape the job's, the nodes stop looking.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from neorec.orchestration.nodes import Nodes
 POLL_S = 0.5
 """How often a node looks for the store, and then for a difference another node found."""
 TELL_S = 4 * POLL_S
-"""How long the node that found a difference waits before it stops its torchrun (which may
+"""How long a node that knows of a difference waits before it stops its torchrun (which may
 serve the store): the other nodes read the difference in the meantime."""
 
 
@@ -39,12 +39,17 @@ class JobShapeCheck:
         self.shape = f"--nnodes {nodes.count} --nproc {nproc}"
         self.on_mismatch = on_mismatch
         self.mismatch: str | None = None
-        self._found_here = False
+        self._agreed = False
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="job-shape", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def looking(self) -> bool:
+        """Whether the check still runs (it ends when the nodes agree or differ)."""
+        return self._thread.is_alive()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -55,15 +60,16 @@ class JobShapeCheck:
         while not self._stopped.wait(POLL_S):
             try:
                 store = store or self._connect()
-                message = None if store is None else self._compare(store)
+                outcome = None if store is None else self._compare(store)
             except (RuntimeError, dist.DistError):  # the store not up yet, or gone with the job
                 store = None
                 continue
-            if message is not None:
-                self.mismatch = message
-                if self._found_here:
-                    self._stopped.wait(TELL_S)
-                self.on_mismatch(message)
+            if outcome == "agreed":
+                return
+            if outcome is not None:
+                self.mismatch = outcome
+                self._stopped.wait(TELL_S)
+                self.on_mismatch(outcome)
                 return
 
     def _connect(self) -> dist.Store | None:
@@ -78,14 +84,16 @@ class JobShapeCheck:
         return dist.PrefixStore(f"neorec/shape/{self.nodes.run_id}/", store)
 
     def _compare(self, store: dist.Store) -> str | None:
-        """The difference found (this node's or another's), or None."""
+        """The difference known (found by this node or another), ``"agreed"`` once every
+        node has found its shape the job's, or None (look again)."""
         jobs = store.compare_set("shape", "", self.shape).decode()  # the first node's
         if jobs != self.shape:
             message = (f"the nodes of job {self.nodes.run_id!r} were started differently: {jobs}, and "
                        f"{self.shape} (node {self.nodes.rank}); give every node the same --nnodes and --nproc")
             store.set("mismatch", message)
-            self._found_here = True
             return message
         if store.check(["mismatch"]):
             return store.get("mismatch").decode()
-        return None
+        agreed = store.add("agreed", 0 if self._agreed else 1)
+        self._agreed = True
+        return "agreed" if agreed >= self.nodes.count else None
