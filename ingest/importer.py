@@ -35,7 +35,7 @@ from neorec.ingest.errors import DataError, no_column
 from neorec.common.hashing import combine, splitmix64, unit_floats
 from neorec.ingest.import_spec import LABEL_TRANSFORM, ImportSpec
 from neorec.ingest.schema import RAW_CARDINALITY, Dataset, DatasetSchema, SparseFeature
-from neorec.ingest.sources import Block, FileSource, expand
+from neorec.ingest.sources import MISSING, Block, FileSource, expand
 from neorec.ingest.split_writer import SplitWriter
 from neorec.ingest.vocab import ValueCounter, Vocabulary, as_strings, hash_encode
 
@@ -120,7 +120,7 @@ def import_dataset(spec: ImportSpec, out_dir: str | Path, *, source: BlockSource
                           "kind": "import", "spec": asdict(spec), "block_source": block_source,
                           "dense_transform": spec.dense.transform,
                           "dense_stats": asdict(encoding.dense) if encoding.dense else None,
-                          "vocab_from": str(vocab_from) if vocab_from else None})
+                          "vocab_from": str(vocab_from) if vocab_from else None, "missing": MISSING})
     dataset.save()
     return dataset
 

@@ -32,7 +32,7 @@ from neorec.ingest.importer import (BlockSource, Encoding, ProgressFn, VocabMiss
 from neorec.ingest.partitions import (MARKER, PARTITION_FILE, PartitionError, PartitionOrderError,
                                       PartitionSchemaError, is_ready, partition_names, partitions_dir)
 from neorec.ingest.schema import DATASET_FILE, Dataset, DatasetSchema
-from neorec.ingest.sources import FileSource
+from neorec.ingest.sources import MISSING, FileSource
 from neorec.ingest.split_writer import SplitWriter
 
 PART_PREFIX = "part"
@@ -62,7 +62,7 @@ def import_partition(spec: ImportSpec, dataset_dir: str | Path, name: str, *, so
                      progress: ProgressFn | None = None) -> dict[str, Any]:
     """Write the rows ``spec`` reads as partition ``name`` of the imported dataset at
     ``dataset_dir``; returns the partition's description (``rows``, ``oov``, ``values``,
-    ``seconds``), also written to its ``partition.json``.
+    written to its ``partition.json``, and the import's ``seconds``).
 
     Raises :class:`PartitionError` for a name that is not a partition's or is taken,
     :class:`PartitionOrderError` when a ready partition sorts after ``name``,
@@ -72,6 +72,7 @@ def import_partition(spec: ImportSpec, dataset_dir: str | Path, name: str, *, so
     root = Path(dataset_dir)
     dataset = _dataset_to_extend(root)
     _check_name(root, name)
+    _check_same_missing(name, root, dataset.generator or {})
     _check_same_encoding(name, root, (dataset.generator or {}).get("spec"), spec)  # first: it names the key
     encoding = load_encoding(spec, root)
     schema = dataset_schema(spec, encoding)
@@ -108,13 +109,12 @@ def _write_partition(spec: ImportSpec, root: Path, directory: Path, encoding: En
                 progress(block.batch.num_rows)
     if writer.rows == 0:
         raise DataError(f"partition {directory.name!r}: the input holds no rows", file=str(directory))
-    info = {"rows": writer.rows, "oov": misses.unseen, "values": misses.present,
-            "seconds": time.perf_counter() - started}
+    info = {"rows": writer.rows, "oov": misses.unseen, "values": misses.present}  # the same input: the same bytes
     (directory / PARTITION_FILE).write_text(json.dumps(info, indent=2) + "\n")
     fsync_tree(directory)  # the files, then the directory's entry, are on the disk before the marker
     fsync_directories(directory.parent, up_to=root)
     write_durably(directory / MARKER, b"")
-    return info
+    return {**info, "seconds": time.perf_counter() - started}
 
 
 def _check_name(root: Path, name: str) -> None:
@@ -128,6 +128,20 @@ def _check_name(root: Path, name: str) -> None:
     if later:
         raise PartitionOrderError(f"partition {name!r} sorts before partition {later[-1]!r}, which has landed: "
                                   f"partitions must land in name (time) order", file=str(partitions_dir(root)))
+
+
+def _check_same_missing(name: str, root: Path, generator: dict[str, Any]) -> None:
+    """:class:`PartitionSchemaError` when the dataset was imported reading other text as a
+    missing value than this import does (:data:`~neorec.ingest.sources.MISSING`): the
+    partition's ids would mean something else than the dataset's. An earlier neorec
+    recorded nothing, and read Arrow's ``NA``, ``null``, ``NaN``, … as missing too."""
+    recorded = generator.get("missing")
+    if generator.get("kind") != "import" or recorded == MISSING:
+        return
+    read = "Arrow's NA, null, NaN, … (an earlier neorec)" if recorded is None else ", ".join(map(repr, recorded))
+    raise PartitionSchemaError(f"partition {name!r}: the dataset was imported reading {read} as missing values, "
+                               f"this import only an empty field: import the dataset again to add partitions to it",
+                               file=str(root / DATASET_FILE))
 
 
 def _dataset_to_extend(root: Path) -> Dataset:

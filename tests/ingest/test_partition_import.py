@@ -3,6 +3,7 @@
 schema changes."""
 
 import csv
+import json
 import os
 from pathlib import Path
 
@@ -47,6 +48,27 @@ def test_a_partition_is_encoded_with_the_datasets_vocabularies_and_its_unseen_va
     unseen_users = sum(r["user"] not in vocabs["user"] for r in raw)
     assert unseen_users > 0 and info["oov"]["user"] == unseen_users and info["values"]["user"] == len(raw)
     assert info["oov"]["item"] == sum(r["item"] not in vocabs["item"] for r in raw)
+
+
+def test_a_dataset_imported_reading_na_as_missing_takes_no_partition_that_reads_it_as_a_value(imported):
+    """An earlier neorec read Arrow's NA, null, NaN, … as missing values and recorded
+    nothing: a partition imported now would give those values ids the dataset never gave."""
+    assert Dataset.load(imported / "data").generator["missing"] == [""]
+    recorded = json.loads((imported / "data" / "dataset.json").read_text())
+    del recorded["generator"]["missing"]
+    (imported / "data" / "dataset.json").write_text(json.dumps(recorded))
+    with pytest.raises(PartitionSchemaError, match="imported reading Arrow's NA, null, NaN, … .an earlier neorec. as "
+                                                   "missing values, this import only an empty field: import the "
+                                                   "dataset again"):
+        import_partition(spec(imported / "new.csv"), imported / "data", "2026-01-02T00")
+
+
+def test_the_same_partition_imports_to_the_same_bytes(imported):
+    for name in ("2026-01-02T00", "2026-01-02T01"):
+        import_partition(spec(imported / "new.csv"), imported / "data", name)
+    first, second = (imported / "data" / "partitions" / name for name in ("2026-01-02T00", "2026-01-02T01"))
+    assert sorted(p.name for p in first.iterdir()) == sorted(p.name for p in second.iterdir())
+    assert all(p.read_bytes() == (second / p.name).read_bytes() for p in first.iterdir() if p.is_file())
 
 
 def test_taken_and_late_names_a_schema_change_and_no_dataset_are_named_errors(imported):
