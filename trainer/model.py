@@ -31,7 +31,9 @@ class MLP(nn.Sequential):
             raise ValueError(f"init must be one of {MLP_INITS}, got {init!r}")
         layers: list[nn.Module] = []
         for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-            with warnings.catch_warnings():  # a layer of no inputs (no dense features): nothing to draw, say nothing
+            # a layer of no inputs (no dense features): nothing to draw, say nothing (catch_warnings
+            # is process-wide: models are built on one thread)
+            with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "Initializing zero-element tensors is a no-op")
                 linear = nn.Linear(fan_in, fan_out)
             with torch.no_grad():
