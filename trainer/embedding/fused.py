@@ -387,10 +387,8 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     def _id_weight_grads(self, sparse: KeyedJaggedTensor, grad_out: torch.Tensor) -> torch.Tensor:
         """float32 ``[n]``: the gradient of ``sparse``'s per-id weights (before the update)."""
-        return id_weight_grads(self.weights, self._table_offsets.tolist(), self._rows.tolist(), self._dims.tolist(),
-                               self._mean_pooling.tolist(), self._feature_table.tolist(), self._out_columns.tolist(),
-                               self._module_features(sparse), sparse.lengths, sparse.values, sparse.batch_size,
-                               grad_out)
+        return id_weight_grads(self.weights, self._tables_on(self.weights.device), self._module_features(sparse),
+                               sparse.lengths, sparse.values, sparse.batch_size, grad_out)
 
     def _tables_on(self, device: torch.device) -> torch_ops.TorchTables:
         """The layout the torch ops index, on ``device`` (copied there once)."""

@@ -12,21 +12,19 @@ from __future__ import annotations
 
 import torch
 
+from neorec.trainer.embedding.kernels.torch_ops import TorchTables
 
-def id_weight_grads(weights: torch.Tensor, table_offsets: list[int], rows: list[int], dims: list[int],
-                    mean_pooling: list[bool],
-                    feature_tables: list[int], out_columns: list[int], module_feature_of: torch.Tensor,
+
+def id_weight_grads(weights: torch.Tensor, tables: TorchTables, module_feature_of: torch.Tensor,
                     lengths: torch.Tensor, values: torch.Tensor, batch_size: int,
                     grad_out: torch.Tensor) -> torch.Tensor:
     """float32 ``[n]``: the gradient of each id's weight.
 
-    ``weights``: the module's flat weights (storage dtype); per table ``t``, its
-    ``rows[t]`` rows start at ``table_offsets[t]``, of ``dims[t]`` elements; per module
-    feature ``f``, its table ``feature_tables[f]`` and first output column
-    ``out_columns[f]``; ``module_feature_of`` int64 ``[F]``: the module feature of each
-    batch feature (-1: none, its ids' gradients are 0, as are those of ids outside their
-    table, which a lookup left out); ``lengths`` int32 ``[F * B]``, ``values`` int64
-    ``[n]``; ``grad_out`` float32 ``[B, C]``."""
+    ``weights``: the module's flat weights (storage dtype), laid out as ``tables`` says;
+    ``module_feature_of`` int64 ``[F]``: the module feature of each batch feature (-1:
+    none, its ids' gradients are 0, as are those of ids outside their table, which a lookup
+    left out); ``lengths`` int32 ``[F * B]``, ``values`` int64 ``[n]``; ``grad_out`` float32
+    ``[B, C]``."""
     n = values.numel()
     grads = torch.zeros(n, dtype=torch.float32, device=values.device)
     if n == 0:
@@ -34,14 +32,14 @@ def id_weight_grads(weights: torch.Tensor, table_offsets: list[int], rows: list[
     bag_lengths = lengths.to(torch.int64)
     bag = torch.repeat_interleave(torch.arange(bag_lengths.numel(), device=values.device), bag_lengths, output_size=n)
     feature_of_id = module_feature_of[bag // batch_size]
-    for f, (t, column) in enumerate(zip(feature_tables, out_columns)):
-        ids = torch.nonzero((feature_of_id == f) & (values >= 0) & (values < rows[t])).squeeze(1)
+    for f, (t, column) in enumerate(zip(tables.feature_table, tables.out_columns)):
+        ids = torch.nonzero((feature_of_id == f) & (values >= 0) & (values < tables.rows[t])).squeeze(1)
         if ids.numel() == 0:
             continue
-        dim = dims[t]
-        elements = table_offsets[t] + values[ids, None] * dim + torch.arange(dim, device=values.device)
+        dim = tables.dims[t]
+        elements = tables.table_offsets[t] + values[ids, None] * dim + torch.arange(dim, device=values.device)
         looked_up = weights[elements].to(torch.float32)  # [m, dim]
         upstream = grad_out[bag[ids] % batch_size, column : column + dim]  # [m, dim]
         grad = (looked_up * upstream).sum(dim=1)
-        grads[ids] = grad / bag_lengths[bag[ids]].to(torch.float32) if mean_pooling[t] else grad
+        grads[ids] = grad / bag_lengths[bag[ids]].to(torch.float32) if tables.means[t] else grad
     return grads
