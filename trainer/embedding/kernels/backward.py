@@ -395,6 +395,12 @@ def _update_row(weights, state1, state2, grad, dim, optimizer, lr, eps, beta1, b
 
 
 @numba.njit(inline="always")
+def _square_or_zero(x, i, n):
+    """``x[i] ** 2``, or 0 where ``i`` is past ``n``."""
+    return x[i] * x[i] if i < n else np.float32(0.0)
+
+
+@numba.njit(inline="always")
 def _square_sum(x, n):
     """sum of ``x[:n]**2`` in 8 interleaved partial sums, element ``d`` in sum ``d % 8``
     (the tail of a width not a multiple of 8 too), added pairwise: a fixed order (the same
@@ -413,19 +419,12 @@ def _square_sum(x, n):
         s6 += x[d + 6] * x[d + 6]
         s7 += x[d + 7] * x[d + 7]
         d += 8
-    tail = n - d  # lanes 0 .. tail - 1 take one more term each
-    if tail > 0:
-        s0 += x[d] * x[d]
-    if tail > 1:
-        s1 += x[d + 1] * x[d + 1]
-    if tail > 2:
-        s2 += x[d + 2] * x[d + 2]
-    if tail > 3:
-        s3 += x[d + 3] * x[d + 3]
-    if tail > 4:
-        s4 += x[d + 4] * x[d + 4]
-    if tail > 5:
-        s5 += x[d + 5] * x[d + 5]
-    if tail > 6:
-        s6 += x[d + 6] * x[d + 6]
+    if d < n:  # the tail: lane k takes element d + k if there is one (+0.0 leaves a lane as it is)
+        s0 += _square_or_zero(x, d, n)
+        s1 += _square_or_zero(x, d + 1, n)
+        s2 += _square_or_zero(x, d + 2, n)
+        s3 += _square_or_zero(x, d + 3, n)
+        s4 += _square_or_zero(x, d + 4, n)
+        s5 += _square_or_zero(x, d + 5, n)
+        s6 += _square_or_zero(x, d + 6, n)
     return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
