@@ -17,6 +17,7 @@ from neorec.trainer.checkpoint.restore import open_checkpoint, restore_embedding
 from neorec.trainer.config import CheckpointConfig
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
+from tests.trainer.checkpoint.helpers import state
 
 TABLES = [TableConfig("big", 60_000, 16, ("a",)), TableConfig("small", 5_000, 8, ("b",))]
 
@@ -40,7 +41,7 @@ def state_after(step: int) -> dict[str, torch.Tensor]:
     module = fresh()
     for s in range(1, step + 1):
         apply_step(module, s)
-    return {k: v.clone() for k, v in module.state_dict().items()}
+    return state(module)
 
 
 def main(root: Path) -> None:
