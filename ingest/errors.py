@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 from neorec.common.errors import UserError
 
 
@@ -46,16 +44,14 @@ class DataError(UserError, ValueError):
         super().__init__(f"{', '.join(where)}: {problem}" if where else problem)
 
     def with_hint(self, hint: str) -> "DataError":
-        """The same error (its class and place) with ``hint`` added to its problem."""
-        hinted = copy.copy(self)
-        DataError.__init__(hinted, f"{self.problem}; {hint}", file=self.file, row_group=self.row_group,
-                           column=self.column, row=self.row, line=self.line)
-        return hinted
+        """An error of the same place whose problem ends with ``hint``."""
+        return DataError(f"{self.problem}; {hint}", file=self.file, row_group=self.row_group, column=self.column,
+                         row=self.row, line=self.line)
 
 
 class WrongWidthError(DataError):
     """A delimited row with another number of fields than the file's first (``actual``, not
-    ``expected``). Keyword defaults: copied or unpickled, it is made from its message alone."""
+    ``expected``). Keyword defaults: unpickled, it is made from its message alone."""
 
     def __init__(self, problem: str, *, actual: int = 0, expected: int = 0, **where) -> None:
         super().__init__(problem, **where)

@@ -179,13 +179,12 @@ class MovieLensSource:
         return _csv_reading(["userId", "movieId", "rating", "timestamp"])
 
     def _rating_batches(self) -> Iterator[pa.RecordBatch]:
-        if self.kind == "100k":
-            yield from _batches(self.ratings, self._ratings_reading())
-        elif self.kind == "1m":
+        if self.kind == "1m":
             yield from _double_colon(self.ratings, RATING_COLUMNS)
-        else:  # by the header's names; the numbers are parsed (a bad one named by its line) by the importer
-            for batch in _batches(self.ratings, self._ratings_reading()):
-                yield pa.RecordBatch.from_arrays(batch.columns, names=RATING_COLUMNS)
+            return
+        # by the header's names (ratings.csv); the numbers are parsed (a bad one named by its line) by the importer
+        for batch in _batches(self.ratings, self._ratings_reading()):
+            yield pa.RecordBatch.from_arrays(batch.columns, names=RATING_COLUMNS)
 
     def _users(self) -> pa.Table | None:
         if self.kind == "100k":
