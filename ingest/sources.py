@@ -279,39 +279,34 @@ def _line_of(file: SourceFile, text: str, encoding: str) -> int | None:
         wanted = text.rstrip("\r\n").encode(encoding)
     except (UnicodeEncodeError, LookupError):
         return None
+    return next((number for number, line in _lines(file) if line == wanted), None)
+
+
+def _lines(file: SourceFile) -> Iterator[tuple[int, bytes]]:
+    """The 1-based number and the text (its line break removed) of each line of ``file``
+    within its first :data:`LINE_SCAN_BYTES`; none once it cannot be read again."""
     scanned = 0
-    try:
-        with file.filesystem.open_input_stream(file.path, compression="detect") as stream:
-            for number, line in enumerate(io.BufferedReader(stream, 1 << 20), 1):
-                if line.rstrip(b"\r\n") == wanted:
-                    return number
-                scanned += len(line)
-                if scanned > LINE_SCAN_BYTES:
-                    return None
-    except OSError:
-        return None
-    return None
-
-
-def _records(file: SourceFile, quote: str | None, delimiter: str) -> Iterator[tuple[int, bool]]:
-    """The 1-based line each row (record) of a delimited file begins on, and whether it is
-    a blank line, within the first :data:`LINE_SCAN_BYTES` (none if the file cannot be read
-    again); a row may run over several lines inside a ``quote``."""
-    quoted, scanned = False, 0
-    marks = (ord(quote), ord(delimiter)) if quote else None
     try:
         with file.filesystem.open_input_stream(file.path, compression="detect") as stream:
             for number, line in enumerate(io.BufferedReader(stream, 1 << 20), 1):
                 scanned += len(line)
                 if scanned > LINE_SCAN_BYTES:
                     return
-                text = line.rstrip(b"\r\n")
-                if not quoted:
-                    yield number, not text
-                if marks is not None and (quoted or marks[0] in text):
-                    quoted = _ends_quoted(text, *marks, quoted)
+                yield number, line.rstrip(b"\r\n")
     except OSError:
         return
+
+
+def _records(file: SourceFile, quote: str | None, delimiter: str) -> Iterator[tuple[int, bool]]:
+    """The 1-based line each row (record) of a delimited file begins on, and whether it is
+    a blank line (:func:`_lines`' lines); a row may run over several lines inside a ``quote``."""
+    quoted = False
+    marks = (ord(quote), ord(delimiter)) if quote else None
+    for number, text in _lines(file):
+        if not quoted:
+            yield number, not text
+        if marks is not None and (quoted or marks[0] in text):
+            quoted = _ends_quoted(text, *marks, quoted)
 
 
 def _ends_quoted(line: bytes, quote: int, delimiter: int, quoted: bool) -> bool:
