@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import socket
 import threading
-from datetime import timedelta
 from typing import Callable
 
 import torch.distributed as dist
 
+from neorec.common.stores import host_and_port, store_client
 from neorec.orchestration.nodes import Nodes
 
 POLL_S = 0.5
@@ -75,13 +75,11 @@ class JobShapeCheck:
     def _connect(self) -> dist.Store | None:
         """The job's store under this check's prefix; None while nothing listens there yet
         (probed by a plain connection: a store client that cannot connect logs its retries)."""
-        host, _, port = self.nodes.rendezvous.rpartition(":")
         try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=POLL_S).close()
+            socket.create_connection(host_and_port(self.nodes.rendezvous), timeout=POLL_S).close()
         except OSError:
             return None
-        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=2 * POLL_S))
-        return dist.PrefixStore(f"neorec/shape/{self.nodes.run_id}/", store)
+        return dist.PrefixStore(f"neorec/shape/{self.nodes.run_id}/", store_client(self.nodes.rendezvous, 2 * POLL_S))
 
     def _compare(self, store: dist.Store) -> str | None:
         """The difference known (found by this node or another), ``"agreed"`` once every

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
+from neorec.common.stores import store_client
 from neorec.trainer.checkpoint.layout import complete
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.distributed import DistributedContext, launched_by_torchrun
@@ -46,9 +46,7 @@ def _job_store() -> dist.Store | None:
     address = os.environ.get(JOB_STORE)
     if not address:
         return None
-    host, _, port = address.rpartition(":")
-    store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
-    return dist.PrefixStore("neorec/claimed-run-dir/", store)
+    return dist.PrefixStore("neorec/claimed-run-dir/", store_client(address, STORE_TIMEOUT_S))
 
 
 def _key(run_dir: Path) -> str:
