@@ -88,8 +88,7 @@ class JobShapeCheck:
         if jobs != self.shape:
             message = (f"the nodes of job {self.nodes.run_id!r} were started differently: {jobs}, and "
                        f"{self.shape} (node {self.nodes.rank}); give every node the same --nnodes and --nproc")
-            store.set("mismatch", message)
-            return message
+            return store.compare_set("mismatch", "", message).decode()  # the first found: every node tells it
         if store.check(["mismatch"]):
             return store.get("mismatch").decode()
         agreed = store.add("agreed", 0 if self._agreed else 1)
