@@ -61,16 +61,29 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 class FixedPooled(nn.Module):
-    """Stands for the embeddings: the same pooled tensor every step (a leaf that takes a
-    gradient, so the interaction's backward still runs), no lookup, no update."""
+    """Stands for the embeddings at no cost: the same pooled tensor every step, no lookup,
+    no update. It takes its gradient as the fused module does (the interaction's backward
+    computes it) and drops it where it is: a leaf parameter would copy it, a slice of the
+    interaction's wider gradient, into a ``.grad`` of its own."""
 
     def __init__(self, batch_size: int, output_dim: int) -> None:
         super().__init__()
-        self.pooled = nn.Parameter(torch.randn(batch_size, output_dim, generator=torch.Generator().manual_seed(0)))
+        self.anchor = nn.Parameter(torch.zeros(0))  # puts the backward in the graph
+        self.register_buffer("pooled", torch.randn(batch_size, output_dim,
+                                                   generator=torch.Generator().manual_seed(0)))
 
     def forward(self, sparse) -> torch.Tensor:
-        self.pooled.grad = None  # no optimizer: nothing accumulates
-        return self.pooled
+        return _DroppedGradient.apply(self.anchor, self.pooled)
+
+
+class _DroppedGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        return pooled.view_as(pooled)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None]:
+        return None, None
 
 
 CEILING_BATCHES = 64

@@ -117,11 +117,13 @@ def _flat_runs(id_upstream, id_scale, run_ends, run_rows, table_starts, table_ru
     return id_upstream, id_scale, np.array(runs), np.array(run_table), np.array(rows)
 
 
-def test_group_by_row_sorts_stably_by_row_with_either_sort():
+@pytest.mark.parametrize("grad_row_stride", [1_000, 1_003], ids=["gradient-as-output", "wider-gradient-rows"])
+def test_group_by_row_sorts_stably_by_row_with_either_sort(grad_row_stride):
     """Tables below and above the radix sort's threshold, rows needing one to three digits,
     a table of two features, a batch key no table looks up, features in another order than
     the batch's keys: each table's ids (its features' in feature order) in stable row
-    order, and one run per distinct row."""
+    order, and one run per distinct row. Each id's upstream offset is moved to its sample's
+    row of the gradient where the gradient's rows are further apart than the output's."""
     rng = np.random.default_rng(2)
     batch_size = 50
     sizes = [0, 1, 7, RADIX_MIN_IDS - 1, RADIX_MIN_IDS, 3_000, 5_000, 2_000, 40]  # ids of each batch key
@@ -133,13 +135,17 @@ def test_group_by_row_sorts_stably_by_row_with_either_sort():
     key_6 = values[bag_offsets[6 * batch_size] : bag_offsets[7 * batch_size]]
     key_6[-10:] = key_6[:10]  # repeats in the three-digit table
     values[bag_offsets[7 * batch_size] :][:10] = key_6[:10]  # and across its two features
-    upstream_of_id = rng.integers(0, 1 << 40, values.shape[0])
+    output_width = 1_000
+    upstream_of_id = rng.integers(0, batch_size * output_width, values.shape[0])
     scale_of_id = rng.standard_normal(values.shape[0]).astype(np.float32)
     # tables 0..6; table 6 has the features of keys 7 and 6, in that order; key 8 is not looked up
     feature_source = np.array([1, 0, 2, 4, 3, 5, 7, 6], dtype=np.int64)
     table_features = np.array([0, 1, 2, 3, 4, 5, 6, 8], dtype=np.int64)
     id_upstream, id_scale, runs, run_table, run_rows = _flat_runs(*group_by_row(
-        values, upstream_of_id, scale_of_id, bag_offsets, batch_size, feature_source, table_features))
+        values, upstream_of_id, scale_of_id, bag_offsets, batch_size, feature_source, table_features,
+        output_width, grad_row_stride))
+    sample, column = np.divmod(upstream_of_id, output_width)
+    upstream_in_gradient = sample * grad_row_stride + column
     expected_runs, expected_tables, expected_rows = [], [], []
     lo = 0
     for t in range(len(table_features) - 1):
@@ -147,7 +153,7 @@ def test_group_by_row_sorts_stably_by_row_with_either_sort():
                                 for k in feature_source[table_features[t] : table_features[t + 1]]])
         hi = lo + table.shape[0]
         expected = table[np.argsort(values[table], kind="stable")]
-        assert (id_upstream[lo:hi] == upstream_of_id[expected]).all()
+        assert (id_upstream[lo:hi] == upstream_in_gradient[expected]).all()
         assert (id_scale[lo:hi] == scale_of_id[expected]).all()
         rows = values[expected]
         starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]]) if hi > lo else np.zeros(0, dtype=np.int64)
@@ -165,7 +171,8 @@ def test_group_by_row_without_scales_gives_none():
     values = np.array([3, 1, 3], dtype=np.int64)
     id_upstream, id_scale, runs, _, run_rows = _flat_runs(*group_by_row(
         values, np.array([0, 64, 128], dtype=np.int64), np.zeros(0, dtype=np.float32),
-        np.array([0, 2, 3], dtype=np.int64), 1, np.array([0, 1], dtype=np.int64), np.array([0, 2], dtype=np.int64)))
+        np.array([0, 2, 3], dtype=np.int64), 1, np.array([0, 1], dtype=np.int64), np.array([0, 2], dtype=np.int64),
+        192, 192))
     assert id_scale.shape == (0,)
     assert id_upstream.tolist() == [64, 0, 128] and runs.tolist() == [0, 1, 3] and run_rows.tolist() == [1, 3]
 

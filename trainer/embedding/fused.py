@@ -437,19 +437,21 @@ class FusedEmbeddingBagCollection(nn.Module):
         if isinstance(ctx, torch_ops.TorchLookup):
             torch_ops.apply_updates(
                 self.weights, [self.state1, self.state2][: self.optimizer.num_states], self.touched,
-                self._tables_on(self.weights.device), ctx, grad_out, self.optimizer, self.optimizer_step,
+                self._tables_on(self.weights.device), ctx, grad_out.contiguous(), self.optimizer, self.optimizer_step,
                 torch_ops.Rounding(None if self._precision == FP32 else self.weights.dtype, self._rounding_seed),
                 torch.from_numpy(self._slot_rows).to(self.weights.device) if self._slot_rows.size else None,
             )
             return
+        grad_rows, row_stride = _gradient_rows(grad_out)
         grouped = backward_kernels.group_by_row(ctx.values, ctx.upstream_of_id, ctx.scale_of_id, ctx.bag_offsets,
-                                                ctx.batch_size, ctx.source, self._table_features)
+                                                ctx.batch_size, ctx.source, self._table_features, self.output_dim,
+                                                row_stride)
         opt = self.optimizer
         backward_kernels.apply_updates(
             *self._kernel_weights(), self._rounding_seed, self._noise_origin, self._slot_base, self._slot_rows,
             self.state1.numpy(), self.state2.numpy(),
             self._table_offsets, self._state_offsets, self._state_width, self._touched_offsets, self._dims, *grouped,
-            grad_out.view(-1).numpy(), _OPTIMIZER_CODES[opt.kind], self._learning_rates,
+            grad_rows, _OPTIMIZER_CODES[opt.kind], self._learning_rates,
             opt.eps, opt.beta1, opt.beta2, opt.weight_decay, opt.adagrad_decay, int(self.optimizer_step), self.touched.numpy(),
             _max_chunks(),
         )
@@ -512,11 +514,25 @@ class _FusedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        grad_out = grad_out.contiguous().float()
+        grad_out = grad_out.float()  # uncopied when it is: a slice of a wider gradient is read in place
         module = ctx.module
         learned = module._id_weight_grads(ctx.sparse, grad_out) if ctx.sparse is not None else None  # rows unchanged
         module._backward_update(ctx.lookup, grad_out)
         return None, None, None, learned
+
+
+def _gradient_rows(grad_out: torch.Tensor) -> tuple[np.ndarray, int]:
+    """The upstream gradient float32 ``[B, C]`` as the update kernel reads it: a flat array
+    in which sample b's row begins at ``b * S``, and the row stride S. A gradient whose rows
+    are each contiguous is read where it is (the interaction's gradient of the pooled
+    embeddings is a slice of the wider gradient of all its vectors, ``S > C``); any other
+    is copied first."""
+    if grad_out.stride(1) != 1 or grad_out.stride(0) < grad_out.shape[1]:
+        grad_out = grad_out.contiguous()
+    batch_size, width = grad_out.shape
+    row_stride = max(grad_out.stride(0), width)  # a single row's stride may be anything
+    flat = grad_out.as_strided(((batch_size - 1) * row_stride + width if batch_size else 0,), (1,))
+    return flat.numpy(), row_stride
 
 
 class _PendingIdCheck:

@@ -52,12 +52,16 @@ def group_by_row(
     batch_size: int,             # B
     feature_source: np.ndarray,  # int64 [F]: the batch key of each module feature
     table_features: np.ndarray,  # int64 [T + 1]: table t's features are [table_features[t], table_features[t + 1])
+    output_width: int,           # C: the forward's output is [B, C], row-major
+    grad_row_stride: int,        # S >= C: the upstream gradient's rows begin S floats apart
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The ids of the module's features in row order, table by table (a table's ids in its
     features' order first, each feature's ids in batch order): returns
 
     - ``id_upstream`` int64 [M] and ``id_scale`` float32 [M] (or [0] if ``scale_of_id`` is):
-      each id's upstream gradient offset and scale, in that order;
+      each id's upstream gradient offset (in a gradient of row stride S: a sample's row of
+      the output, ``b * C + column`` in the forward, is at ``b * S + column``) and scale,
+      in that order;
     - ``run_ends`` and ``run_rows`` int64 [M]: the runs of ids of one row, each table's at
       its ids' place: table t's run k (of ``table_runs[t + 1] - table_runs[t]``) is row
       ``run_rows[table_starts[t] + k]``, and its ids end at ``run_ends[table_starts[t] + k]``
@@ -82,16 +86,18 @@ def group_by_row(
     run_rows = np.empty(num_ids, dtype=np.int64)
     table_runs = np.zeros(table_starts.shape[0], dtype=np.int64)
     _group_by_row(values, upstream_of_id, scale_of_id, bag_offsets, batch_size, feature_source, table_features,
-                  table_starts, id_upstream, id_scale, run_ends, run_rows, table_runs)
+                  output_width, grad_row_stride, table_starts, id_upstream, id_scale, run_ends, run_rows, table_runs)
     return id_upstream, id_scale, run_ends, run_rows, table_starts, table_runs
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _group_by_row(values, upstream_of_id, scale_of_id, bag_offsets, batch_size, feature_source, table_features,
-                  table_starts, id_upstream, id_scale, run_ends, run_rows, table_runs) -> None:
+                  output_width, grad_row_stride, table_starts, id_upstream, id_scale, run_ends, run_rows,
+                  table_runs) -> None:
     """:func:`group_by_row` into its arrays (``table_runs`` zeros)."""
     num_tables = table_starts.shape[0] - 1
     scaled = scale_of_id.shape[0] > 0
+    row_gap = grad_row_stride - output_width
     for t in numba.prange(num_tables):
         lo = table_starts[t]
         hi = table_starts[t + 1]
@@ -124,6 +130,9 @@ def _group_by_row(values, upstream_of_id, scale_of_id, bag_offsets, batch_size, 
                 feature_upstream[q] = upstream[q]
                 if scaled:
                     feature_scales[q] = scales[q]
+            if row_gap:  # the gradient's rows are further apart than the output's
+                for q in range(n):
+                    feature_upstream[q] += feature_upstream[q] // output_width * row_gap
             i += n
         if hi - lo < RADIX_MIN_IDS:
             keys.sort()
@@ -200,7 +209,7 @@ def apply_updates(
     run_rows: np.ndarray,       # int64 [M]: each run's row            } (see group_by_row)
     table_starts: np.ndarray,   # int64 [T + 1]: table t's ids are [table_starts[t], table_starts[t + 1])
     table_runs: np.ndarray,     # int64 [T + 1]: table t's runs are runs [table_runs[t], table_runs[t + 1])
-    grad_out: np.ndarray,       # float32 [B * sum(dims of features)] (row-major [B, C])
+    grad_out: np.ndarray,       # float32 [(B - 1) * S + C]: the upstream gradient [B, C] of row stride S
     optimizer: int,
     learning_rates: np.ndarray,  # float32 [T]
     eps: float,
