@@ -63,9 +63,9 @@ class DotInteraction(nn.Module):
         super().__init__()
         self.num_sparse = num_sparse
         rows, cols = torch.tril_indices(num_sparse + 1, num_sparse + 1, offset=-1)
-        # positions in the flattened [F+1, F+1] products: a gather whose backward is an
-        # index_add (advanced indexing's backward is a much slower accumulating index_put)
+        # each pair's positions in the flattened [F+1, F+1] products, (i, j) and (j, i)
         self.register_buffer("pairs", rows * (num_sparse + 1) + cols, persistent=False)
+        self.register_buffer("mirrored_pairs", cols * (num_sparse + 1) + rows, persistent=False)
         self.output_dim_extra = rows.numel()
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
@@ -73,9 +73,37 @@ class DotInteraction(nn.Module):
         if pooled.shape != (batch_size, self.num_sparse * dim):
             raise ValueError(f"the interaction takes pooled embeddings [{batch_size}, {self.num_sparse} features x "
                              f"{dim}], got {list(pooled.shape)}")
+        return _PairwiseDots.apply(dense, pooled, self.pairs, self.mirrored_pairs)
+
+
+class _PairwiseDots(torch.autograd.Function):
+    """:class:`DotInteraction`'s output from the vectors ``V`` float ``[B, F+1, D]`` (the
+    dense one first). The products ``V Vᵀ`` are symmetric, so their gradient with respect
+    to ``V`` is one product, ``(G + Gᵀ) V``, with ``G`` the pairs' gradient placed in the
+    lower triangle: autograd's ``bmm`` backward would take two products and add them, and
+    a gather's backward would accumulate into ``G`` (``index_add``) where each place takes
+    one value. The embeddings' gradient is a slice of ``V``'s, not a copy."""
+
+    @staticmethod
+    def forward(ctx, dense: torch.Tensor, pooled: torch.Tensor, pairs: torch.Tensor,
+                mirrored_pairs: torch.Tensor) -> torch.Tensor:
+        batch_size, dim = dense.shape
         vectors = torch.cat([dense.unsqueeze(1), pooled.view(batch_size, -1, dim)], dim=1)
         products = torch.bmm(vectors, vectors.transpose(1, 2))
-        return torch.cat([dense, products.flatten(1).index_select(1, self.pairs)], dim=1)
+        ctx.save_for_backward(vectors, pairs, mirrored_pairs)
+        return torch.cat([dense, products.flatten(1).index_select(1, pairs)], dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        vectors, pairs, mirrored_pairs = ctx.saved_tensors
+        batch_size, count, dim = vectors.shape
+        grad_pairs = grad[:, dim:]
+        symmetric = grad.new_zeros(batch_size, count * count)
+        symmetric.index_copy_(1, pairs, grad_pairs)
+        symmetric.index_copy_(1, mirrored_pairs, grad_pairs)
+        grad_vectors = torch.bmm(symmetric.view(batch_size, count, count), vectors)
+        grad_dense = grad_vectors[:, 0] + grad[:, :dim]
+        return grad_dense, grad_vectors[:, 1:].reshape(batch_size, -1), None, None
 
 
 class DLRM(nn.Module):

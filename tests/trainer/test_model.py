@@ -54,6 +54,33 @@ def test_interaction_shape():
     assert ours.interaction.output_dim_extra == 10  # 5 vectors -> 10 pairs
 
 
+@pytest.mark.parametrize("num_sparse, dim", [(1, 4), (5, 3), (26, 16)])
+def test_interaction_and_its_gradients_equal_autograds_of_the_plain_formula(num_sparse, dim):
+    """The dense output, then the dot products of every pair of vectors in the DLRM
+    reference's order, the strictly lower triangle row by row; its gradients (computed as
+    one product with the symmetric pair gradient) equal autograd's through ``bmm``."""
+    from neorec.trainer.model import DotInteraction
+    generator = torch.Generator().manual_seed(num_sparse)
+    dense = torch.randn(7, dim, generator=generator, requires_grad=True)
+    pooled = torch.randn(7, num_sparse * dim, generator=generator, requires_grad=True)
+    upstream = torch.randn(7, dim + (num_sparse + 1) * num_sparse // 2, generator=generator)
+
+    def plain(dense, pooled):
+        vectors = torch.cat([dense.unsqueeze(1), pooled.view(7, num_sparse, dim)], dim=1)
+        products = torch.bmm(vectors, vectors.transpose(1, 2))
+        rows, cols = zip(*[(i, j) for i in range(num_sparse + 1) for j in range(i)])
+        return torch.cat([dense, products[:, list(rows), list(cols)]], dim=1)
+
+    outputs, gradients = [], []
+    for interaction in (DotInteraction(num_sparse), plain):
+        out = interaction(dense, pooled)
+        outputs.append(out.detach())
+        gradients.append(torch.autograd.grad(out, (dense, pooled), upstream))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+    for ours, theirs in zip(*gradients):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
 def _linear_shapes(mlp):
     return [(layer.in_features, layer.out_features) for layer in mlp if isinstance(layer, torch.nn.Linear)]
 
