@@ -88,12 +88,13 @@ class _PairwiseDots(torch.autograd.Function):
     def forward(ctx, dense: torch.Tensor, pooled: torch.Tensor, pairs: torch.Tensor,
                 mirrored_pairs: torch.Tensor) -> torch.Tensor:
         batch_size, dim = dense.shape
-        vectors = torch.cat([dense.unsqueeze(1), pooled.view(batch_size, -1, dim)], dim=1)
+        vectors = torch.cat([dense.unsqueeze(1), pooled.view(batch_size, pooled.shape[1] // dim, dim)], dim=1)
         products = torch.bmm(vectors, vectors.transpose(1, 2))
         ctx.save_for_backward(vectors, pairs, mirrored_pairs)
         return torch.cat([dense, products.flatten(1).index_select(1, pairs)], dim=1)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # (the saved vectors are no function of the inputs)
     def backward(ctx, grad: torch.Tensor):
         vectors, pairs, mirrored_pairs = ctx.saved_tensors
         batch_size, count, dim = vectors.shape
@@ -103,7 +104,7 @@ class _PairwiseDots(torch.autograd.Function):
         symmetric.index_copy_(1, mirrored_pairs, grad_pairs)
         grad_vectors = torch.bmm(symmetric.view(batch_size, count, count), vectors)
         grad_dense = grad_vectors[:, 0] + grad[:, :dim]
-        return grad_dense, grad_vectors[:, 1:].reshape(batch_size, -1), None, None
+        return grad_dense, grad_vectors[:, 1:].reshape(batch_size, (count - 1) * dim), None, None
 
 
 class DLRM(nn.Module):

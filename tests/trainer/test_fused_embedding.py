@@ -145,22 +145,26 @@ def test_bit_identical_with_one_and_two_threads(weight_dtype):
 
 @pytest.mark.parametrize("pooling", ["sum", "mixed"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_a_gradient_sliced_from_a_wider_one_updates_as_its_contiguous_copy(pooling, weighted):
+@pytest.mark.parametrize("kernels", ["numba", "torch"])
+def test_a_gradient_sliced_from_a_wider_one_updates_as_its_contiguous_copy(pooling, weighted, kernels):
     """The interaction hands the embeddings their gradient as a slice of its vectors'
-    wider one, rows ``3 + C`` floats apart: read in place, it updates every weight and
-    state bit for bit as the same gradient copied to contiguous rows does."""
+    wider one (the dense vector's D columns first), rows ``D + C`` floats apart: read in
+    place, it updates every weight and state bit for bit as the same gradient copied to
+    contiguous rows does."""
     rng = np.random.default_rng(4)
     tables = _tables(rng, pooling)
-    sliced, copied = (FusedEmbeddingBagCollection(tables, SparseOptimizer("adam", 0.05), seed=1) for _ in range(2))
+    sliced, copied = (FusedEmbeddingBagCollection(tables, SparseOptimizer("adam", 0.05), seed=1, kernels=kernels)
+                      for _ in range(2))
     strides = []
+    dense_dim = 3
     for _ in range(3):
         kjt = random_kjt(tables, 64, rng, max_len=5, weighted=weighted)
         out = sliced(kjt)
         out.register_hook(lambda grad: strides.append(grad.stride()))
-        upstream = torch.from_numpy(rng.standard_normal((64, 3 + out.shape[1])).astype(np.float32))
-        (torch.cat([torch.zeros(64, 3, requires_grad=True), out], dim=1) * upstream).sum().backward()
-        (copied(kjt) * upstream[:, 3:].contiguous()).sum().backward()
-    assert strides == [(3 + sliced.output_dim, 1)] * 3  # the slice reached the module uncopied
+        upstream = torch.from_numpy(rng.standard_normal((64, dense_dim + out.shape[1])).astype(np.float32))
+        (torch.cat([torch.zeros(64, dense_dim, requires_grad=True), out], dim=1) * upstream).sum().backward()
+        (copied(kjt) * upstream[:, dense_dim:].contiguous()).sum().backward()
+    assert strides == [(dense_dim + sliced.output_dim, 1)] * 3  # the slice reached the module uncopied
     for a, b in zip([sliced.weights, sliced.state1, sliced.state2], [copied.weights, copied.state1, copied.state2]):
         assert torch.equal(a, b)
 

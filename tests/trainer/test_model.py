@@ -81,6 +81,22 @@ def test_interaction_and_its_gradients_equal_autograds_of_the_plain_formula(num_
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
 
 
+def test_the_interaction_takes_an_empty_batch_and_refuses_a_second_derivative():
+    """A second derivative would silently be wrong (the backward's saved vectors are not a
+    function of the inputs), so it is refused."""
+    from neorec.trainer.model import DotInteraction
+    interaction = DotInteraction(3)
+    dense, pooled = torch.zeros(0, 4, requires_grad=True), torch.zeros(0, 12, requires_grad=True)
+    out = interaction(dense, pooled)
+    assert out.shape == (0, 4 + 6)
+    out.sum().backward()
+    assert pooled.grad.shape == (0, 12)
+    dense, pooled = torch.randn(2, 4, requires_grad=True), torch.randn(2, 12, requires_grad=True)
+    (grad,) = torch.autograd.grad(interaction(dense, pooled).pow(2).sum(), pooled, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
+        grad.sum().backward()
+
+
 def _linear_shapes(mlp):
     return [(layer.in_features, layer.out_features) for layer in mlp if isinstance(layer, torch.nn.Linear)]
 

@@ -437,7 +437,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         if isinstance(ctx, torch_ops.TorchLookup):
             torch_ops.apply_updates(
                 self.weights, [self.state1, self.state2][: self.optimizer.num_states], self.touched,
-                self._tables_on(self.weights.device), ctx, grad_out.contiguous(), self.optimizer, self.optimizer_step,
+                self._tables_on(self.weights.device), ctx, grad_out, self.optimizer, self.optimizer_step,
                 torch_ops.Rounding(None if self._precision == FP32 else self.weights.dtype, self._rounding_seed),
                 torch.from_numpy(self._slot_rows).to(self.weights.device) if self._slot_rows.size else None,
             )
@@ -514,7 +514,7 @@ class _FusedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        grad_out = grad_out.float()  # uncopied when it is: a slice of a wider gradient is read in place
+        grad_out = grad_out.float()  # a no-op for float32: a slice of a wider gradient is read where it is
         module = ctx.module
         learned = module._id_weight_grads(ctx.sparse, grad_out) if ctx.sparse is not None else None  # rows unchanged
         module._backward_update(ctx.lookup, grad_out)

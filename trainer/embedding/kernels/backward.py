@@ -209,7 +209,8 @@ def apply_updates(
     run_rows: np.ndarray,       # int64 [M]: each run's row            } (see group_by_row)
     table_starts: np.ndarray,   # int64 [T + 1]: table t's ids are [table_starts[t], table_starts[t + 1])
     table_runs: np.ndarray,     # int64 [T + 1]: table t's runs are runs [table_runs[t], table_runs[t + 1])
-    grad_out: np.ndarray,       # float32 [(B - 1) * S + C]: the upstream gradient [B, C] of row stride S
+    grad_out: np.ndarray,       # float32 [(B - 1) * S + C] ([0] if B = 0): the upstream gradient [B, C],
+                                # row stride S
     optimizer: int,
     learning_rates: np.ndarray,  # float32 [T]
     eps: float,

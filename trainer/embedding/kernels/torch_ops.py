@@ -193,7 +193,7 @@ def apply_updates(weights: torch.Tensor, states: list[torch.Tensor], touched: to
     """Update every row the lookup touched, in place: the flat ``weights`` (storage dtype),
     flat optimizer ``states`` (float32), the ``touched`` bitmap (uint8, see
     :mod:`~neorec.trainer.embedding.touched`).
-    ``grad_out`` float32 ``[B, C]``; ``step`` int64 scalar (device): the optimizer step;
+    ``grad_out`` float32 ``[B, C]`` (any strides); ``step`` int64 scalar (device): the optimizer step;
     ``slot_rows`` int64: the table row each slot holds, for slot tables (the rounding
     noise follows the row), else None."""
     n = saved.ids.numel()
@@ -213,7 +213,6 @@ def apply_updates(weights: torch.Tensor, states: list[torch.Tensor], touched: to
     run_table = (torch.searchsorted(tables.row_offsets, run_key, right=True) - 1).clamp(0, len(tables.dims) - 1)
     run_row = run_key - tables.row_offsets[run_table]
     positions = torch.arange(n, device=device)
-    width = grad_out.shape[1]
     feature_columns = tables.feature_columns[saved.feature.clamp(min=0)]
     for g, (dim, members) in enumerate(tables.dim_groups.items()):
         mine = valid & (tables.group[run_table] == g)
@@ -222,8 +221,9 @@ def apply_updates(weights: torch.Tensor, states: list[torch.Tensor], touched: to
         t = torch.where(keep, run_table[source], members[0])
         row = torch.where(keep, run_row[source], 0)
         id_in_group = (saved.feature >= 0) & (tables.group[saved.table] == g)
-        column = torch.where(id_in_group, saved.samples * width + feature_columns, 0)
-        gathered = grad_out.reshape(-1)[column[:, None] + torch.arange(dim, device=device)]
+        sample = torch.where(id_in_group, saved.samples, 0)
+        column = torch.where(id_in_group, feature_columns, 0)
+        gathered = grad_out[sample[:, None], column[:, None] + torch.arange(dim, device=device)]  # any strides
         gathered = gathered * torch.where(id_in_group, saved.scales, 0.0)[:, None]
         grad = torch.segment_reduce(gathered[order], "sum", lengths=run_lengths, unsafe=True)[source]
         element = (tables.table_offsets[t] + row * dim)[:, None] + torch.arange(dim, device=device)
