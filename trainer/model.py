@@ -62,10 +62,14 @@ class DotInteraction(nn.Module):
     def __init__(self, num_sparse: int) -> None:
         super().__init__()
         self.num_sparse = num_sparse
-        rows, cols = torch.tril_indices(num_sparse + 1, num_sparse + 1, offset=-1)
-        # each pair's positions in the flattened [F+1, F+1] products, (i, j) and (j, i)
-        self.register_buffer("pairs", rows * (num_sparse + 1) + cols, persistent=False)
-        self.register_buffer("mirrored_pairs", cols * (num_sparse + 1) + rows, persistent=False)
+        count = num_sparse + 1
+        rows, cols = torch.tril_indices(count, count, offset=-1)
+        # each pair's place (i, j) in the flattened [F+1, F+1] products; and each place's
+        # pair, (i, j) and (j, i) alike, with the diagonal's places given the index P
+        self.register_buffer("pairs", rows * count + cols, persistent=False)
+        pair_of_place = torch.full((count * count,), rows.numel(), dtype=torch.int64)
+        pair_of_place[rows * count + cols] = pair_of_place[cols * count + rows] = torch.arange(rows.numel())
+        self.register_buffer("pair_of_place", pair_of_place, persistent=False)
         self.output_dim_extra = rows.numel()
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
@@ -73,35 +77,33 @@ class DotInteraction(nn.Module):
         if pooled.shape != (batch_size, self.num_sparse * dim):
             raise ValueError(f"the interaction takes pooled embeddings [{batch_size}, {self.num_sparse} features x "
                              f"{dim}], got {list(pooled.shape)}")
-        return _PairwiseDots.apply(dense, pooled, self.pairs, self.mirrored_pairs)
+        return _PairwiseDots.apply(dense, pooled, self.pairs, self.pair_of_place)
 
 
 class _PairwiseDots(torch.autograd.Function):
     """:class:`DotInteraction`'s output from the vectors ``V`` float ``[B, F+1, D]`` (the
     dense one first). The products ``V Vᵀ`` are symmetric, so their gradient with respect
     to ``V`` is one product, ``(G + Gᵀ) V``, with ``G`` the pairs' gradient placed in the
-    lower triangle: autograd's ``bmm`` backward would take two products and add them, and
+    lower triangle: ``G + Gᵀ`` is one gather of the pairs' gradient (and a zero for the
+    diagonal), where autograd's ``bmm`` backward would take two products and add them, and
     a gather's backward would accumulate into ``G`` (``index_add``) where each place takes
     one value. The embeddings' gradient is a slice of ``V``'s, not a copy."""
 
     @staticmethod
     def forward(ctx, dense: torch.Tensor, pooled: torch.Tensor, pairs: torch.Tensor,
-                mirrored_pairs: torch.Tensor) -> torch.Tensor:
+                pair_of_place: torch.Tensor) -> torch.Tensor:
         batch_size, dim = dense.shape
         vectors = torch.cat([dense.unsqueeze(1), pooled.view(batch_size, pooled.shape[1] // dim, dim)], dim=1)
         products = torch.bmm(vectors, vectors.transpose(1, 2))
-        ctx.save_for_backward(vectors, pairs, mirrored_pairs)
+        ctx.save_for_backward(vectors, pair_of_place)
         return torch.cat([dense, products.flatten(1).index_select(1, pairs)], dim=1)
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # (the saved vectors are no function of the inputs)
     def backward(ctx, grad: torch.Tensor):
-        vectors, pairs, mirrored_pairs = ctx.saved_tensors
+        vectors, pair_of_place = ctx.saved_tensors
         batch_size, count, dim = vectors.shape
-        grad_pairs = grad[:, dim:]
-        symmetric = grad.new_zeros(batch_size, count * count)
-        symmetric.index_copy_(1, pairs, grad_pairs)
-        symmetric.index_copy_(1, mirrored_pairs, grad_pairs)
+        symmetric = nn.functional.pad(grad[:, dim:], (0, 1)).index_select(1, pair_of_place)  # [B, (F+1)^2]
         grad_vectors = torch.bmm(symmetric.view(batch_size, count, count), vectors)
         grad_dense = grad_vectors[:, 0] + grad[:, :dim]
         return grad_dense, grad_vectors[:, 1:].reshape(batch_size, (count - 1) * dim), None, None
