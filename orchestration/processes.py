@@ -157,22 +157,24 @@ def _wait_for_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes, log_dir
         log.info("node %d of %d: meeting the other nodes at %s (job %s); the ranks start once all %d are there",
                  nodes.rank, nodes.count, nodes.rendezvous, nodes.run_id, nodes.count)
     # torchrun stops the ranks when this process dies, even by SIGKILL (SIGTERM reaches it
-    # from the kernel), and the ranks die with torchrun: nothing outlives the command
+    # from the kernel), and the ranks die with torchrun: nothing outlives the command.
+    # torchrun runs in a session of its own, so that a signal reaches it once, from this
+    # process, whoever sent it: a terminal's Ctrl-C (to this process group) and a SIGINT to
+    # this process alone (`kill -INT PID`, a supervisor's stop signal) alike
     process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": threads, RANK_EXITS: str(exits),
                                              PARENT_DEATH_ENV: "1", **nodes.worker_environment()},
-                               preexec_fn=partial(signal_on_parent_death, signal.SIGTERM))
-    # Ctrl-C reaches torchrun and the ranks from the terminal, and SIGTERM is passed on:
-    # either way the ranks stop as they choose (following partitions: after a checkpoint),
-    # so this process waits for them instead of killing them; stopped by a signal, it exits
-    # 128 + its number (130, 143) whatever status torchrun chose.
+                               preexec_fn=partial(signal_on_parent_death, signal.SIGTERM), start_new_session=True)
+    # SIGINT and SIGTERM are passed on to torchrun, which passes them on to the ranks: they
+    # stop as they choose (following partitions: after a checkpoint), so this process waits
+    # for them instead of killing them; stopped by a signal, it exits 128 + its number
+    # (130, 143) whatever status torchrun chose.
     stopped_by: list[int] = []
 
     def pass_on(signum: int, frame) -> None:
         stopped_by.append(signum)
         process.send_signal(signum)
 
-    previous = {signal.SIGINT: signal.signal(signal.SIGINT, lambda signum, frame: stopped_by.append(signum)),
-                signal.SIGTERM: signal.signal(signal.SIGTERM, pass_on)}
+    previous = {kind: signal.signal(kind, pass_on) for kind in (signal.SIGINT, signal.SIGTERM)}
     from neorec.orchestration.job_shape import JobShapeCheck  # (torch: not at the parser's import)
 
     check = None if nodes.standalone else JobShapeCheck(nodes, nproc, lambda message: process.terminate())

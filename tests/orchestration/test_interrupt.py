@@ -78,13 +78,17 @@ def _listening() -> list[tuple[int, str]]:
     return found
 
 
-def _interrupt(process: subprocess.Popen, quiet: bool = True) -> str:
-    """SIGINT to the process group; asserts exit 130 within :data:`EXIT_WITHIN_S` and that
-    nothing it started or listened on is left; returns its stderr."""
+def _interrupt(process: subprocess.Popen, quiet: bool = True, to_group: bool = True) -> str:
+    """SIGINT to the process group (or, ``to_group=False``, to the command's process alone);
+    asserts exit 130 within :data:`EXIT_WITHIN_S` and that nothing it started or listened
+    on is left; returns its stderr."""
     tree = [process.pid, *descendants(process.pid)]
     ports = _listening_ports(tree)
     sent = time.monotonic()
-    os.killpg(process.pid, signal.SIGINT)
+    if to_group:
+        os.killpg(process.pid, signal.SIGINT)
+    else:
+        process.send_signal(signal.SIGINT)
     try:
         process.wait(timeout=60)
     finally:
@@ -167,3 +171,12 @@ def test_two_ranks(criteo_dataset, tmp_path):
     process = _train(criteo_dataset, tmp_path / "run", "--nproc", "2")
     _await_training(process, tmp_path / "run")
     _interrupt(process, quiet=False)  # torchrun itself may print its SignalException's traceback
+
+
+@pytest.mark.slow
+def test_two_ranks_when_the_command_alone_is_interrupted(criteo_dataset, tmp_path):
+    """``kill -INT PID`` (or a supervisor's stop signal to its main process) stops the
+    ranks as Ctrl-C does: it used to be ignored until training ended, then reported 130."""
+    process = _train(criteo_dataset, tmp_path / "run", "--nproc", "2")
+    _await_training(process, tmp_path / "run")
+    _interrupt(process, quiet=False, to_group=False)
