@@ -20,7 +20,7 @@ from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 from neorec.trainer.run.step import StepReport
 from neorec.trainer.run.train import evaluate_checkpoint, train
 from tests.trainer.follow_helpers import SPEC, follow_config, partitioned
-from tests.trainer.run_records import records
+from tests.trainer.run_records import logged, records
 from tests.trainer.spawn import run_ranks
 from tests.trainer.test_train import final_state
 
@@ -74,6 +74,9 @@ def test_following_is_training_each_partition_once_after_evaluating_the_model_on
     assert {r["partition"] for r in records(tmp_path / "follow", "train") if r["step"] <= STEPS} == {first}
     progressive = records(tmp_path / "follow", "progressive")
     assert progressive[1]["oracle_auc"] == open_partition(data, second).info["oracle"]["auc"]
+    # the progressive evaluations' time is the run's evaluation time (it was left at 0)
+    timed = logged(tmp_path / "follow", "progressive")
+    assert summary["eval_s"] == pytest.approx(sum(r["rows"] / r["qps"] for r in timed), rel=1e-6)
 
     # The same as training the first partition as a fixed dataset and evaluating on the second.
     dataset = Dataset.load(data)
@@ -148,6 +151,17 @@ def test_a_partition_whose_files_changed_since_the_checkpoint_inside_it_is_refus
         train(config, resume=True)
     added.unlink()
     assert train(config, resume=True)["partitions"] == 2  # as it was: the resume goes on
+
+
+def test_following_with_no_periodic_checkpoint_is_warned_of(tmp_path, caplog):
+    """Such a run writes a checkpoint only when a signal stops it: a kill loses every
+    partition trained, and --resume finds nothing to resume from."""
+    data = partitioned(tmp_path / "data", 1)
+    with caplog.at_level("WARNING", logger="neorec.trainer.run.follow"):
+        train(follow_config(data, tmp_path / "periodic"))
+        assert "no periodic checkpoint" not in caplog.text
+        train(follow_config(data, tmp_path / "none", checkpoint={"every_steps": 0}))
+    assert "no periodic checkpoint" in caplog.text and "checkpoint.every_partitions = 1" in caplog.text
 
 
 def test_idle_exit_and_a_partition_landing_out_of_order(tmp_path):

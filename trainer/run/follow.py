@@ -113,6 +113,11 @@ class Follower:
         if config.checkpoint.keep_best:
             raise ConfigError("checkpoint.keep_best compares evaluations of one eval split; following partitions "
                               "evaluates each partition once: set checkpoint.keep_best = false")
+        every = config.checkpoint
+        if run.context.is_main and not (every.every_partitions or every.every_steps or every.every_minutes):
+            log.warning("following partitions with no periodic checkpoint (checkpoint.every_partitions, "
+                        "every_steps and every_minutes are 0): only a signal's stop writes one, and a kill loses "
+                        "every partition trained; set checkpoint.every_partitions = 1 to resume from the last one")
         self.run = run
         self.root = Path(config.data.path)
         self.signal = StopSignal()
@@ -219,6 +224,7 @@ class Follower:
                 metrics = evaluate(run.dlrm, batches(reader, 0, device=run.context.device),
                                    partial(gather_arrays, run.context))
                 seconds = time.perf_counter() - started
+                state.eval_seconds += seconds
                 oracle = {f"oracle_{k}": v for k, v in (partition.info.get("oracle") or {}).items()}
                 run.log.write({"split": "progressive", "partition": partition.name, "step": state.global_step,
                                "epoch": len(state.partitions_done), "loss": metrics["logloss"],
