@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from neorec.common.errors import ConfigError
+from neorec.ingest.fingerprint import fingerprints, first_change
 from neorec.ingest.partitions import MARKER, SPLIT_PREFIX, is_ready, partition_names, with_partition_split
 from neorec.ingest.schema import Dataset
 from neorec.trainer import checkpoint
@@ -77,7 +78,9 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, config: TrainConfig | None =
     if best:
         name = best_checkpoint(root)
         if name is None:
-            raise checkpoint.CheckpointError(f"{root} has no best checkpoint (train with checkpoint.keep_best = true)")
+            raise checkpoint.CheckpointError(f"{root} has no best checkpoint: the run was trained without "
+                                             "checkpoint.keep_best = true, or none of its evaluations gave an AUC "
+                                             "(an eval split of one class gives none)")
     tries = 1
     while True:
         committed = _committed(root)
@@ -123,7 +126,8 @@ def _evaluate(restorable: checkpoint.Restorable, config: TrainConfig | None,
         # every file's size and dense.pt's checksum, as --resume checks them (the records'
         # checksums are checked as they are restored: not read twice)
         checkpoint.check(restorable, [], need_dense=True)
-        checkpoint.restore_model(restorable, model)
+        dense = checkpoint.restore_model(restorable, model)
+        _warn_if_rewritten(dataset, config.data.eval_split, restorable, dense["state"].get("split_files") or {})
         reader = make_reader(dataset, config.data.eval_split, decode_options(dataset.schema, config),
                              eval_reader_config(config), config)
         try:
@@ -133,6 +137,26 @@ def _evaluate(restorable: checkpoint.Restorable, config: TrainConfig | None,
             store = store_of(model.embeddings)
             if store is not None:
                 store.close(write_back=False)
+
+
+def _warn_if_rewritten(dataset: Dataset, split: str, restorable: checkpoint.Restorable,
+                       recorded: dict[str, list[int]]) -> None:
+    """Warn, naming the file, when a file of ``split`` that the run knew (``recorded``:
+    the fingerprints its checkpoints keep) was written again in its place since the run
+    began: the metrics are then of the model on other data, whose ids may name other rows
+    (a dataset imported again may have other vocabularies)."""
+    if Path(restorable.manifest.config["data"]["path"]).resolve() != Path(dataset.root).resolve():
+        return  # another dataset: its files are not the run's
+    names = [name for name in dataset.splits.get(split, []) if name in recorded]
+    try:
+        now = fingerprints(dataset.root, names)
+    except (OSError, ValueError):
+        return  # the reader names the file it cannot read
+    changed = first_change({name: recorded[name] for name in names}, now)
+    if changed is not None:
+        log.warning("%s was rewritten since the run that made checkpoint %s began: these metrics are of the "
+                    "model on other data (whose ids may name other rows)", Path(dataset.root) / changed[0],
+                    restorable.manifest.name)
 
 
 def _check_eval_split(dataset: Dataset, split: str) -> None:

@@ -121,6 +121,28 @@ def test_resuming_refuses_a_dataset_written_again_at_the_same_path(criteo_datase
     assert train(config, resume=True)["steps"] == 2 * (criteo_dataset.rows["train"] // 128)
 
 
+def test_evaluating_a_checkpoint_on_a_dataset_written_again_at_the_same_path_warns(criteo_dataset, tmp_path,
+                                                                                   caplog):
+    """The metrics would be of the model on other data: said, naming the file (it was
+    silent), and not said for the run's own data."""
+    from neorec.trainer.run.train import evaluate_checkpoint
+
+    data = tmp_path / "data"
+    shutil.copytree(criteo_dataset.root, data)
+    config = config_for(Dataset.load(data), tmp_path / "run")
+    with pytest.raises(Crash):
+        train(config, progress=crash_after(6))
+    with caplog.at_level("WARNING", logger="neorec.trainer.run.train"):
+        evaluate_checkpoint(tmp_path / "run")
+        assert "was rewritten" not in caplog.text
+        other = generate(SynthSpec(rows=6_000, row_group_rows=700, file_rows=2_100, seed=4), tmp_path / "other")
+        rewritten = other.splits["eval"][0]
+        assert rewritten == Dataset.load(data).splits["eval"][0]
+        shutil.copy(other.root / rewritten, data / rewritten)
+        evaluate_checkpoint(tmp_path / "run")
+    assert f"{data / rewritten} was rewritten since the run that made checkpoint step-" in caplog.text
+
+
 def _interval_across_a_checkpoint(rank: int, world: int) -> dict:
     """Rank-distinct loss shares: steps 1-2, a checkpoint (rank 0's state is what it keeps),
     a restore, steps 3-4, the log line; and the same four steps uninterrupted."""
