@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Sequence
@@ -21,7 +22,21 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
     try:
         return TrainConfig.from_dict(raw)
     except ConfigError as err:
-        raise ConfigError(f"{path}: {err}") from None
+        raise ConfigError(f"{_source(str(err), path, overrides)}: {err}") from None
+
+
+def _source(message: str, path: Path, overrides: Sequence[str]) -> str:
+    """Where the key a config error names (``KEY: …``, ``KEY[i]: …`` or ``unknown key
+    'KEY'``) was set: the last ``--set`` of it or of a key inside it, else the file."""
+    named = re.match(r"unknown key '([^']+)'|([\w.]+)", message)
+    if named is None:
+        return str(path)
+    named_key = named.group(1) or named.group(2)
+    for override in reversed(overrides):
+        key = override.partition("=")[0].strip()
+        if key == named_key or key.startswith(named_key + "."):
+            return f"--set {override}"
+    return str(path)
 
 
 def read_toml(path: str | Path, what: str) -> dict[str, Any]:

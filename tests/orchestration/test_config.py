@@ -55,6 +55,15 @@ def test_sharding_overrides_load():
 def test_bad_override_is_named(tmp_path):
     with pytest.raises(ConfigError, match="train.epochs: expected an integer"):
         load_config(_write(tmp_path, ""), ["train.epochs=1.5"])
+    path = _write(tmp_path, "[train]\nbatch_size = 64\n")
+    for overrides, where in [(["train.batch_size=-1"], "--set train.batch_size=-1: train.batch_size"),
+                             (["train.epochs=2", "train.bach_size=3"], "--set train.bach_size=3: unknown key"),
+                             (["trian.epochs=2"], "--set trian.epochs=2: unknown key 'trian'"),
+                             (["model.top_mlp=[8, 'a', 1]"], r"--set model.top_mlp=\[8, 'a', 1\]: model.top_mlp\[1\]")]:
+        with pytest.raises(ConfigError, match=f"^{where}"):  # not the file, which holds none of it
+            load_config(path, overrides)
+    with pytest.raises(ConfigError, match=f"^{path}: train.batch_size: must be positive"):
+        load_config(_write(tmp_path, "[train]\nbatch_size = 0\n"), ["train.epochs=2"])
     with pytest.raises(ConfigError, match="expected section.key=value"):
         load_config(_write(tmp_path, ""), ["train.epochs"])
 
