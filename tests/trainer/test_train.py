@@ -48,6 +48,15 @@ def test_same_config_and_seed_give_bit_identical_runs(criteo_dataset, tmp_path):
     assert other["eval_auc"] != summaries[0]["eval_auc"]
 
 
+def test_the_oracle_is_reported_only_beside_the_split_it_is_of(criteo_dataset, tmp_path):
+    """The dataset's oracle is of its eval split: a run evaluating another split (here the
+    train split) printed it beside its own AUC as if comparable."""
+    config = _config(criteo_dataset, tmp_path / "run")
+    config.data.eval_split, config.train.max_steps = "train", 2
+    summary = train(config)
+    assert "oracle_auc" not in summary and summary["eval_rows"] == criteo_dataset.rows["train"]
+
+
 def test_run_directory_contents_and_checkpoint_eval(criteo_dataset, tmp_path):
     run_dir = tmp_path / "run"
     config = _config(criteo_dataset, run_dir)

@@ -370,7 +370,7 @@ class TrainingRun:
             **{f"eval_{k}": v for k, v in state.eval_metrics.items()},
         }
         oracle = self.dataset.oracle
-        if oracle:
+        if oracle and self.config.data.eval_split == "eval":  # the split the oracle's metrics are of
             summary.update(oracle_auc=oracle.get("eval_auc"), oracle_logloss=oracle.get("eval_logloss"),
                            oracle_ne=oracle.get("eval_ne"))
         if self.plan is not None:
