@@ -46,7 +46,8 @@ def test_an_old_name_in_a_config_file_and_in_an_override(tmp_path):
 def test_both_names_at_once_are_refused(tmp_path, text, overrides):
     path = tmp_path / "both.toml"
     path.write_text(text)
-    with pytest.raises(ConfigError, match=rf"{path}: {OLD} and {NEW}: .*give only {NEW}"):
+    source = f"--set {overrides[-1]}" if overrides else path  # the last to give one of the names
+    with pytest.raises(ConfigError, match=rf"{source}: {OLD} and {NEW}: .*give only {NEW}"):
         load_config(path, overrides)
 
 
