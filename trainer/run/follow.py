@@ -113,8 +113,8 @@ class Follower:
         if config.checkpoint.keep_best:
             raise ConfigError("checkpoint.keep_best compares evaluations of one eval split; following partitions "
                               "evaluates each partition once: set checkpoint.keep_best = false")
-        every = config.checkpoint
-        if run.context.is_main and not (every.every_partitions or every.every_steps or every.every_minutes):
+        periodic = config.checkpoint
+        if run.context.is_main and not (periodic.every_partitions or periodic.every_steps or periodic.every_minutes):
             log.warning("following partitions with no periodic checkpoint (checkpoint.every_partitions, "
                         "every_steps and every_minutes are 0): only a signal's stop writes one, and a kill loses "
                         "every partition trained; set checkpoint.every_partitions = 1 to resume from the last one")
