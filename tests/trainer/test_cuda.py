@@ -18,7 +18,9 @@ from neorec.trainer.run.train import evaluate_checkpoint, train
 from neorec.orchestration.processes import torchrun_command
 from tests.cli import neorec
 from tests.trainer.reference import random_kjt
-from tests.trainer.test_fused_embedding import OPTIMIZERS, _tables, train_against_reference
+from tests.trainer.test_fused_embedding import (OPTIMIZERS, _tables, assert_a_sliced_gradient_updates_as_its_contiguous_copy,
+                                                train_against_reference)
+from tests.trainer.test_model import assert_interaction_equals_the_plain_formula
 from tests.trainer.test_train import _config, final_state, untimed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -32,6 +34,17 @@ CUDA = torch.device("cuda", 0)
 @pytest.mark.parametrize("weight_dtype", ["fp32", "fp16", "bf16"])
 def test_torch_ops_on_cuda_match_the_reference_over_steps(optimizer, pooling, weighted, weight_dtype):
     train_against_reference(optimizer, pooling, weighted, 0, weight_dtype, "torch", CUDA)
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mixed"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_cuda_update_reads_a_sliced_gradient_in_place_as_its_contiguous_copy(pooling, weighted):
+    assert_a_sliced_gradient_updates_as_its_contiguous_copy(pooling, weighted, "torch", CUDA)
+
+
+@pytest.mark.parametrize("num_sparse, dim", [(1, 4), (26, 16)])
+def test_cuda_interaction_and_its_gradients_equal_the_plain_formula(num_sparse, dim):
+    assert_interaction_equals_the_plain_formula(num_sparse, dim, CUDA)
 
 
 def _train(tables: list[TableConfig], optimizer: SparseOptimizer, weight_dtype: str, kernels: str,

@@ -147,22 +147,28 @@ def test_bit_identical_with_one_and_two_threads(weight_dtype):
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("kernels", ["numba", "torch"])
 def test_a_gradient_sliced_from_a_wider_one_updates_as_its_contiguous_copy(pooling, weighted, kernels):
+    assert_a_sliced_gradient_updates_as_its_contiguous_copy(pooling, weighted, kernels, torch.device("cpu"))
+
+
+def assert_a_sliced_gradient_updates_as_its_contiguous_copy(pooling: str, weighted: bool, kernels: str,
+                                                           device: torch.device) -> None:
     """The interaction hands the embeddings their gradient as a slice of its vectors'
     wider one (the dense vector's D columns first), rows ``D + C`` floats apart: read in
     place, it updates every weight and state bit for bit as the same gradient copied to
     contiguous rows does."""
     rng = np.random.default_rng(4)
     tables = _tables(rng, pooling)
-    sliced, copied = (FusedEmbeddingBagCollection(tables, SparseOptimizer("adam", 0.05), seed=1, kernels=kernels)
-                      for _ in range(2))
+    sliced, copied = (FusedEmbeddingBagCollection(tables, SparseOptimizer("adam", 0.05), seed=1,
+                                                  kernels=kernels).to(device) for _ in range(2))
     strides = []
     dense_dim = 3
     for _ in range(3):
-        kjt = random_kjt(tables, 64, rng, max_len=5, weighted=weighted)
+        kjt = random_kjt(tables, 64, rng, max_len=5, weighted=weighted).to(device)
         out = sliced(kjt)
         out.register_hook(lambda grad: strides.append(grad.stride()))
-        upstream = torch.from_numpy(rng.standard_normal((64, dense_dim + out.shape[1])).astype(np.float32))
-        (torch.cat([torch.zeros(64, dense_dim, requires_grad=True), out], dim=1) * upstream).sum().backward()
+        upstream = torch.from_numpy(rng.standard_normal((64, dense_dim + out.shape[1])).astype(np.float32)).to(device)
+        dense = torch.zeros(64, dense_dim, device=device, requires_grad=True)
+        (torch.cat([dense, out], dim=1) * upstream).sum().backward()
         (copied(kjt) * upstream[:, dense_dim:].contiguous()).sum().backward()
     assert strides == [(dense_dim + sliced.output_dim, 1)] * 3  # the slice reached the module uncopied
     for a, b in zip([sliced.weights, sliced.state1, sliced.state2], [copied.weights, copied.state1, copied.state2]):

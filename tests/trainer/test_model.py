@@ -56,14 +56,18 @@ def test_interaction_shape():
 
 @pytest.mark.parametrize("num_sparse, dim", [(1, 4), (5, 3), (26, 16)])
 def test_interaction_and_its_gradients_equal_autograds_of_the_plain_formula(num_sparse, dim):
+    assert_interaction_equals_the_plain_formula(num_sparse, dim, torch.device("cpu"))
+
+
+def assert_interaction_equals_the_plain_formula(num_sparse: int, dim: int, device: torch.device) -> None:
     """The dense output, then the dot products of every pair of vectors in the DLRM
     reference's order, the strictly lower triangle row by row; its gradients (computed as
     one product with the symmetric pair gradient) equal autograd's through ``bmm``."""
     from neorec.trainer.model import DotInteraction
     generator = torch.Generator().manual_seed(num_sparse)
-    dense = torch.randn(7, dim, generator=generator, requires_grad=True)
-    pooled = torch.randn(7, num_sparse * dim, generator=generator, requires_grad=True)
-    upstream = torch.randn(7, dim + (num_sparse + 1) * num_sparse // 2, generator=generator)
+    dense = torch.randn(7, dim, generator=generator).to(device).requires_grad_()
+    pooled = torch.randn(7, num_sparse * dim, generator=generator).to(device).requires_grad_()
+    upstream = torch.randn(7, dim + (num_sparse + 1) * num_sparse // 2, generator=generator).to(device)
 
     def plain(dense, pooled):
         vectors = torch.cat([dense.unsqueeze(1), pooled.view(7, num_sparse, dim)], dim=1)
@@ -72,7 +76,7 @@ def test_interaction_and_its_gradients_equal_autograds_of_the_plain_formula(num_
         return torch.cat([dense, products[:, list(rows), list(cols)]], dim=1)
 
     outputs, gradients = [], []
-    for interaction in (DotInteraction(num_sparse), plain):
+    for interaction in (DotInteraction(num_sparse).to(device), plain):
         out = interaction(dense, pooled)
         outputs.append(out.detach())
         gradients.append(torch.autograd.grad(out, (dense, pooled), upstream))
