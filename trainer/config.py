@@ -118,8 +118,9 @@ class ModelConfig:
     """Round fp16/bf16 weight updates stochastically (else to nearest even)."""
     dynamic: dict[str, DynamicTableConfig] = field(default_factory=dict)
     """Dynamic tables (``[model.dynamic.t_C1] capacity = 1000000``, keys ``capacity``,
-    ``min_count``, ``ttl``, ``ttl_unit``, ``sketch_width``, ``sketch_depth``, ``shards``): raw
-    64-bit ids mapped to ``capacity`` rows (see docs/dynamic-tables.md)."""
+    ``min_count``, ``ttl``, ``ttl_unit``, ``sketch_width``, ``sketch_depth``,
+    ``sketch_half_life``, ``shards``): raw 64-bit ids mapped to ``capacity`` rows (see
+    docs/dynamic-tables.md)."""
 
     def validate(self) -> None:
         _positive("model.embedding_dim", self.embedding_dim)

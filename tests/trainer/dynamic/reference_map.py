@@ -28,13 +28,16 @@ class ReferenceSketch:
             row[c] = max(row[c], new)
         return new
 
+    def halve(self) -> None:
+        self.rows = [[c // 2 for c in row] for row in self.rows]
+
 
 class ReferenceMap:
     """The id → slot map of one table, an id at a time."""
 
     def __init__(self, capacity: int, min_count: int, ttl: int, width: int = 64, depth: int = 2,
-                 table: int = 0) -> None:
-        self.min_count, self.ttl = min_count, ttl
+                 table: int = 0, half_life: int = 0) -> None:
+        self.min_count, self.ttl, self.half_life = min_count, ttl, half_life
         self.sketch = ReferenceSketch(width, depth, table)
         self.slot_of: dict[int, int] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # least recently used first
@@ -91,4 +94,6 @@ class ReferenceMap:
             used.add(slot)
             out.append(slot)
         self.clock += 1
+        if self.half_life and self.clock % self.half_life == 0:
+            self.sketch.halve()
         return out, reinit

@@ -48,6 +48,8 @@ def test_dynamic_tables_are_planned_by_capacity_with_their_map(raw_dataset: Data
     narrow = replace(config.model.dynamic["t_C1"], shards=2, sketch_width=256).describe()
     assert narrow.endswith("admission sketch 4 x 128 counters a map shard (fewer than its slots: ids share counters "
                            "and reach min_count early)")
+    halving = replace(config.model.dynamic["t_C1"], sketch_half_life=10).describe()
+    assert halving.endswith("admission sketch 4 x 4,096 counters a map shard, halved every 10 steps")
 
 
 @pytest.mark.parametrize("kind", ["column_wise", "data_parallel"])

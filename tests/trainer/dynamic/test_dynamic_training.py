@@ -28,9 +28,9 @@ def raw_dataset(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
                     tmp_path_factory.mktemp("raw"))
 
 
-def config_for(dataset: Dataset, run_dir, capacity: int = 64, **sections) -> TrainConfig:
-    dynamic = {f.table: {"capacity": capacity, "min_count": 2, "ttl": 3, "sketch_width": 1024}
-               for f in dataset.schema.sparse}
+def config_for(dataset: Dataset, run_dir, capacity: int = 64, half_life: int = 0, **sections) -> TrainConfig:
+    dynamic = {f.table: {"capacity": capacity, "min_count": 2, "ttl": 3, "sketch_width": 1024,
+                         "sketch_half_life": half_life} for f in dataset.schema.sparse}
     return TrainConfig.from_dict({
         "data": {"path": str(dataset.root)},
         "model": {"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16, 1], "dynamic": dynamic},
@@ -46,10 +46,12 @@ def map_state(run_dir) -> list[dict]:
     return [d["incremental"] for d in load_dense_chain(checkpoint.open_checkpoint(run_dir / "checkpoint"))]
 
 
-def test_resume_with_evictions_in_flight_is_bit_identical(raw_dataset, tmp_path):
-    whole = train(config_for(raw_dataset, tmp_path / "whole"))
+@pytest.mark.parametrize("half_life", [0, 4], ids=["lasting-counts", "halving-counts"])
+def test_resume_with_evictions_in_flight_is_bit_identical(raw_dataset, tmp_path, half_life):
+    """(With a sketch half-life of 4 steps, halvings fall between the checkpoints.)"""
+    whole = train(config_for(raw_dataset, tmp_path / "whole", half_life=half_life))
     assert all(c["evicted"] > 0 and c["rejected"] > 0 for c in whole["dynamic"].values())
-    stopped = config_for(raw_dataset, tmp_path / "stopped")
+    stopped = config_for(raw_dataset, tmp_path / "stopped", half_life=half_life)
     with pytest.raises(Crash):
         train(stopped, progress=crash_after(13))  # checkpoints at 5 (full) and 10 (incremental)
     resumed = train(stopped, resume=True)

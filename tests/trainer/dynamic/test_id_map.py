@@ -17,15 +17,19 @@ def zipf_batches(seed: int, batches: int, size: int, space: int) -> list[np.ndar
     return [keys[np.minimum(rng.zipf(1.3, size) - 1, space - 1)] for _ in range(batches)]
 
 
-def table(capacity: int, min_count: int = 1, ttl: int = 0, width: int = 64, depth: int = 2) -> DynamicTable:
+def table(capacity: int, min_count: int = 1, ttl: int = 0, width: int = 64, depth: int = 2,
+          half_life: int = 0) -> DynamicTable:
     return DynamicTable("t", 0, 4, DynamicTableConfig(capacity=capacity, min_count=min_count, ttl=ttl,
-                                                      sketch_width=width, sketch_depth=depth))
+                                                      sketch_width=width, sketch_depth=depth,
+                                                      sketch_half_life=half_life))
 
 
-@pytest.mark.parametrize("capacity,min_count,ttl", [(8, 1, 0), (32, 2, 0), (32, 3, 2), (100, 2, 1), (1, 1, 0),
-                                                    (1, 2, 3), (500, 1, 4)])
-def test_map_matches_the_reference(capacity: int, min_count: int, ttl: int) -> None:
-    kernel, reference = table(capacity, min_count, ttl), ReferenceMap(capacity, min_count, ttl)
+@pytest.mark.parametrize("capacity,min_count,ttl,half_life", [
+    (8, 1, 0, 0), (32, 2, 0, 0), (32, 3, 2, 0), (100, 2, 1, 0), (1, 1, 0, 0), (1, 2, 3, 0), (500, 1, 4, 0),
+    (32, 2, 0, 1), (100, 3, 1, 4), (64, 2, 0, 7)])
+def test_map_matches_the_reference(capacity: int, min_count: int, ttl: int, half_life: int) -> None:
+    kernel = table(capacity, min_count, ttl, half_life=half_life)
+    reference = ReferenceMap(capacity, min_count, ttl, half_life=half_life)
     for batch in zipf_batches(capacity + min_count + ttl, 40, 64, 300):
         slots, reinit = kernel.train_ids(batch)
         expected, expected_reinit = reference.train(batch.tolist())
@@ -95,6 +99,35 @@ def test_sketch_counts_never_below_the_truth_and_match_the_reference() -> None:
         assert count >= min(truth[key], SATURATED)
 
 
+def test_halving_fades_old_sightings_and_marks_what_it_changed() -> None:
+    """An id seen once a half-life never reaches ``min_count`` 2 (without decay, its second
+    sighting admits it); an id seen twice within one is admitted. The halved counters are
+    in the next incremental delta."""
+    decaying, lasting = table(8, min_count=2, width=1024, half_life=2), table(8, min_count=2, width=1024)
+    for step in range(6):
+        ids = np.array([5] if step % 2 == 0 else [7, 7] if step == 3 else [], dtype=np.int64)
+        decaying.train_ids(ids)
+        lasting.train_ids(ids)
+    assert decaying.map.lookup(np.array([5, 7])).tolist() == [-1, 0]
+    assert lasting.map.lookup(np.array([5, 7])).tolist() == [0, 1]
+    by_partition = DynamicTable("t", 0, 4, DynamicTableConfig(capacity=8, min_count=2, sketch_width=1024,
+                                                              ttl_unit="partitions", sketch_half_life=1))
+    for _ in range(3):  # steps do not move a partition clock: 5's count reaches 2 within a partition
+        by_partition.train_ids(np.array([9], dtype=np.int64))
+        by_partition.advance_partition()  # ... and halves at every partition's end
+        by_partition.train_ids(np.array([5], dtype=np.int64))
+        by_partition.train_ids(np.array([5], dtype=np.int64))
+        by_partition.advance_partition()
+    assert by_partition.map.lookup(np.array([9, 5])).tolist() == [-1, 0]
+    sketch = CountMinSketch(4096, 2, 0)
+    for key in range(3):
+        sketch.add(key)
+    sketch.delta(full=False)
+    sketch.halve()
+    changed = sketch.delta(full=False)
+    assert 0 < changed["blocks"].size < sketch.dirty.size and not changed["values"].any()
+
+
 def test_counts_of_wider_counters_restore_saturated() -> None:
     sketch = CountMinSketch(1024, 2, 0)
     sketch.apply({"blocks": np.array([0]), "values": np.full((1, 1024), 300, dtype=np.uint32)})
@@ -113,15 +146,17 @@ def test_partition_ttl_expires_only_at_partition_ends() -> None:
     assert kernel.counters()["evicted"] == 2 and kernel.map.lookup(np.array([1, 2])).tolist() == [-1, -1]
 
 
-def test_restored_state_continues_identically() -> None:
+@pytest.mark.parametrize("half_life", [0, 3])
+def test_restored_state_continues_identically(half_life: int) -> None:
+    """(With a half-life, the chain's last increments are taken after halvings.)"""
     batches = zipf_batches(4, 30, 50, 400)
-    original = table(64, min_count=2, ttl=3)
+    original = table(64, min_count=2, ttl=3, width=1024, half_life=half_life)
     chain = []
     for i, batch in enumerate(batches[:20]):
         original.train_ids(batch)
-        if i in (5, 18, 19):
+        if i in (5, 14, 18, 19):
             chain.append(original.delta(full=(i == 5)))
-    restored = table(64, min_count=2, ttl=3)
+    restored = table(64, min_count=2, ttl=3, width=1024, half_life=half_life)
     restored.apply(chain)
     for batch in batches[20:]:
         a, ra = original.train_ids(batch)
@@ -129,7 +164,8 @@ def test_restored_state_continues_identically() -> None:
         assert a.tolist() == b.tolist() and ra.slots.tolist() == rb.slots.tolist()
     assert original.counters() == restored.counters()
     assert original.counters()["evicted"] > 0
-    assert len(chain[2]["map"]["slots"]) < 64  # increments hold the changed slots only
+    assert len(chain[3]["map"]["slots"]) < 64  # increments hold the changed slots only
+    assert np.array_equal(original.sketch.counts, restored.sketch.counts)
 
 
 def test_bad_settings_are_named() -> None:
@@ -141,3 +177,5 @@ def test_bad_settings_are_named() -> None:
         DynamicTableConfig(capacity=3, sketch_width=100).validate()
     with pytest.raises(ValueError, match="ttl_unit"):
         DynamicTableConfig(capacity=3, ttl_unit="hours").validate()
+    with pytest.raises(ValueError, match="sketch_half_life: must be >= 0"):
+        DynamicTableConfig(capacity=3, sketch_half_life=-1).validate()

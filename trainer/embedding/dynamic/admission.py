@@ -4,7 +4,8 @@ update, whose memory is fixed however many distinct ids it sees.
 Each of ``depth`` rows of ``width`` uint8 counters hashes an id to one counter; a sighting
 raises the smallest of the id's counters by one and lifts the others to that value, and the
 id's count is that value: never below its true count (or :data:`SATURATED`, where counting
-stops: admission needs no more), above it only by collisions. A byte per counter keeps the
+stops: admission needs no more), above it only by collisions. :meth:`CountMinSketch.halve`
+halves every counter (a table's ``sketch_half_life``), so that old sightings fade. A byte per counter keeps the
 sketch, whose counters an unknown id reads at random, a quarter of 32-bit counters' size in
 the caches. The
 sketch's counters are checkpoint state; :attr:`CountMinSketch.dirty` marks the blocks of
@@ -76,6 +77,14 @@ class CountMinSketch:
     def add(self, key: int) -> int:
         """Count one sighting of ``key``; its count after it."""
         return int(sketch_add(self.counts, self.dirty, np.int64(self.shift), self.salts, np.int64(key)))
+
+    def halve(self) -> None:
+        """Halve every count, rounded down (a count is then never below half its key's
+        true count before the halving, rounded down, plus its sightings since); the blocks
+        that change are marked dirty."""
+        blocks = self.counts.reshape(self.dirty.size, -1)
+        self.dirty |= blocks.any(axis=1)
+        blocks >>= 1
 
     def delta(self, full: bool) -> dict[str, Any]:
         """The counters changed since the last delta (all when ``full``), as numpy arrays:

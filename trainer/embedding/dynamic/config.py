@@ -21,7 +21,10 @@ class DynamicTableConfig:
     does not grow with the ids seen); until then it
     reads zeros and gets no update. A full table gives the least recently used id's slot to
     a new one; ``ttl`` (0: none) evicts an id not seen in the last ``ttl`` steps, or
-    partitions of a continuous-training run (``ttl_unit``).
+    partitions of a continuous-training run (``ttl_unit``). ``sketch_half_life`` (0: never)
+    halves every count of the sketch each time that many steps or partitions (``ttl_unit``)
+    have passed, so that an id is admitted for its recent sightings, not for sightings
+    spread over the whole run.
 
     ``shards``: hash partitions of the table (*map shards*, 0: the run's world size, see
     :meth:`for_world`), each an independent map of ``capacity // shards`` slots with its own
@@ -34,6 +37,7 @@ class DynamicTableConfig:
     ttl_unit: str = "steps"
     sketch_width: int = 0
     sketch_depth: int = 4
+    sketch_half_life: int = 0
     shards: int = 0
 
     def validate(self) -> None:
@@ -53,6 +57,8 @@ class DynamicTableConfig:
             raise ValueError(f"sketch_width: must be a power of two (or 0: from the capacity), got {self.sketch_width}")
         if not 1 <= self.sketch_depth <= 16:
             raise ValueError(f"sketch_depth: must lie in [1, 16], got {self.sketch_depth}")
+        if self.sketch_half_life < 0:
+            raise ValueError(f"sketch_half_life: must be >= 0 (0: counts never decay), got {self.sketch_half_life}")
         if self.shards < 0:
             raise ValueError(f"shards: must be >= 0 (0: the run's world size), got {self.shards}")
         if self.shards and self.capacity % self.shards:
@@ -112,6 +118,8 @@ class DynamicTableConfig:
         if self.min_count == 1:
             return text
         text += f"; admission sketch {self.sketch_depth} x {self.sketch_columns():,} counters a map shard"
+        if self.sketch_half_life:
+            text += f", halved every {self.sketch_half_life} {self.ttl_unit}"
         if self.sketch_columns() < self.shard_capacity:  # many ids share each counter
             text += " (fewer than its slots: ids share counters and reach min_count early)"
         return text

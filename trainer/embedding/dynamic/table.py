@@ -60,7 +60,7 @@ class DynamicTable:
         self.sketch = CountMinSketch(config.sketch_columns() if config.min_count > 1 else 1,
                                      config.sketch_depth if config.min_count > 1 else 1, index)
         self.clock = 0
-        """The TTL clock: steps trained, or partitions ended (``ttl_unit``)."""
+        """The TTL and sketch half-life clock: steps trained, or partitions ended (``ttl_unit``)."""
 
     @property
     def key(self) -> str:
@@ -117,16 +117,22 @@ class DynamicTable:
                             np.int64(s.shift), s.salts, ids, np.int64(self.config.min_count), np.int64(self.clock),
                             np.int64(base), np.int64(missing), out, reinit, generations)
         if self.config.ttl_unit == "steps":
-            self.clock += 1
+            self._tick()
         return Reinit(reinit[:count], generations[:count]), int(m.stats[REJECTED]) - rejected
 
     def advance_partition(self) -> None:
         """A partition of a continuous-training run ended: with ``ttl_unit = "partitions"``
         the clock moves on and ids unseen for more than ``ttl`` partitions leave."""
         if self.config.ttl_unit == "partitions":
-            self.clock += 1
+            self._tick()
             if self.config.ttl:
                 self.map.expire(self.clock, self.config.ttl)
+
+    def _tick(self) -> None:
+        """The clock moves on; every ``sketch_half_life`` ticks the sketch's counts halve."""
+        self.clock += 1
+        if self.config.sketch_half_life and self.clock % self.config.sketch_half_life == 0:
+            self.sketch.halve()
 
     def initial_rows(self, reinit: Reinit, seed: int) -> torch.Tensor:
         """float32 ``[k, dim]``: the rows ``reinit``'s slots start their generation with."""
