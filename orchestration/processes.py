@@ -79,11 +79,12 @@ def start_reader_service(*args: str, host: str = "127.0.0.1", data_roots: Sequen
 def torchrun_command(nproc: int, module: str, args: list[str], nodes: Nodes = ONE_NODE,
                      log_dir: Path | None = None) -> list[str]:
     """The command running ``python -m MODULE ARGS`` as ``nproc`` ranks on this host under
-    torchrun: this host's share of the job ``nodes`` describes (default: the whole job,
-    torchrun's standalone rendezvous on a free local port); torchrun's files in ``log_dir``
-    (default: a ``torchelastic_*`` directory of its own, which it leaves behind)."""
+    torchrun (:mod:`~neorec.orchestration.torchrun_main`): this host's share of the job
+    ``nodes`` describes (default: the whole job, torchrun's standalone rendezvous on a free
+    local port); torchrun's files in ``log_dir`` (default: a ``torchelastic_*`` directory of
+    its own, which it leaves behind)."""
     logs = [f"--log-dir={log_dir}"] if log_dir is not None else []
-    return [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_flags(), *logs,
+    return [sys.executable, "-m", "neorec.orchestration.torchrun_main", *nodes.torchrun_flags(), *logs,
             f"--nproc-per-node={nproc}", "--module", module, *args]
 
 
@@ -130,7 +131,7 @@ def run_torchrun(nproc: int, neorec_args: list[str], nodes: Nodes = ONE_NODE) ->
     node's share of ``nodes``); returns torchrun's exit status (2, a user's error, when a rank
     exited so: torchrun's own is 1 for any failed rank), or 128 + the number of the signal
     (SIGINT, SIGTERM) that stopped it: then the ranks' own statuses are not told apart
-    (torchrun exits 1 when signalled, whether or not a rank failed as it stopped).
+    (whether or not a rank failed as it stopped).
     torchrun's files and the ranks' statuses lie in a temporary directory, removed after
     (one left by a process killed outright is removed by the next run on this host)."""
     remove_abandoned(tempfile.gettempdir(), _SCRATCH)
