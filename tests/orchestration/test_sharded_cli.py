@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -215,7 +216,8 @@ def test_a_user_error_in_the_ranks_exits_2_and_torchrun_leaves_no_files(criteo_d
     refused = neorec("train", "configs/demo.toml", "--nproc", "2", *_settings(criteo_dataset, tmp_path / "run"),
                      "--set", "train.batch_size=100000")  # found by the ranks: their one line, torchrun's report
     assert refused.returncode == 2, refused.stderr[-3000:]
-    assert "neorec: error: split 'train'" in refused.stderr
+    assert "neorec: error: split 'train'" in refused.stderr and "Traceback" not in refused.stderr
+    assert re.search(r"^torchrun: rank 0 \(pid \d+\) exited with status 2", refused.stderr, re.MULTILINE)
     planned = neorec_in_process("train", "configs/demo.toml", "--nproc", "2",
                                 *_settings(criteo_dataset, tmp_path / "run"), "--set",
                                 "sharding.tables.t_C1='table_wise:5'")  # found before the ranks start
@@ -252,3 +254,4 @@ def test_a_killed_rank_is_named_as_killed_not_left_to_torchrun_s_traceback(crite
             process.kill()
     assert process.returncode == 1
     assert "ended without an exit status: killed by a signal" in stderr.splitlines()[-1], stderr[-3000:]
+    assert re.search(r"rank 1 \(pid \d+\) was ended by SIGKILL", stderr) and "Traceback" not in stderr, stderr[-3000:]
