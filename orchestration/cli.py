@@ -263,6 +263,13 @@ def _train(args: argparse.Namespace) -> int:
         if config.data.follow:
             line += f" (progressive, partition {summary['eval_partition'] or '-'})"
         print(f"{line}; run directory {config.run.dir}")
+    if summary.get("stopped_by") == "blocked":  # its state is saved, but the data is not as promised
+        if context.is_main:
+            print(f"neorec: error: following stopped after data.idle_exit_s with ready partitions not trained: "
+                  f"partition {summary['blocked_by']} was never marked ready, and partitions are trained in name "
+                  f"order; mark it ready (or remove it) and continue with --resume {config.run.dir}", file=sys.stderr)
+        record_rank_exit(USER_ERROR)
+        return USER_ERROR
     return _exit_status(summary.get("stopped_by", ""))
 
 

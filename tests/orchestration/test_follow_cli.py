@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from neorec.ingest.partitions import MARKER
 from neorec.ingest.synth import write_partition
 from neorec.trainer.checkpoint.layout import complete, read_manifest
 from neorec.trainer.run.train import train
@@ -80,6 +81,28 @@ def test_a_sigkilled_run_reading_through_a_reader_service_resumes_to_the_same_en
         stop_all([worker])
     assert json.loads((killed / "summary.json").read_text())["partitions"] == 3
     assert_same_run(tmp_path / "whole", killed)
+
+
+def test_idle_behind_a_partition_never_marked_ready_exits_2_naming_it_and_resumes_once_it_is(tmp_path):
+    """Ready partitions waiting behind one without its marker are not the end of the data:
+    the run stops as idle does (its checkpoint written) but exits 2, naming the partition."""
+    data = partitioned(tmp_path / "data", 1)
+    held = write_partition(SPEC, data, 1)
+    (data / "partitions" / held / MARKER).unlink()
+    write_partition(SPEC, data, 2)
+    run = tmp_path / "run"
+    stopped = subprocess.run([*_command(data, run), "--idle-exit", "0.5"], capture_output=True, text=True, timeout=600)
+    assert stopped.returncode == 2, stopped.stderr[-3000:]
+    assert f"partition {held} was never marked ready" in stopped.stderr and "Traceback" not in stopped.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["stopped_by"], summary["blocked_by"], summary["partitions"]) == ("blocked", held, 1)
+    (data / "partitions" / held / MARKER).write_text("")
+    resumed = subprocess.run([*_command(data, run), "--idle-exit", "0.5", "--resume", str(run)],
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["stopped_by"], summary["partitions"], summary["steps"]) == ("idle", 3, 3 * STEPS)
+    assert "blocked_by" not in summary
 
 
 @pytest.mark.slow

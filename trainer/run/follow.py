@@ -122,7 +122,10 @@ class Follower:
         self.root = Path(config.data.path)
         self.signal = StopSignal()
         self.stopped_by = ""
-        """Why following ended: ``idle``, a signal's name, or "" (not yet)."""
+        """Why following ended: ``idle``, ``blocked`` (idle while a partition that was never
+        marked ready held ready ones back: :attr:`blocked_by`), a signal's name, or "" (not yet)."""
+        self.blocked_by = ""
+        """The partition never marked ready that held ready ones back, when ``blocked``."""
         self.marker_time = 0.0
         self.train_started = 0.0
         """When training on the current partition began (this process: a resumed partition
@@ -177,7 +180,8 @@ class Follower:
     def summary(self) -> dict[str, Any]:
         state = self.run.state
         return {"partitions": len(state.partitions_done), "last_partition": (state.partitions_done or [""])[-1],
-                "eval_partition": state.eval_partition, "stopped_by": self.stopped_by}
+                "eval_partition": state.eval_partition, "stopped_by": self.stopped_by,
+                **({"blocked_by": self.blocked_by} if self.blocked_by else {})}
 
     # ------------------------------------------------------------- partitions
     def _reopen(self, name: str) -> Partition:
@@ -302,16 +306,14 @@ class Follower:
                 raise PartitionOrderError(detail)
             if kind == "error":
                 raise PartitionError(detail)
-            blocked = blocking_partition(self.root, state.partitions_done) if run.context.is_main else None
             if kind == "idle":
                 self.stopped_by = "idle"
-                if blocked is None:
-                    log.info("no new partition for %.0f s: stopping (data.idle_exit_s)", time.monotonic() - started)
-                else:
-                    log.warning("partition %s was not marked ready (%s) for %.0f s, and %s wait behind it: stopping "
-                                "(data.idle_exit_s)", blocked[0], MARKER, time.monotonic() - started,
-                                counted(blocked[1], "ready partition"))
+                log.info("no new partition for %.0f s: stopping (data.idle_exit_s)", time.monotonic() - started)
                 return None
+            if kind == "blocked":
+                self.stopped_by, self.blocked_by = "blocked", detail
+                return None
+            blocked = blocking_partition(self.root, state.partitions_done) if run.context.is_main else None
             if blocked is not None and blocked != told_blocked:
                 log.warning("partition %s is not marked ready (%s) and %s wait behind it: partitions are trained in "
                             "name order, so the run waits for it", blocked[0], MARKER,
@@ -329,7 +331,8 @@ class Follower:
 
     def _decide(self, started: float) -> tuple[str, str]:
         """Rank 0's decision, every rank's: ``("train", name)``, ``("wait", "")``,
-        ``("idle", "")``, or ``("order", message)`` / ``("error", message)`` for a
+        ``("idle", "")``, ``("blocked", name)`` (idle, while partition ``name``, never marked
+        ready, holds ready ones back), or ``("order", message)`` / ``("error", message)`` for a
         :class:`PartitionOrderError` / another :class:`PartitionError` (raised on every rank)."""
         run = self.run
         decision = [("wait", "")]
@@ -343,7 +346,8 @@ class Follower:
                 if partition is not None:
                     decision = [("train", partition.name)]
                 elif idle and time.monotonic() - started >= idle:
-                    decision = [("idle", "")]
+                    blocked = blocking_partition(self.root, run.state.partitions_done)
+                    decision = [("idle", "") if blocked is None else ("blocked", blocked[0])]
         if run.context.distributed:
             dist.broadcast_object_list(decision, src=0)
         return decision[0]
