@@ -433,12 +433,24 @@ def read_segments(paths: list[Path], row_bytes: int) -> tuple[np.ndarray, np.nda
     return rows, data
 
 
+def segment_checksum(path: Path) -> int:
+    """The CRC-32 of a segment's ids and rows as its header gives it (the body not read):
+    which segment it is, for a checkpoint that names its segments."""
+    with open(path, "rb") as f:
+        return _header(f.read(HEADER.size), path)[3]
+
+
+def _header(raw: bytes, path: Path) -> tuple[bytes, int, int, int]:
+    """The header at the start of ``raw``: magic, row bytes, row count, CRC-32."""
+    if len(raw) < HEADER.size or raw[:4] != MAGIC:
+        raise SegmentError(f"{path}: not a segment, or truncated before its header")
+    return HEADER.unpack_from(raw)
+
+
 def _segment_contents(path: Path, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """A whole segment's rows and data, after checking its header and checksum."""
     raw = path.read_bytes()
-    if len(raw) < HEADER.size or raw[:4] != MAGIC:
-        raise SegmentError(f"{path}: not a segment, or truncated before its header")
-    _, stored_row_bytes, count, crc = HEADER.unpack_from(raw)
+    _, stored_row_bytes, count, crc = _header(raw, path)
     if stored_row_bytes != row_bytes:
         raise SegmentError(f"{path}: rows of {stored_row_bytes} bytes, the table's are {row_bytes}")
     body = raw[HEADER.size:]

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from neorec.embedding_store.client import StoreClient, StoreServiceError
+from neorec.embedding_store.segments import SegmentTier, check_segments, read_segments
 from neorec.embedding_store.service import StoreServer
 from neorec.ingest.schema import Dataset
 from tests.trainer.spawn import run_ranks
 from neorec.trainer import checkpoint
 from neorec.trainer.run.build import build_model, store_settings
+from neorec.trainer.checkpoint import layout
 from neorec.trainer.checkpoint.layout import CheckpointError
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.distributed import SINGLE_PROCESS, DistributedContext
@@ -202,6 +204,32 @@ def test_a_corrupt_segment_is_named_when_resuming_and_fallback_takes_the_checkpo
         train(_config(criteo_dataset, run, {"tables": STORE}, max_steps=15), resume=True)
     summary = train(_config(criteo_dataset, run, {"tables": STORE}, {"fallback": True}, max_steps=15), resume=True)
     assert summary["steps"] == 15 and [s["checkpoint"] for s in summary["resume_skipped"]] == [manifest.name]
+
+
+def test_another_whole_segment_in_a_segment_s_place_is_named_by_verify_and_resume(criteo_dataset, tmp_path):
+    """A whole segment of the same rows and size (another run's, another checkpoint's) in a
+    segment's place passes every size and checksum of its own, and would restore other
+    rows: the manifest's checksums name it."""
+    run = tmp_path / "run"
+    train(_config(criteo_dataset, run, {"tables": STORE}, {"every_steps": 5}, max_steps=10))
+    manifest = checkpoint.open_checkpoint(run / "checkpoint").manifest
+    directory = run / "checkpoint" / manifest.name
+    entry = next(e for e in manifest.store if e.files)
+    segment = directory / entry.directory / entry.files[-1].name
+    rows, data = read_segments([segment], entry.row_bytes)
+    other = SegmentTier(tmp_path / "other", rows=entry.rows, row_bytes=entry.row_bytes)
+    other.write(rows, data[::-1].copy())  # the same rows, their values in another order
+    other.flush(sync=True)
+    (made,) = (tmp_path / "other").glob("*.seg")
+    segment.unlink()  # a link: replace the file, not the tier's copy
+    segment.write_bytes(made.read_bytes())
+    other.close()
+    check_segments([segment], entry.row_bytes)  # whole, as a segment
+    expected = f"^{re.escape(str(segment))} is whole but not the segment this checkpoint was taken with"
+    with pytest.raises(CheckpointError, match=expected):
+        layout.verify(directory, manifest)
+    with pytest.raises(CheckpointError, match=expected):
+        train(_config(criteo_dataset, run, {"tables": STORE}, max_steps=15), resume=True)
 
 
 def test_a_damaged_segment_of_the_tier_itself_does_not_stop_a_resume(criteo_dataset, tmp_path):

@@ -28,7 +28,7 @@ import numpy as np
 
 from neorec.common.durable import write_durably
 from neorec.common.errors import UserError
-from neorec.embedding_store.segments import SegmentError, check_segments, read_segments
+from neorec.embedding_store.segments import SegmentError, check_segments, read_segments, segment_checksum
 
 FORMAT = "neorec-checkpoint/2"
 MANIFEST = "manifest.json"
@@ -92,7 +92,9 @@ class StoreEntry:
     """A piece of a table on the embedding store (``key``: ``table@row_offset``): rows
     ``[row_offset, row_offset + rows)`` of ``row_bytes`` bytes (weights as stored, then
     optimizer state) in the segment ``files`` of ``directory`` (relative to the checkpoint),
-    linked from the tier when the checkpoint was taken."""
+    linked from the tier when the checkpoint was taken; ``checksums``: the CRC-32 each
+    segment's header gives, in the order of ``files``, so that one segment in another's
+    place is found (empty in checkpoints written before they were kept)."""
 
     table: str
     key: str
@@ -101,6 +103,7 @@ class StoreEntry:
     row_bytes: int
     directory: str
     files: list[FileEntry]
+    checksums: list[int] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "StoreEntry":
@@ -305,9 +308,15 @@ def verify(directory: Path, manifest: Manifest) -> None:
 
 
 def check_store_segments(directory: Path, piece: StoreEntry) -> None:
-    """:class:`CheckpointError` naming the first segment of a store piece that is not whole."""
+    """:class:`CheckpointError` naming the first segment of a store piece that is not whole,
+    or not the segment the checkpoint was taken with."""
+    paths = [directory / piece.directory / f.name for f in piece.files]
     try:
-        check_segments([directory / piece.directory / f.name for f in piece.files], piece.row_bytes)
+        check_segments(paths, piece.row_bytes)
+        for path, expected in zip(paths, piece.checksums):
+            if segment_checksum(path) != expected:
+                raise CheckpointError(f"{path} is whole but not the segment this checkpoint was taken with (its "
+                                      f"checksum is another's): another segment was put in its place")
     except SegmentError as err:
         raise CheckpointError(str(err)) from None
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from neorec.embedding_store.segments import SegmentError
+from neorec.embedding_store.segments import SegmentError, segment_checksum
 from neorec.trainer.checkpoint.layout import CheckpointError, FileEntry, Manifest, StoreEntry, read_store_segments
 from neorec.trainer.embedding.store_backed import StorePiece
 
@@ -27,9 +27,10 @@ def snapshot_store(pieces: list[StorePiece], directory: Path) -> list[StoreEntry
     entries = []
     for piece in pieces:
         relative = f"{STORE_DIRECTORY}/{piece.key}"
-        files = piece.tier.snapshot(directory / relative)
+        files = piece.tier.snapshot(directory / relative)  # (a store service links them there too)
         entries.append(StoreEntry(piece.table, piece.key, piece.row_offset, piece.rows, piece.row_bytes, relative,
-                                  [FileEntry(name, size) for name, size in files]))
+                                  [FileEntry(name, size) for name, size in files],
+                                  [segment_checksum(directory / relative / name) for name, _ in files]))
     return entries
 
 
