@@ -73,6 +73,16 @@ class JobFailed(RuntimeError):
         self.status = status
 
 
+def start_failure(name: str, code: int, last_lines: list[str]) -> JobFailed:
+    """The failure of a job whose service ``name`` ended with ``code`` (negative: killed by
+    that signal) before it answered SERVING: the launcher exits 2 when the service refused
+    the user's config or data (its own status 2), else 1, whatever status the service had
+    (0 when a SIGTERM stopped it, a signal's negative number)."""
+    ended = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    return JobFailed(f"{name} {ended} while starting: {' / '.join(last_lines[-3:])}",
+                     status=USER_ERROR if code == USER_ERROR else 1)
+
+
 @dataclass
 class Watched:
     """A process of the job and its supervision state."""
@@ -184,8 +194,7 @@ class Job:
             for service in self.services:
                 code = service.process.exit_code()
                 if code is not None:
-                    raise JobFailed(f"{service.process.name} exited with status {code} while starting: "
-                                    f"{' / '.join(service.process.last_lines[-3:])}", status=code)
+                    raise start_failure(service.process.name, code, service.process.last_lines)
                 service.probe.tick(time.monotonic())
             if time.monotonic() > deadline:
                 slow = [w.process.name for w in self.services if not w.probe.answered]

@@ -19,6 +19,7 @@ import pytest
 
 from neorec.ingest.service import ReaderServer
 from neorec.orchestration.k8s import manifests
+from neorec.orchestration.launch import start_failure
 from neorec.orchestration.config import load_config
 from neorec.trainer.run.run_dir import lock
 from tests.cli import NEOREC, neorec, neorec_in_process
@@ -327,6 +328,17 @@ def test_a_launch_the_run_directory_refuses_starts_nothing(criteo_dataset, tmp_p
     assert result.returncode == 2 and "[ingest-0]" not in result.stdout, result.stdout  # no service started
     assert f"job log directory {run / 'logs'} is in use by process {os.getpid()} (a neorec launch)" in result.stderr
     assert sorted(p.name for p in run.iterdir()) == [".lock", "logs", "metrics.jsonl"]  # no services.json
+
+
+@pytest.mark.parametrize("code, status, ended", [(0, 1, "exited with status 0"), (-9, 1, "was killed by SIGKILL"),
+                                                  (-15, 1, "was killed by SIGTERM"), (1, 1, "exited with status 1"),
+                                                  (2, 2, "exited with status 2")])
+def test_a_service_ending_while_it_starts_fails_the_job_with_1_or_2_not_its_own_status(code, status, ended):
+    """A service stopped by SIGTERM while it starts exits 0, one killed has no status: the
+    job failed all the same (the launcher once exited with the service's status: 0, 247)."""
+    failed = start_failure("ingest-0", code, ["a", "b", "c", "d"])
+    assert failed.status == status
+    assert str(failed) == f"ingest-0 {ended} while starting: b / c / d"
 
 
 @pytest.mark.slow  # a job's reader service started, ~10 s
