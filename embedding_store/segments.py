@@ -39,6 +39,8 @@ HEADER = struct.Struct("<4sIQI")
 """magic, row bytes, row count, CRC-32 of ids and rows."""
 BLOCK = 4096
 SEGMENT_BYTES = 32 << 20
+INDEX_FILE = "index.bin"
+"""The index's file in a tier's directory (which marks the directory as a tier's)."""
 INDEX_PAGE = mmap.PAGESIZE
 """The index's file is given disk blocks a page of the mapping at a time."""
 """Buffered rows are written as a segment once they reach this size."""
@@ -145,7 +147,7 @@ class SegmentTier:
     def _open_index(self) -> None:
         """Index the segments of the directory (they are the truth; the index is rebuilt)."""
         self.segments = {}
-        index_path = self.directory / "index.bin"
+        index_path = self.directory / INDEX_FILE
         index_path.unlink(missing_ok=True)
         try:
             with open(index_path, "wb") as f:
@@ -359,7 +361,10 @@ class SegmentTier:
 
     def load(self, directory: Path, names: list[str]) -> None:
         """Replace the tier's rows by the segments ``names`` of ``directory`` (a
-        :meth:`snapshot`): its own segments and buffered rows are dropped."""
+        :meth:`snapshot`): its own segments and buffered rows are dropped, once every one of
+        them is found whole (:class:`SegmentError` naming the first that is not, the tier
+        unchanged)."""
+        check_segments([directory / name for name in names], self.row_bytes)
         with self.lock:
             self._buffer_rows, self._buffer_data, self._buffered, self._buffer_bytes = [], [], {}, 0
             for segment in self.segments.values():

@@ -37,7 +37,7 @@ import numpy as np
 
 from neorec.common.confine import confined, resolve_roots
 from neorec.common.dir_lock import DirectoryLock
-from neorec.embedding_store.segments import SEGMENT_NAME, SegmentError, SegmentTier
+from neorec.embedding_store.segments import INDEX_FILE, SEGMENT_NAME, SegmentError, SegmentTier
 from neorec.common.transport import (MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, RequestError, ServerSecurity,
                                      ServiceHost, abort)
 from neorec.protos import store_pb2
@@ -256,14 +256,23 @@ class StoreServicer:
                                f"the service restarts)")
 
     def _directory(self, path: str) -> Path:
-        """``path``, an absolute directory, if it resolves under a data root: else
-        INVALID_ARGUMENT (not absolute) or PERMISSION_DENIED naming it."""
+        """``path``, an absolute directory, if it resolves under a data root and is neither a
+        piece's tier directory nor inside one (a snapshot there would replace that piece's
+        segments, another run's too): else INVALID_ARGUMENT (not absolute) or
+        PERMISSION_DENIED naming it."""
         if not path or not Path(path).is_absolute():
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"directory {path[:200]!r} must be an absolute path")
         if confined(path, self.data_roots) is None:
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
                                f"directory {path[:200]} is outside this service's data roots "
                                f"(neorec store serve --data-root)")
+        resolved = Path(path).resolve()
+        tier = next((d for d in (resolved, *resolved.parents) if (d / INDEX_FILE).is_file()), None)
+        if tier is not None:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"directory {path[:200]} is {'' if tier == resolved else 'inside '}the tier directory "
+                               f"{tier} of a store piece, whose segments it would replace: snapshots and loads use a "
+                               f"directory of their own")
         return Path(path)
 
     def _check_lease(self, key: str, lease: int) -> None:

@@ -219,6 +219,35 @@ def test_garbage_and_oversized_requests_are_refused(service):
     assert client.status().pieces[0].key == "t@0"  # still serving
 
 
+def test_snapshots_and_loads_never_use_a_piece_s_directory_and_a_bad_load_changes_nothing(tmp_path, service):
+    """Another run's piece (or the piece's own) directory is no snapshot or load directory:
+    a snapshot there replaced its segments by links to the caller's (or, its own, deleted
+    them). A load of a corrupt segment is refused before the piece drops its own."""
+    _, client = service
+    mine = client.open_tier("t@0", ROWS, WIDTH, reset=True, owner="/runs/a")
+    mine.write(np.array([5], dtype=np.int64), np.full((1, WIDTH), 7, dtype=np.uint8))
+    mine.flush(sync=True)
+    other = client.open_tier("u@0", ROWS, WIDTH, reset=True, owner="/runs/b")
+    other.write(np.array([5], dtype=np.int64), np.full((1, WIDTH), 0xEE, dtype=np.uint8))
+    tiers = tmp_path / "tiers"
+    for directory in (tiers / "t@0", tiers / "t@0" / "inside", tiers / "u@0"):
+        with pytest.raises(StoreServiceError, match="PERMISSION_DENIED.*tier directory"):
+            other.snapshot(directory)
+        with pytest.raises(StoreServiceError, match="PERMISSION_DENIED.*tier directory"):
+            other.load(directory, [])
+    (tiers / "bad").mkdir()
+    (tiers / "bad" / "00000001.seg").write_bytes(b"not a segment at all")
+    with pytest.raises(StoreServiceError, match="DATA_LOSS.*not a segment"):
+        other.load(tiers / "bad", ["00000001.seg"])
+    assert not (tiers / "u@0" / "00000001.seg").exists()
+    for tier, value in ((mine, 7), (other, 0xEE)):
+        found, data = tier.read(np.array([5], dtype=np.int64))
+        assert found.all() and (data == value).all()
+    assert other.snapshot(tiers / "snap")  # a directory of its own: allowed
+    other.close()
+    assert client.open_tier("u@0", ROWS, WIDTH, owner="/runs/b").read(np.array([5], dtype=np.int64))[0].all()
+
+
 def test_a_corrupt_segment_is_named(tmp_path, service):
     _, client = service
     tier = client.open_tier("t@0", ROWS, WIDTH, reset=True)
