@@ -201,7 +201,10 @@ def csv_batches(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOpt
     """The record batches of a delimited file (compressed or not), ``read.block_size`` bytes
     at a time. A file that cannot be read as ``what`` is a :class:`DataError` naming it; a
     row with the wrong number of fields, one naming its row too (``parse`` with an
-    ``invalid_row_handler`` of this function's own)."""
+    ``invalid_row_handler`` of this function's own); a quote never closed in a row's last
+    field, one naming the line it opens on (Arrow reads the rest of the file into that
+    field, a row of the right width: found once the file is read, when it has more line
+    breaks than rows)."""
     if file.name.lower().endswith(ARCHIVES):
         raise DataError("an archive: extract its files, and name those", file=file.name)
     invalid: list[pacsv.InvalidRow] = []
@@ -212,11 +215,15 @@ def csv_batches(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOpt
 
     parse = copy.copy(parse)
     parse.invalid_row_handler = remember
+    rows = 0
     try:
         _check_text(file)
         with file.filesystem.open_input_stream(file.path, compression="detect") as stream, \
-                pacsv.open_csv(stream, read_options=read, parse_options=parse, convert_options=convert) as reader:
-            yield from reader
+                pacsv.open_csv(counted := _LineBreakCounter(stream), read_options=read, parse_options=parse,
+                               convert_options=convert) as reader:
+            for batch in reader:
+                rows += batch.num_rows
+                yield batch
     except (pa.ArrowInvalid, pa.ArrowKeyError, OSError) as err:  # KeyError: a named column the file lacks
         if invalid:
             raise _wrong_width(file, invalid[0], read) from None
@@ -224,6 +231,53 @@ def csv_batches(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOpt
         if missing is not None:
             raise missing from None
         raise DataError(f"cannot read it as {what}: {_first_line(err)}", file=file.name) from None
+    header = not (read.column_names or read.autogenerate_column_names)
+    if parse.quote_char and counted.line_breaks > rows + read.skip_rows + header:  # values over several lines
+        line = _unclosed_quote(file, parse.quote_char, parse.delimiter)
+        if line is not None:
+            raise DataError("a quote opened in this row is never closed: the rest of the file was read into one "
+                            "field", file=file.name, line=line)
+
+
+class _LineBreakCounter:
+    """A readable stream passing ``stream``'s bytes on (to Arrow's reader), counting the
+    line breaks (``\\n``) among them."""
+
+    def __init__(self, stream: pa.NativeFile) -> None:
+        self.stream = stream
+        self.line_breaks = 0
+        self.closed = False
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.line_breaks += data.count(b"\n")
+        return data
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _unclosed_quote(file: SourceFile, quote: str, delimiter: str) -> int | None:
+    """The 1-based line a row begins on whose quoted field is still open at the end of
+    ``file`` (None when every quote closes, or the file cannot be read again): a scan of
+    the whole file, line by line."""
+    marks, quoted, opened = (ord(quote), ord(delimiter)), False, 0
+    try:
+        with file.filesystem.open_input_stream(file.path, compression="detect") as stream:
+            for number, line in enumerate(io.BufferedReader(stream, 1 << 20), 1):
+                if not quoted:
+                    opened = number
+                if quoted or marks[0] in line:
+                    quoted = _ends_quoted(line.rstrip(b"\r\n"), *marks, quoted)
+    except OSError:
+        return None
+    return opened if quoted else None
 
 
 SNIFFED_BYTES = 4096

@@ -188,6 +188,26 @@ def test_bad_rows_are_named(tmp_path, line, where):
         import_dataset(spec(path), tmp_path / "out")
 
 
+def test_a_quote_never_closed_in_the_last_column_is_named_not_read_to_the_end(tmp_path):
+    """Arrow reads the rest of the file into a last field whose quote never closes: a row
+    of the right width, and every row after it gone. A quoted value over several lines
+    that closes, and blank lines, import as before."""
+    rows = ["rating,ts,user"] + [f"{i % 2},{i},u{i % 3}" for i in range(1, 13)]
+    (tmp_path / "open.csv").write_text("\n".join(rows[:5] + ['1,5,"broken'] + rows[6:]) + "\n")
+    closed = rows[:5] + ['1,5,"two', 'lines"', ""] + rows[6:] + [""]  # and blank lines
+    (tmp_path / "closed.csv").write_text("\n".join(closed) + "\n")
+
+    def spec_of(name: str) -> ImportSpec:
+        return ImportSpec.from_dict({"input": {"files": [str(tmp_path / name)]}, "label": {"column": "rating"},
+                                     "categorical": {"columns": ["user"]},
+                                     "split": {"kind": "chronological", "time_column": "ts", "eval_fraction": 0.25}})
+
+    with pytest.raises(DataError, match="open.csv, line 6: a quote opened in this row is never closed"):
+        import_dataset(spec_of("open.csv"), tmp_path / "out")
+    dataset = import_dataset(spec_of("closed.csv"), tmp_path / "out")
+    assert dataset.rows == {"train": 9, "eval": 3}
+
+
 def test_a_named_column_the_file_lacks_is_named(tmp_path):
     path = tmp_path / "log.csv"
     path.write_text("user,item,count,genres,ts,rating\nu0,1,2,a,5,4\nu1,1,2,a,6,3\n")
