@@ -78,6 +78,9 @@ class InputSpec:
         _one_of("input.format", self.format, FORMATS)
         if not self.header and not self.column_names and self.format != "parquet":
             raise SpecError("input.column_names: a file without a header needs its column names")
+        if len(self.delimiter) > 1 or self.delimiter in ('"', "\n", "\r"):
+            raise SpecError(f"input.delimiter: one character that is not a quote or a line break (',', '\\t', ';'), "
+                            f"got {self.delimiter!r}")
 
     @property
     def separator(self) -> str:

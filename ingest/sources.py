@@ -112,7 +112,8 @@ def place(layout: TextLayout | None, row: int) -> dict[str, int]:
 def expand(patterns: Sequence[str]) -> list[SourceFile]:
     """The files ``patterns`` name, in order (a glob's matches sorted, numbers by value:
     ``day_2`` before ``day_10``); a pattern matching nothing, or naming a directory, is a
-    :class:`DataError` naming it."""
+    :class:`DataError` naming it, and so is a file named twice (its rows would be imported
+    twice), however it is spelled."""
     out: list[SourceFile] = []
     for pattern in patterns:
         if "://" in pattern:
@@ -133,6 +134,12 @@ def expand(patterns: Sequence[str]) -> list[SourceFile]:
             out += [SourceFile(m, m, filesystem) for m in in_order(matches)]
         if not matches:
             raise DataError("no such file (or no file matches)", file=pattern)
+    seen: dict[str, str] = {}
+    for source in out:
+        same = os.path.realpath(source.path) if isinstance(source.filesystem, pafs.LocalFileSystem) else source.name
+        if same in seen:
+            raise DataError(f"named twice (also as {seen[same]}): its rows would be imported twice", file=source.name)
+        seen[same] = source.name
     return out
 
 

@@ -227,6 +227,11 @@ def test_bad_labels_missing_files_and_bad_specs_are_named(tmp_path):
         spec(path, label={"transform": "is good"})
     with pytest.raises(SpecError, match="unknown key 'split.kinds'"):
         spec(path, split={"kinds": "random"})
+    for delimiter in (";;", '"', "\n"):
+        with pytest.raises(SpecError, match="^input.delimiter: one character"):
+            spec(path, input={"delimiter": delimiter})
+    with pytest.raises(DataError, match=r"log.csv: named twice \(also as .*log.csv\)"):
+        import_dataset(spec(path, input={"files": [str(path), str(tmp_path / "." / "log.csv")]}), tmp_path / "out")
     with pytest.raises(SpecError, match="'user' is both categorical and multivalued"):
         spec(path, multivalued={"columns": {"user": "|"}})
     for encoding, key, value in (("raw", "min_count", 5), ("hash", "max_rows", 100)):  # would be ignored
