@@ -420,11 +420,10 @@ def _status(args: argparse.Namespace) -> int:
     addresses: list[str] = []
     try:
         for target in args.targets:
-            if Path(target).is_dir():
-                addresses += job_services(target)
-            else:
-                check_address(target)
-                addresses.append(target)
+            found = job_services(target) if Path(target).is_dir() else [target]
+            for address in found:
+                check_address(address)
+            addresses += found
         security = client_security(args)
     except UserError as err:
         print(f"neorec: error: {one_line(err)}", file=sys.stderr)

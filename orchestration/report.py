@@ -37,7 +37,8 @@ class RunCurves:
 
     name: str
     series: dict[tuple[str, str], tuple[list[int], list[float]]] = field(default_factory=dict)
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, float] = field(default_factory=dict)
+    """The numbers of its ``summary.json`` (a key whose value is no number is left out)."""
     partitions: dict[str, dict[str, float]] = field(default_factory=dict)
     """Following partitions, in training order: each one's numbers from its ``progressive``
     record (``auc``, ``logloss``, ``oracle_auc``, …) and its ``partition`` record (``lag_s``,
@@ -72,7 +73,8 @@ def read_run(run_dir: str | Path) -> RunCurves:
             steps.append(record["step"])
             values.append(float(value))
     if (path / SUMMARY).is_file():
-        run.summary = _object(_text(path / SUMMARY), str(path / SUMMARY))
+        summary = _object(_text(path / SUMMARY), str(path / SUMMARY))
+        run.summary = {k: v for k, v in summary.items() if _is_number(v)}  # null or text: as if absent
     return run
 
 

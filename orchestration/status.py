@@ -101,8 +101,8 @@ def job_services(run_dir: str | Path) -> list[str]:
     except FileNotFoundError:
         raise TargetError(f"{run_dir} is a directory without {SERVICES_FILE}: not the run directory of a "
                          f"`neorec launch` job") from None
-    except (OSError, json.JSONDecodeError) as err:
-        raise TargetError(f"{path}: {err}") from None
+    except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8 text
+        raise TargetError(f"{path}: not a job's services file: {err}") from None
     if not (isinstance(services, dict) and all(isinstance(a, list) and all(isinstance(x, str) for x in a)
                                                for a in services.values())):
         raise TargetError(f"{path}: not a job's services file (an object of roles, each a list of addresses)")

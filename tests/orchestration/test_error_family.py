@@ -161,6 +161,16 @@ def test_a_job_s_services_file_of_another_shape_is_named(tmp_path, services, sai
         result.stderr
 
 
+@pytest.mark.parametrize("content,said", [(b"\xff\xfe{}", "not a job's services file: 'utf-8' codec"),
+                                          (b"{bad", "not a job's services file: Expecting"),
+                                          (b'{"ingest": ["garbage address"]}', "garbage address")])
+def test_a_job_s_services_file_that_is_no_json_or_names_no_address_is_a_bad_argument(tmp_path, content, said):
+    (tmp_path / "services.json").write_bytes(content)
+    result = neorec_in_process("status", tmp_path)
+    assert result.returncode == 1 and result.stderr.startswith("neorec: error: ") and said in result.stderr, \
+        result.stderr
+
+
 def test_an_empty_rendezvous_id_is_refused():  # torchrun would draw one on each node: they would never meet
     result = neorec_in_process("train", "configs/demo.toml", "--nnodes", "2", "--rdzv", "127.0.0.1:1",
                                "--rdzv-id", "")

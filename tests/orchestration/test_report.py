@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from neorec.orchestration.report import PLOTS, figures, read_run
+from neorec.orchestration.report import PLOTS, figures, read_run, text_summary
 from neorec.trainer.checkpoint.layout import BEST, best_checkpoint, complete, read_manifest, step_name
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.run.train import evaluate_checkpoint, train
@@ -118,6 +118,14 @@ def test_damaged_run_files_are_named(tmp_path, file, content, expected):
     (tmp_path / file).write_bytes(content)
     with pytest.raises(RunDirError, match=expected):
         read_run(tmp_path)
+
+
+def test_a_summary_value_that_is_no_number_is_read_as_absent(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"split": "eval", "step": 5, "auc": 0.7}\n')
+    (tmp_path / "summary.json").write_text('{"steps": null, "train_qps": "fast", "oracle_auc": 0.8}')
+    run = read_run(tmp_path)
+    assert run.summary == {"oracle_auc": 0.8}
+    assert text_summary([run]).splitlines()[1].split()[1:3] == ["5", "0.7000"]  # the steps the metrics give
 
 
 def test_a_last_line_cut_short_by_a_killed_run_is_left_out_with_a_warning(tmp_path, caplog):
