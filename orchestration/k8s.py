@@ -24,6 +24,7 @@ from typing import Any, Sequence
 from neorec.common.durable import write_durably
 from neorec.common.errors import PathError
 from neorec.trainer.config import TrainConfig
+from neorec.trainer.run.run_dir import RUN_FILES
 
 READER_PORT = 50051
 RENDEZVOUS_PORT = 29500
@@ -33,6 +34,9 @@ TOKEN_SECRET = "neorec-token"
 JOB_CONFIG_MAP = "neorec-job"
 JOB_MOUNT = "/etc/neorec-job"
 JOB_FILE = "job.toml"
+JOB_MARKER = ".neorec-k8s-job"
+"""In a run directory a trainer Job found empty: the Job's UID (its pods restarted before
+the first checkpoint start its run again with ``--overwrite``)."""
 
 
 def manifests(config: TrainConfig, config_path: str, image: str,
@@ -90,7 +94,9 @@ def manifests(config: TrainConfig, config_path: str, image: str,
                 *[a for setting in settings for a in ("--set", setting)]]
     if readers:
         torchrun += ["--ingest", readers]
-    latest = shlex.quote(f"{run_path}/checkpoint/LATEST")
+    latest, run, marker = (shlex.quote(p) for p in (f"{run_path}/checkpoint/LATEST", run_path,
+                                                     f"{run_path}/{JOB_MARKER}"))
+    run_files = " ".join(shlex.quote(f"{run_path}/{name}") for name in RUN_FILES)
     trainer = {
         "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "neorec-trainer", "labels": trainer_labels},
         "spec": {
@@ -100,9 +106,18 @@ def manifests(config: TrainConfig, config_path: str, image: str,
                 "subdomain": "neorec-trainer", "restartPolicy": "Never",
                 "containers": [{
                     "name": "trainer", "image": image,
-                    # a restarted pod resumes from the run's newest checkpoint
-                    "command": ["sh", "-c", f"if [ -e {latest} ]; then set -- --resume {shlex.quote(run_path)}; "
-                                            f"else set --; fi; exec {shlex.join(torchrun)} \"$@\""],
+                    # A restarted pod resumes from the run's newest checkpoint; one restarted before
+                    # the first checkpoint starts this Job's run again. The marker in the run
+                    # directory names the Job that found it empty: another run there is refused.
+                    "command": ["sh", "-c", f"if [ -e {latest} ]; then set -- --resume {run}; "
+                                            f"elif [ \"$(cat {marker} 2>/dev/null)\" = \"$NEOREC_JOB_UID\" ]; "
+                                            f"then set -- --overwrite; else set --; "
+                                            f"held=; for f in {run_files}; do [ -e \"$f\" ] && held=1; done; "
+                                            f"if [ -z \"$held\" ]; then mkdir -p {run} && "
+                                            f"echo \"$NEOREC_JOB_UID\" > {marker}; fi; fi; "
+                                            f"exec {shlex.join(torchrun)} \"$@\""],
+                    "env": [{"name": "NEOREC_JOB_UID", "valueFrom": {"fieldRef": {
+                        "fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}}],
                     "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}],
                     "volumeMounts": [*mounts, {"name": "job", "mountPath": JOB_MOUNT, "readOnly": True}],
                 }],

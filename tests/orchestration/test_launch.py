@@ -294,6 +294,38 @@ def test_kubernetes_manifests_have_probes_and_an_indexed_trainer_job(criteo_data
     assert "kind: \"Job\"" in (tmp_path / "k8s" / "trainer.yaml").read_text()
 
 
+def test_a_trainer_pod_resumes_restarts_its_own_run_and_refuses_anothers(criteo_dataset, tmp_path):
+    """The trainer pod's command run by a shell (torchrun a stand-in that records its
+    arguments): resume once a checkpoint exists; a restart of this Job's pod before its
+    first checkpoint starts its run again (it was refused as a run without a checkpoint);
+    a run directory holding another run is left to the trainer to refuse."""
+    job = job_file(tmp_path, criteo_dataset)
+    pod = manifests(load_config(job), str(job), "x")["trainer.yaml"][1]["spec"]["template"]["spec"]
+    script = pod["containers"][0]["command"][-1]
+    assert pod["containers"][0]["env"][0]["name"] == "NEOREC_JOB_UID"
+    bin_dir, run = tmp_path / "bin", tmp_path / "run"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'args'}\n")
+    (bin_dir / "torchrun").chmod(0o755)
+
+    def flags(uid: str) -> str:
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "NEOREC_JOB_UID": uid}
+        subprocess.run(["sh", "-c", script], env=env, check=True, timeout=30)
+        words = (tmp_path / "args").read_text().split()
+        return " ".join(words[words.index("--ingest") + 2:])  # what the script adds after the job's own
+
+    assert flags("job-a") == "" and (run / ".neorec-k8s-job").read_text() == "job-a\n"  # found empty: this Job's
+    (run / "config.json").write_text("{}")  # killed before its first checkpoint
+    assert flags("job-a") == "--overwrite"
+    assert flags("job-b") == ""  # another Job's run: refused by the trainer, the marker kept
+    assert (run / ".neorec-k8s-job").read_text() == "job-a\n"
+    (run / ".neorec-k8s-job").unlink()
+    assert flags("job-a") == ""  # a run nobody marked: never overwritten
+    (run / "checkpoint").mkdir()
+    (run / "checkpoint" / "LATEST").write_text("step-1")
+    assert flags("job-b") == f"--resume {run}"
+
+
 def test_a_launch_the_run_directory_refuses_starts_nothing(criteo_dataset, tmp_path):
     """``--resume`` of no run, or a run directory holding a run without ``--overwrite``
     or ``--resume``, is refused before any service starts (exit 2, nothing written). Run in
