@@ -243,7 +243,7 @@ def _train(args: argparse.Namespace) -> int:
         from neorec.orchestration.trainer_status import TrainerStatusServer
 
         status = TrainerStatusServer(args.status_host, args.status_port, context.world_size,
-                                     ServerSecurity(token=read_token(None)))
+                                     ServerSecurity(token=read_token(config.security.token_file or None)))
         status.start()
         log.info("trainer status served on %s (neorec status %s)", status.host.address, status.host.address)
     try:
@@ -406,8 +406,13 @@ def _launch(args: argparse.Namespace) -> int:
         held = lock(config.run.dir)  # a job running in it (its trainer holds the lock) is refused here
         if held is not None:
             held.release()
+    from neorec.common.transport import ClientSecurity, read_token
+
+    with user_paths():
+        token = read_token(config.security.token_file or None)  # the services' and the trainers' token
     try:
-        return Job(args.config, config, args.set, overwrite=args.overwrite, resume=args.resume).run()
+        return Job(args.config, config, args.set, overwrite=args.overwrite, resume=args.resume,
+                   security=ClientSecurity(token=token)).run()
     except JobFailed as err:
         print(f"neorec: error: job failed: {err}", file=sys.stderr)
         return err.status

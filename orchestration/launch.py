@@ -114,13 +114,15 @@ class Job:
         host = self.launch.host
         ports = free_ports(host, self.launch.ingest_workers + int(self.launch.store_service) + 1)
         python = [sys.executable, "-m", "neorec.orchestration.cli"]
+        token_file = config.security.token_file
+        tokens = ["--token-file", str(Path(token_file).resolve())] if token_file else []  # else $NEOREC_TOKEN, if set
         data_root = str(Path(config.data.path).resolve())
         self.services: list[Watched] = []
         """The reader services, then the store service (if the job has one)."""
         for index in range(self.launch.ingest_workers):
             address = f"{bracketed(host)}:{ports[index]}"
             command = [*python, "ingest", "serve", "--host", host, "--port", str(ports[index]), "--data-root",
-                       data_root, "--worker-threads", str(self.launch.worker_threads), "--grace", "1"]
+                       data_root, "--worker-threads", str(self.launch.worker_threads), "--grace", "1", *tokens]
             process = ManagedProcess("ingest", index, command, self.logs / f"ingest-{index}.log", echo)
             self.services.append(Watched(process, address, self._probe(address, INGEST_SERVICE), self.launch.restarts))
         readers = [w.address for w in self.services]
@@ -129,7 +131,7 @@ class Job:
             port = ports[self.launch.ingest_workers]
             address = f"{bracketed(host)}:{port}"
             command = [*python, "store", "serve", "--dir", str(self.run_dir / STORE_SERVICE_DIR), "--host", host,
-                       "--port", str(port), "--grace", "1", "--data-root", str(self.run_dir)]  # its checkpoints
+                       "--port", str(port), "--grace", "1", "--data-root", str(self.run_dir), *tokens]  # its checkpoints
             process = ManagedProcess("store", 0, command, self.logs / "store-0.log", echo)
             self.services.append(Watched(process, address, self._probe(address, STORE_SERVICE), self.launch.restarts))
             settings += ["--set", f"embedding_store.service='{address}'"]

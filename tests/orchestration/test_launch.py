@@ -135,6 +135,33 @@ def test_a_launched_job_trains_as_a_plain_run_and_leaves_nothing(criteo_dataset,
     assert_ports_free(run)
 
 
+@pytest.mark.slow  # a launched job, ~20 s
+def test_a_job_s_token_file_reaches_every_service_and_the_launcher_s_own_calls(criteo_dataset, tmp_path):
+    """``security.token_file`` is given to the services the launch starts (so they may bind
+    beyond loopback) and to the trainer's status service, and the launcher calls with it
+    (its stall checks read the trainer's status)."""
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    job = job_file(tmp_path, criteo_dataset, workers=1, security__token_file=f"'{token}'",
+                   launch__host="'0.0.0.0'", train__epochs="30")
+    run = tmp_path / "run"
+    process = subprocess.Popen([*NEOREC, "launch", str(job)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    try:
+        _wait_for_steps(run, process, 20)
+        services = json.loads((run / "services.json").read_text())
+        for address in (services["ingest"][0], services["trainer"][0]):
+            assert neorec("status", address, "--json").returncode == 3  # its Status: UNAUTHENTICATED
+            assert neorec("status", address, "--json", "--token-file", str(token)).returncode == 0
+        process.send_signal(signal.SIGTERM)
+        out = process.communicate(timeout=60)[0]
+        assert process.returncode == 143, out[-3000:]
+        assert "UNAUTHENTICATED" not in out, out[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
 def _wait_for_steps(run: Path, process: subprocess.Popen, steps: int) -> None:
     deadline = time.monotonic() + 180
     while True:
