@@ -234,7 +234,7 @@ def csv_batches(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOpt
     except (pa.ArrowInvalid, pa.ArrowKeyError, OSError) as err:  # KeyError: a named column the file lacks
         if invalid:
             raise _wrong_width(file, invalid[0], read) from None
-        missing = _missing_column(file, err, convert, read, parse)
+        missing = _missing_column(file, err, convert, read, parse) or _not_utf8(file, err, read, parse)
         if missing is not None:
             raise missing from None
         raise DataError(f"cannot read it as {what}: {_first_line(err)}", file=file.name) from None
@@ -318,6 +318,33 @@ def _missing_column(file: SourceFile, err: Exception, convert: pacsv.ConvertOpti
     except (pa.ArrowException, OSError):
         return None
     return no_column(wanted, names, file.name)
+
+
+def _not_utf8(file: SourceFile, err: Exception, read: pacsv.ReadOptions, parse: pacsv.ParseOptions) -> DataError | None:
+    """The error naming the first line of ``file`` that is not UTF-8, and its column, when
+    that is what ``err`` (Arrow's) says: its lines read again (up to :data:`LINE_SCAN_BYTES`)."""
+    if "invalid UTF8" not in str(err) or read.encoding.replace("-", "").lower() != "utf8":
+        return None
+    names = list(read.column_names)
+    for number, line in _lines(file):
+        fields = line.split(parse.delimiter.encode())
+        if not names and number > read.skip_rows:
+            names = [f.decode(errors="replace").strip('"') for f in fields]
+        try:
+            line.decode()
+        except UnicodeDecodeError as bad:
+            column = next((names[i] for i, f in enumerate(fields) if i < len(names) and not _is_utf8(f)), None)
+            return DataError(f"not UTF-8 text (byte {line[bad.start:bad.start + 1]!r}); delimited files are read as "
+                             f"UTF-8: convert it first (e.g. iconv -f latin1 -t utf-8)", file=file.name, column=column, line=number)
+    return None
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _wrong_width(file: SourceFile, row: pacsv.InvalidRow, read: pacsv.ReadOptions) -> DataError:

@@ -208,6 +208,13 @@ def test_a_quote_never_closed_in_the_last_column_is_named_not_read_to_the_end(tm
     assert dataset.rows == {"train": 9, "eval": 3}
 
 
+def test_a_value_that_is_not_utf8_is_named_by_line_and_column(tmp_path):
+    path = tmp_path / "latin.csv"
+    path.write_bytes(b"user,item,count,genres,ts,rating\nu0,1,2,a,5,4\nu1,1,2,caf\xe9,6,3\n")
+    with pytest.raises(DataError, match=r"latin.csv, column 'genres', line 3: not UTF-8 text \(byte b'\\xe9'\)"):
+        import_dataset(spec(path), tmp_path / "out")
+
+
 def test_a_named_column_the_file_lacks_is_named(tmp_path):
     path = tmp_path / "log.csv"
     path.write_text("user,item,count,genres,ts,rating\nu0,1,2,a,5,4\nu1,1,2,a,6,3\n")
