@@ -191,10 +191,22 @@ def _csv_blocks(file: SourceFile, format: str, header: bool, column_names: Seque
                                    null_values=MISSING, strings_can_be_null=True,
                                    quoted_strings_can_be_null=True)
     layout = text_layout(file, read, parse)
+    if layout.header:
+        _check_header(file, delimiter)
     first = 0
     for batch in csv_batches(file, read, parse, convert, format):
         yield Block(batch, file.name, first, layout)
         first += batch.num_rows
+
+
+def _check_header(file: SourceFile, delimiter: str) -> None:
+    """A :class:`DataError` naming a column ``file``'s header line names twice (the reader
+    would read one of them, silently)."""
+    header = next((line for _, line in _lines(file)), b"")
+    names = [name.strip(b'"').decode(errors="replace") for name in header.split(delimiter.encode())]
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:
+        raise DataError(f"the header names column {twice!r} twice", file=file.name, line=1)
 
 
 def text_layout(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOptions) -> TextLayout:

@@ -215,6 +215,13 @@ def test_a_value_that_is_not_utf8_is_named_by_line_and_column(tmp_path):
         import_dataset(spec(path), tmp_path / "out")
 
 
+def test_a_header_naming_a_column_twice_is_named(tmp_path):
+    path = tmp_path / "twice.csv"
+    path.write_text("user,item,count,genres,ts,rating,user\nu0,1,2,a,5,4,u9\n")
+    with pytest.raises(DataError, match="twice.csv, line 1: the header names column 'user' twice"):
+        import_dataset(spec(path), tmp_path / "out")
+
+
 def test_a_named_column_the_file_lacks_is_named(tmp_path):
     path = tmp_path / "log.csv"
     path.write_text("user,item,count,genres,ts,rating\nu0,1,2,a,5,4\nu1,1,2,a,6,3\n")
