@@ -43,6 +43,7 @@ from typing import IO, Sequence
 
 import grpc
 
+from neorec.common.durable import write_durably
 from neorec.common.errors import ConfigError, describe, user_paths
 from neorec.common.health import HealthProbe
 from neorec.common.transport import ClientSecurity, bracketed
@@ -208,7 +209,7 @@ class Job:
         services: dict[str, list[str]] = {"ingest": []}
         for watched in (*self.services, self.trainer):
             services.setdefault(watched.process.role, []).append(watched.address)
-        (self.run_dir / SERVICES_FILE).write_text(json.dumps(services, indent=2) + "\n")
+        write_durably(self.run_dir / SERVICES_FILE, (json.dumps(services, indent=2) + "\n").encode())  # whole or old
 
     def _supervise(self) -> int:
         while True:
