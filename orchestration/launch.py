@@ -157,6 +157,9 @@ class Job:
         """Run the job to its end; returns the launcher's exit status."""
         with user_paths():  # run.dir under a file
             owner = lock(self.logs, what="job log directory", owners="a neorec launch")
+        if self.first_flags == ["--overwrite"]:  # the replaced run's logs go with it
+            for old in self.logs.glob("*.log"):
+                old.unlink()
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         started_cpu, started = time.process_time(), time.monotonic()
         try:

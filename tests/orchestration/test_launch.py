@@ -407,6 +407,7 @@ def test_a_config_the_trainer_refuses_and_a_stop_while_services_start_exit_as_a_
     refused = neorec("launch", str(job), "--set", "data.train_split='nope'", timeout=120)
     assert refused.returncode == 2, refused.stderr
     assert "neorec: error: job failed: the trainer refused the job" in refused.stderr
+    assert (tmp_path / "run" / "logs" / "trainer.log").read_text()
     launch = subprocess.Popen([*NEOREC, "launch", str(job), "--overwrite"], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     for line in launch.stdout:
@@ -415,6 +416,7 @@ def test_a_config_the_trainer_refuses_and_a_stop_while_services_start_exit_as_a_
     launch.send_signal(signal.SIGTERM)
     out = launch.communicate(timeout=60)[0]
     assert launch.returncode == 143 and "stopped (SIGTERM) while the services started" in out, out
+    assert not (tmp_path / "run" / "logs" / "trainer.log").exists()  # the replaced run's log went with it
 
 
 @pytest.mark.slow
