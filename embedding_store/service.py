@@ -266,13 +266,13 @@ class StoreServicer:
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
                                f"directory {path[:200]} is outside this service's data roots "
                                f"(neorec store serve --data-root)")
-        resolved = Path(path).resolve()
-        tier = next((d for d in (resolved, *resolved.parents) if (d / INDEX_FILE).is_file()), None)
-        if tier is not None:
+        resolved, pieces = Path(path).resolve(), self.directory.resolve()
+        inside = resolved.relative_to(pieces).parts if resolved.is_relative_to(pieces) else ()
+        if inside and (pieces / inside[0] / INDEX_FILE).is_file():  # a piece's tier directory is --dir/KEY
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
-                               f"directory {path[:200]} is {'' if tier == resolved else 'inside '}the tier directory "
-                               f"{tier} of a store piece, whose segments it would replace: snapshots and loads use a "
-                               f"directory of their own")
+                               f"directory {path[:200]} is {'inside ' if len(inside) > 1 else ''}the tier directory "
+                               f"{pieces / inside[0]} of a store piece, whose segments it would replace: snapshots "
+                               f"and loads use a directory of their own")
         return Path(path)
 
     def _check_lease(self, key: str, lease: int) -> None:

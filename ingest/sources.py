@@ -134,9 +134,12 @@ def expand(patterns: Sequence[str]) -> list[SourceFile]:
             out += [SourceFile(m, m, filesystem) for m in in_order(matches)]
         if not matches:
             raise DataError("no such file (or no file matches)", file=pattern)
-    seen: dict[str, str] = {}
+    seen: dict[object, str] = {}
     for source in out:
-        same = os.path.realpath(source.path) if isinstance(source.filesystem, pafs.LocalFileSystem) else source.name
+        same: object = source.identity
+        if isinstance(source.filesystem, pafs.LocalFileSystem):
+            stat = os.stat(source.path)
+            same = (stat.st_dev, stat.st_ino)  # hard links too
         if same in seen:
             raise DataError(f"named twice (also as {seen[same]}): its rows would be imported twice", file=source.name)
         seen[same] = source.name
@@ -251,7 +254,7 @@ def csv_batches(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOpt
             raise missing from None
         raise DataError(f"cannot read it as {what}: {_first_line(err)}", file=file.name) from None
     header = not (read.column_names or read.autogenerate_column_names)
-    if parse.quote_char and counted.line_breaks > rows + read.skip_rows + header:  # values over several lines
+    if parse.quote_char and counted.lines > rows + read.skip_rows + header:  # values over several lines
         line = _unclosed_quote(file, parse.quote_char, parse.delimiter)
         if line is not None:
             raise DataError("a quote opened in this row is never closed: the rest of the file was read into one "
@@ -260,16 +263,24 @@ def csv_batches(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOpt
 
 class _LineBreakCounter:
     """A readable stream passing ``stream``'s bytes on (to Arrow's reader), counting the
-    line breaks (``\\n``) among them."""
+    lines among them (:attr:`lines`)."""
 
     def __init__(self, stream: pa.NativeFile) -> None:
         self.stream = stream
         self.line_breaks = 0
+        self.last = b""
         self.closed = False
+
+    @property
+    def lines(self) -> int:
+        """The lines read so far: a last line without a line break counts too."""
+        return self.line_breaks + (self.last not in (b"", b"\n"))
 
     def read(self, size: int = -1) -> bytes:
         data = self.stream.read(size)
-        self.line_breaks += data.count(b"\n")
+        if data:
+            self.line_breaks += data.count(b"\n")
+            self.last = data[-1:]
         return data
 
     def readable(self) -> bool:
@@ -347,7 +358,8 @@ def _not_utf8(file: SourceFile, err: Exception, read: pacsv.ReadOptions, parse: 
         except UnicodeDecodeError as bad:
             column = next((names[i] for i, f in enumerate(fields) if i < len(names) and not _is_utf8(f)), None)
             return DataError(f"not UTF-8 text (byte {line[bad.start:bad.start + 1]!r}); delimited files are read as "
-                             f"UTF-8: convert it first (e.g. iconv -f latin1 -t utf-8)", file=file.name, column=column, line=number)
+                             f"UTF-8: convert it first (e.g. iconv -f latin1 -t utf-8)", file=file.name, column=column,
+                             line=number)
     return None
 
 

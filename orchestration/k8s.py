@@ -97,6 +97,17 @@ def manifests(config: TrainConfig, config_path: str, image: str,
     latest, run, marker = (shlex.quote(p) for p in (f"{run_path}/checkpoint/LATEST", run_path,
                                                      f"{run_path}/{JOB_MARKER}"))
     run_files = " ".join(shlex.quote(f"{run_path}/{name}") for name in RUN_FILES)
+    # A restarted pod resumes from the run's newest checkpoint; one restarted before the first
+    # checkpoint starts this Job's run again. The marker in the run directory names the Job that
+    # found it empty (its UID, a label from Kubernetes 1.27): another run there is refused.
+    uid = '"$NEOREC_JOB_UID"'
+    script = "; ".join([
+        f"if [ -e {latest} ]; then set -- --resume {run}",
+        f'elif [ -n {uid} ] && [ "$(cat {marker} 2>/dev/null)" = {uid} ]; then set -- --overwrite',
+        "else set --",
+        f'held=; for f in {run_files}; do [ -e "$f" ] && held=1; done',
+        f"if [ -z \"$held\" ] && [ -n {uid} ]; then mkdir -p {run} && echo {uid} > {marker}; fi; fi",
+        f'exec {shlex.join(torchrun)} "$@"'])
     trainer = {
         "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "neorec-trainer", "labels": trainer_labels},
         "spec": {
@@ -106,16 +117,7 @@ def manifests(config: TrainConfig, config_path: str, image: str,
                 "subdomain": "neorec-trainer", "restartPolicy": "Never",
                 "containers": [{
                     "name": "trainer", "image": image,
-                    # A restarted pod resumes from the run's newest checkpoint; one restarted before
-                    # the first checkpoint starts this Job's run again. The marker in the run
-                    # directory names the Job that found it empty: another run there is refused.
-                    "command": ["sh", "-c", f"if [ -e {latest} ]; then set -- --resume {run}; "
-                                            f"elif [ \"$(cat {marker} 2>/dev/null)\" = \"$NEOREC_JOB_UID\" ]; "
-                                            f"then set -- --overwrite; else set --; "
-                                            f"held=; for f in {run_files}; do [ -e \"$f\" ] && held=1; done; "
-                                            f"if [ -z \"$held\" ]; then mkdir -p {run} && "
-                                            f"echo \"$NEOREC_JOB_UID\" > {marker}; fi; fi; "
-                                            f"exec {shlex.join(torchrun)} \"$@\""],
+                    "command": ["sh", "-c", script],
                     "env": [{"name": "NEOREC_JOB_UID", "valueFrom": {"fieldRef": {
                         "fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}}],
                     "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}],

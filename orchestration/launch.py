@@ -79,9 +79,17 @@ def start_failure(name: str, code: int, last_lines: list[str]) -> JobFailed:
     that signal) before it answered SERVING: the launcher exits 2 when the service refused
     the user's config or data (its own status 2), else 1, whatever status the service had
     (0 when a SIGTERM stopped it, a signal's negative number)."""
-    ended = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    ended = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
     return JobFailed(f"{name} {ended} while starting: {' / '.join(last_lines[-3:])}",
                      status=USER_ERROR if code == USER_ERROR else 1)
+
+
+def _signal_name(number: int) -> str:
+    """``SIGKILL``, or ``signal 40`` for a number without a name (a real-time signal)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 @dataclass
@@ -132,7 +140,8 @@ class Job:
             port = ports[self.launch.ingest_workers]
             address = f"{bracketed(host)}:{port}"
             command = [*python, "store", "serve", "--dir", str(self.run_dir / STORE_SERVICE_DIR), "--host", host,
-                       "--port", str(port), "--grace", "1", "--data-root", str(self.run_dir), *tokens]  # its checkpoints
+                       "--port", str(port), "--grace", "1", "--data-root", str(self.run_dir),  # its checkpoints
+                       *tokens]
             process = ManagedProcess("store", 0, command, self.logs / "store-0.log", echo)
             self.services.append(Watched(process, address, self._probe(address, STORE_SERVICE), self.launch.restarts))
             settings += ["--set", f"embedding_store.service='{address}'"]

@@ -2,13 +2,15 @@
 ``python -m torch.distributed.run ARGS``, but ends in a line rather than a traceback:
 
 - stopped by a signal (which torchrun passes on to the ranks, then waits for them): its
-  ``SignalException``, status 128 + the signal's number;
+  ``SignalException`` (or, before the ranks start, a ``KeyboardInterrupt``), status 128 +
+  the signal's number;
 - a rank failed: its ``ChildFailedError`` (whose table repeats what the ranks printed),
   status 1, with each failed rank's exit status or signal on one line.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -23,6 +25,9 @@ def main() -> int:
     except SignalException as stop:
         print(f"torchrun: stopped on {stop.sigval.name}; the ranks were stopped first", file=sys.stderr)
         return 128 + int(stop.sigval)
+    except KeyboardInterrupt:  # before torchrun's own handlers (at a rendezvous, say): no rank had started
+        print("torchrun: stopped on SIGINT before the ranks started", file=sys.stderr)
+        return 128 + signal.SIGINT
     except ChildFailedError as failed:
         first, _ = failed.get_first_failure()
         ranks = [_ending(rank, failure) + (" (the first)" if rank == first and len(failed.failures) > 1 else "")

@@ -487,9 +487,10 @@ class TrainConfig:
         """:class:`ConfigError` for a setting that counts partitions in a run that follows
         none (it would never take effect)."""
         for name, dynamic in self.model.dynamic.items():
-            if dynamic.ttl and dynamic.ttl_unit == "partitions":
+            if (dynamic.ttl or dynamic.sketch_half_life) and dynamic.ttl_unit == "partitions":
+                effect = "no id would expire" if dynamic.ttl else "no admission count would halve"
                 raise ConfigError(f"model.dynamic.{name}.ttl_unit: 'partitions' counts the partitions a following "
-                                  f"run trains (data.follow), and this run follows none, so no id would expire; "
+                                  f"run trains (data.follow), and this run follows none, so {effect}; "
                                   f"count 'steps', or follow")
         if self.checkpoint.every_partitions:
             raise ConfigError("checkpoint.every_partitions: counts the partitions a following run trains "

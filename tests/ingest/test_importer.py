@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import re
 import warnings
 from collections import Counter
@@ -204,6 +205,9 @@ def test_a_quote_never_closed_in_the_last_column_is_named_not_read_to_the_end(tm
 
     with pytest.raises(DataError, match="open.csv, line 6: a quote opened in this row is never closed"):
         import_dataset(spec_of("open.csv"), tmp_path / "out")
+    (tmp_path / "last.csv").write_text("\n".join(rows[:-2] + ['1,11,"broken', rows[-1]]))  # no last line break
+    with pytest.raises(DataError, match="last.csv, line 12: a quote opened in this row is never closed"):
+        import_dataset(spec_of("last.csv"), tmp_path / "out")
     dataset = import_dataset(spec_of("closed.csv"), tmp_path / "out")
     assert dataset.rows == {"train": 9, "eval": 3}
 
@@ -244,8 +248,10 @@ def test_bad_labels_missing_files_and_bad_specs_are_named(tmp_path):
     for delimiter in (";;", '"', "\n"):
         with pytest.raises(SpecError, match="^input.delimiter: one character"):
             spec(path, input={"delimiter": delimiter})
-    with pytest.raises(DataError, match=r"log.csv: named twice \(also as .*log.csv\)"):
-        import_dataset(spec(path, input={"files": [str(path), str(tmp_path / "." / "log.csv")]}), tmp_path / "out")
+    os.link(path, tmp_path / "linked.csv")
+    for twice in (tmp_path / "." / "log.csv", tmp_path / "linked.csv"):
+        with pytest.raises(DataError, match=r"named twice \(also as .*log.csv\)"):
+            import_dataset(spec(path, input={"files": [str(path), str(twice)]}), tmp_path / "out")
     with pytest.raises(SpecError, match="'user' is both categorical and multivalued"):
         spec(path, multivalued={"columns": {"user": "|"}})
     for encoding, key, value in (("raw", "min_count", 5), ("hash", "max_rows", 100)):  # would be ignored

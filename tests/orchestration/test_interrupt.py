@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -180,3 +182,25 @@ def test_two_ranks_when_the_command_alone_is_interrupted(criteo_dataset, tmp_pat
     process = _train(criteo_dataset, tmp_path / "run", "--nproc", "2")
     _await_training(process, tmp_path / "run")
     _interrupt(process, to_group=False)
+
+
+@pytest.mark.slow  # torch's import and a rendezvous wait, ~10 s
+def test_torchrun_stopped_at_its_rendezvous_ends_in_one_line():
+    """SIGINT before torchrun's own signal handlers are in place (waiting for a second node
+    that never comes): one line and 130, not a KeyboardInterrupt traceback."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "neorec.orchestration.torchrun_main", "--nnodes=2",
+                                "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                                "--module", "json.tool"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(8)
+        assert process.poll() is None, process.stderr.read()
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+    assert "torchrun: stopped on SIGINT before the ranks started" in stderr

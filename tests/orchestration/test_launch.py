@@ -341,10 +341,11 @@ def test_a_trainer_pod_resumes_restarts_its_own_run_and_refuses_anothers(criteo_
         words = (tmp_path / "args").read_text().split()
         return " ".join(words[words.index("--ingest") + 2:])  # what the script adds after the job's own
 
+    assert flags("") == "" and not run.exists()  # no Job UID (a cluster before 1.27): nothing is marked
     assert flags("job-a") == "" and (run / ".neorec-k8s-job").read_text() == "job-a\n"  # found empty: this Job's
     (run / "config.json").write_text("{}")  # killed before its first checkpoint
     assert flags("job-a") == "--overwrite"
-    assert flags("job-b") == ""  # another Job's run: refused by the trainer, the marker kept
+    assert flags("job-b") == "" and flags("") == ""  # another Job's run: refused by the trainer, the marker kept
     assert (run / ".neorec-k8s-job").read_text() == "job-a\n"
     (run / ".neorec-k8s-job").unlink()
     assert flags("job-a") == ""  # a run nobody marked: never overwritten

@@ -127,6 +127,11 @@ def test_raw_ids_need_a_dynamic_table_and_dynamic_tables_need_the_data(raw_datas
     by_partitions = {"model": {"dynamic": {"t_C1": {"capacity": 8, "ttl": 1, "ttl_unit": "partitions"}}}}
     with pytest.raises(ConfigError, match=r"^model.dynamic.t_C1.ttl_unit: 'partitions' counts .* follows none"):
         TrainConfig.from_dict(by_partitions)  # no id would ever expire
+    halving = {"model": {"dynamic": {"t_C1": {"capacity": 8, "min_count": 2, "sketch_half_life": 3,
+                                              "ttl_unit": "partitions"}}}}
+    with pytest.raises(ConfigError, match=r"follows none, so no admission count would halve"):
+        TrainConfig.from_dict(halving)
+    TrainConfig.from_dict({**halving, "data": {"follow": True}})
     with pytest.raises(ConfigError, match=r"^checkpoint.every_partitions: counts the partitions"):
         TrainConfig.from_dict({"checkpoint": {"every_partitions": 2}})
     TrainConfig.from_dict({**by_partitions, "data": {"follow": True}, "checkpoint": {"every_partitions": 2}})
