@@ -121,7 +121,8 @@ class RemoteTier:
             key=self.key, directory=str(Path(directory).absolute()), lease=self.lease))
         return [(f.name, f.bytes) for f in reply.files]
 
-    def load(self, directory: Path, names: list[str]) -> None:
+    def load(self, directory: Path, names: list[str], checked: bool = False) -> None:
+        """(The service checks the segments whatever ``checked`` says: a request is not trusted.)"""
         self.client.call("Load", store_pb2.LoadRequest(key=self.key, directory=str(Path(directory).absolute()),
                                                        names=names, lease=self.lease))
 

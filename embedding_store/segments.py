@@ -359,12 +359,14 @@ class SegmentTier:
             fsync_directory(directory)
             return out
 
-    def load(self, directory: Path, names: list[str]) -> None:
+    def load(self, directory: Path, names: list[str], checked: bool = False) -> None:
         """Replace the tier's rows by the segments ``names`` of ``directory`` (a
         :meth:`snapshot`): its own segments and buffered rows are dropped, once every one of
         them is found whole (:class:`SegmentError` naming the first that is not, the tier
-        unchanged)."""
-        check_segments([directory / name for name in names], self.row_bytes)
+        unchanged), unless ``checked`` says the caller found them whole already (a
+        checkpoint's restore checks every segment before any tier loads one)."""
+        if not checked:
+            check_segments([directory / name for name in names], self.row_bytes)
         with self.lock:
             self._buffer_rows, self._buffer_data, self._buffered, self._buffer_bytes = [], [], {}, 0
             for segment in self.segments.values():

@@ -58,7 +58,8 @@ def restore_dynamic(restorable: Restorable, embeddings: DynamicEmbeddings | Shar
 
 def restore_model(restorable: Restorable, model: DLRM) -> dict:
     """Restore ``model`` (its embeddings, whatever their sharding, with their dynamic tables'
-    id maps, and its MLPs) from a checkpoint; returns the checkpoint's dense state (optimizer, RNG, position)."""
+    id maps, and its MLPs) from a checkpoint :func:`check` found whole (its store segments
+    are not read again); returns the checkpoint's dense state (optimizer, RNG, position)."""
     embeddings = model.embeddings
     views = embeddings.shard_views()
     restore_embeddings(restorable, views)

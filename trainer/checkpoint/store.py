@@ -58,7 +58,8 @@ def restore_store(directory: Path, manifest: Manifest, pieces: list[StorePiece])
         same = [e for e in manifest.store if e.key == piece.key and e.rows == piece.rows]
         if same:
             try:
-                piece.tier.load(directory / same[0].directory, [f.name for f in same[0].files])
+                piece.tier.load(directory / same[0].directory, [f.name for f in same[0].files],
+                                checked=True)  # by restore.check, before any tier loads
             except SegmentError as err:
                 raise CheckpointError(str(err)) from None
             continue

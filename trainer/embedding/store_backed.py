@@ -51,7 +51,10 @@ class Tier(Protocol):
 
     def counters(self) -> TierStats: ...
 
-    def load(self, directory: Path, names: list[str]) -> None: ...
+    def load(self, directory: Path, names: list[str], checked: bool = False) -> None:
+        """The tier's rows become those of the segments ``names`` of ``directory``;
+        ``checked``: the caller found them whole already (a tier may then skip reading
+        them once more; a service's checks them whatever its client says)."""
 
     def close(self) -> None: ...
 
