@@ -237,10 +237,14 @@ def _times(block: Block, column: str) -> np.ndarray:
         nanoseconds = values.cast(pa.timestamp("ns", tz=getattr(values.type, "tz", None))).cast(pa.int64())
         return nanoseconds.to_numpy(zero_copy_only=False) / 1e9
     try:
-        return pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False)
+        times = pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         raise DataError(f"not a time (a number or timestamp): {values.type}", file=block.file, column=column) \
             from None
+    bad = ~np.isfinite(times)  # NaN would order nowhere: the split would put it anywhere
+    if bad.any():
+        raise DataError(f"not a finite time: {times[bad][0]:g}", file=block.file, column=column, **_where(block, bad))
+    return times
 
 
 TIME_KINDS = (pa.float64(), pa.timestamp("ns"), pa.timestamp("ns", tz="UTC"))
@@ -364,6 +368,10 @@ def _label(spec: ImportSpec, block: Block) -> np.ndarray:
     if numbers.null_count:
         raise DataError("missing label", file=block.file, column=column, **_where(block, numbers.is_null()))
     values = numbers.to_numpy(zero_copy_only=False)
+    bad = ~np.isfinite(values)  # a transform would compare NaN or inf like any number
+    if bad.any():
+        raise DataError(f"the label must be a finite number, got {values[bad][0]:g}", file=block.file, column=column,
+                        **_where(block, bad))
     if spec.label.transform:
         op, number, _ = LABEL_TRANSFORM.fullmatch(spec.label.transform).groups()
         return COMPARISONS[op](values, float(number)).astype(np.float32)

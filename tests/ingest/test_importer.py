@@ -180,6 +180,8 @@ def test_a_parquet_list_column_round_trips(tmp_path):
 @pytest.mark.parametrize("line,where", [
     ("u1,3,7,a,10,", "column 'rating', line 3: missing label"),
     ("u1,3,x7,a,10,4", "column 'count'"),
+    ("u1,3,7,a,10,NaN", "column 'rating', line 3: the label must be a finite number, got nan"),  # then transformed
+    ("u1,3,7,a,inf,4", "column 'ts', line 3: not a finite time: inf"),
     ('"u1,3,7,a,10,4', "line 3: 1 field, expected 6; a quote opened in this row runs over the lines after it"),
 ])
 def test_bad_rows_are_named(tmp_path, line, where):
