@@ -109,7 +109,8 @@ def import_dataset(spec: ImportSpec, out_dir: str | Path, *, source: BlockSource
     for split, count_ in rows.items():
         if count_ == 0:
             raise DataError(f"the {split} split is empty: change split.eval_fraction or split.eval_files "
-                            f"(--eval-fraction, --eval-files)",
+                            f"(neorec data convert --eval-fraction / --eval-files; neorec data import "
+                            f"--eval-fraction / --set split.eval_files=[...])",
                             file=_inputs(spec))
     vocab_dir = out / VOCAB_DIRECTORY
     vocab_dir.mkdir(exist_ok=True)

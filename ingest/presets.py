@@ -49,7 +49,8 @@ MOVIELENS_GENRES_100K = ["unknown", "Action", "Adventure", "Animation", "Childre
 
 @dataclass(frozen=True)
 class PresetOptions:
-    eval_fraction: float = 0.1
+    eval_fraction: float | None = None
+    """The newest rows' share that forms the eval split (None: 0.1, or ``eval_files``)."""
     eval_files: tuple[str, ...] = ()
     min_count: int = 1
     hash_rows: int = 0
@@ -61,12 +62,16 @@ def preset(name: str, files: Sequence[str], options: PresetOptions = PresetOptio
     files (:class:`PresetFiles`), or MovieLens's ratings joined with users and items."""
     if options.hash_rows and options.min_count != 1:
         raise SpecError("--min-count caps a vocabulary and --hash-rows hashes the values instead: give one of them")
+    if options.eval_files and options.eval_fraction is not None:
+        raise SpecError("--eval-files makes those files the eval split and --eval-fraction the newest rows: give one "
+                        "of them")
+    eval_fraction = 0.1 if options.eval_fraction is None else options.eval_fraction
     categorical = dict(encoding="hash", hash_rows=options.hash_rows) if options.hash_rows else \
         dict(min_count=options.min_count)
     if options.eval_files:
         split = SplitSpec(kind="files", eval_files=list(options.eval_files))
     else:
-        split = SplitSpec(kind="ordered", eval_fraction=options.eval_fraction)
+        split = SplitSpec(kind="ordered", eval_fraction=eval_fraction)
     if name == "criteo":
         spec = ImportSpec(
             input=InputSpec(files=_in_day_order(files), format="tsv", header=False,
@@ -76,7 +81,7 @@ def preset(name: str, files: Sequence[str], options: PresetOptions = PresetOptio
         return _checked(spec), PresetFiles(spec, "Criteo", _criteo_unlabelled)
     if name == "avazu":
         if not options.eval_files:
-            split = SplitSpec(kind="chronological", time_column="hour", eval_fraction=options.eval_fraction)
+            split = SplitSpec(kind="chronological", time_column="hour", eval_fraction=eval_fraction)
         spec = ImportSpec(input=InputSpec(files=list(files), format="csv"), label=LabelSpec("click"),
                           categorical=CategoricalSpec(AVAZU_CATEGORICAL, **categorical), split=split)
         return _checked(spec), PresetFiles(spec, "Avazu", _avazu_unlabelled)
@@ -92,7 +97,7 @@ def preset(name: str, files: Sequence[str], options: PresetOptions = PresetOptio
             input=InputSpec(files=[str(source.ratings)]), label=LabelSpec("rating", ">= 4"),
             categorical=CategoricalSpec(["user", "item", *source.user_columns], **categorical),
             multivalued=MultiValuedSpec({"genres": ""}),
-            split=SplitSpec(kind="chronological", time_column="timestamp", eval_fraction=options.eval_fraction),
+            split=SplitSpec(kind="chronological", time_column="timestamp", eval_fraction=eval_fraction),
             output=OutputSpec())
         return _checked(spec), source
     raise DataError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")

@@ -66,8 +66,8 @@ def add_data_commands(commands: "argparse._SubParsersAction") -> None:
                               "movielens: its directory")
     convert.add_argument("--out", required=True)
     convert.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    convert.add_argument("--eval-fraction", type=float, default=0.1,
-                         help="the newest rows that form the eval split")
+    convert.add_argument("--eval-fraction", type=float,
+                         help="the newest rows that form the eval split (default 0.1)")
     convert.add_argument("--eval-files", nargs="+", default=[],
                          help="instead: the eval split is these files (some of FILES)")
     convert.add_argument("--min-count", type=at_least(1), default=1,

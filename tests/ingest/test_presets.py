@@ -194,6 +194,12 @@ def test_min_count_and_hash_rows_together_are_refused():
         preset("criteo", [str(FIXTURES / "criteo_sample.tsv")], PresetOptions(min_count=2, hash_rows=1000))
 
 
+def test_eval_files_and_an_eval_fraction_together_are_refused():
+    with pytest.raises(SpecError, match="--eval-files makes those files the eval split and --eval-fraction"):
+        preset("criteo", [str(FIXTURES / "criteo_sample.tsv")],
+               PresetOptions(eval_files=(str(FIXTURES / "criteo_sample.tsv"),), eval_fraction=0.5))
+
+
 def test_movielens_refuses_eval_files(tmp_path):
     with pytest.raises(SpecError, match="--eval-files: MovieLens is split by timestamp"):
         preset("movielens", [str(FIXTURES / "movielens-1m")], PresetOptions(eval_files=("ratings.dat",)))
