@@ -17,9 +17,11 @@ from neorec.ingest.partition_import import import_partition
 from neorec.ingest.partitions import (MARKER, PartitionError, PartitionOrderError, PartitionSchemaError,
                                       check_partition_schema, next_partition, open_partition)
 from neorec.ingest.schema import Dataset
+from neorec.trainer.run.train import train
 from tests.cli import neorec_in_process
 from tests.ingest.test_importer import reference, spec, write_log
 from tests.ingest.test_presets import FIXTURES, criteo_line, write_criteo
+from tests.trainer.follow_helpers import follow_config
 
 
 @pytest.fixture
@@ -149,9 +151,10 @@ def test_one_import_writes_a_partition_at_a_time(imported):
         first.release()
 
 
-def test_a_converted_dataset_takes_a_partition_of_new_files_without_a_spec(tmp_path):
+def test_a_converted_dataset_takes_a_partition_of_new_files_without_a_spec(tmp_path, caplog):
     """The spec the dataset was converted with is recorded: a new day of Criteo logs needs
-    only its files, and is encoded as the dataset's own rows are."""
+    only its files, and is encoded as the dataset's own rows are. A following run trains
+    that partition, and says the dataset's own train split is not trained."""
     day_0 = write_criteo(tmp_path / "day_0", [criteo_line(str(n % 2), [str(n)] * 13) for n in range(40)])
     day_1 = write_criteo(tmp_path / "day_1", [criteo_line(str(n % 2), [str(n)] * 13) for n in range(25)])
     out = tmp_path / "criteo"
@@ -167,6 +170,10 @@ def test_a_converted_dataset_takes_a_partition_of_new_files_without_a_spec(tmp_p
     assert new.slice(0, 20).equals(old.slice(0, 20))  # the first rows of both days are the same lines
     without = neorec_in_process("data", "import", "--partition", "2026-01-03", "--out", out)
     assert without.returncode == 2 and "name the partition's files with --files" in without.stderr, without.stderr
+    with caplog.at_level("WARNING", logger="neorec.trainer.run.follow"):
+        summary = train(follow_config(out, tmp_path / "run", train={"batch_size": 8}))
+    assert summary["partitions"] == 1 and summary["train_samples"] == 24
+    assert "the dataset's own train split (36 rows) is not trained" in caplog.text
 
 
 def test_a_partition_without_a_spec_is_refused_where_the_dataset_records_none(tmp_path, criteo_dataset):

@@ -118,6 +118,11 @@ class Follower:
             log.warning("following partitions with no periodic checkpoint (checkpoint.every_partitions, "
                         "every_steps and every_minutes are 0): only a signal's stop writes one, and a kill loses "
                         "every partition trained; set checkpoint.every_partitions = 1 to resume from the last one")
+        train_rows = run.dataset.rows.get(config.data.train_split, 0)
+        if run.context.is_main and train_rows:
+            log.warning("following partitions trains them only: the dataset's own %s split (%s rows) is not "
+                        "trained (to train it, import its files as the first partition too)",
+                        config.data.train_split, f"{train_rows:,}")
         self.run = run
         self.root = Path(config.data.path)
         self.signal = StopSignal()
