@@ -38,7 +38,7 @@ from neorec.trainer.run.build import (build_model, decode_options, dense_optimiz
 from neorec.trainer.checkpoint import restore_model
 from neorec.trainer.checkpoint.checkpointer import Checkpointer, check_position_carries_over, check_resumable
 from neorec.trainer.checkpoint.layout import CheckpointError, complete, read_manifest
-from neorec.trainer.checkpoint.restore import choose
+from neorec.trainer.checkpoint.restore import choose, load_dense
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.distributed import (DenseGradientSum, DistributedContext, check_same_steps, gather_arrays,
                                        global_sum)
@@ -461,13 +461,14 @@ class TrainingRun:
         except (OSError, ValueError) as err:
             raise DataError(f"cannot read a file of the dataset: {err}", file=str(self.dataset.root)) from None
 
-    def _check_same_splits(self, checkpoint_name: str) -> None:
+    def _check_same_splits(self, checkpoint_name: str, recorded: dict[str, list[int]]) -> None:
         """Raise :class:`~neorec.trainer.checkpoint.layout.CheckpointError` naming a file of
-        the splits added, removed or rewritten since the run began (the path alone, which
-        ``check_resumable`` compares, does not tell a dataset written again in its place)."""
-        if not self.state.split_files:  # following partitions, or a checkpoint from before they were kept
+        the splits added, removed or rewritten since the run began (``recorded``: their
+        fingerprints then; the path alone, which ``check_resumable`` compares, does not tell
+        a dataset written again in its place)."""
+        if not recorded:  # following partitions, or a checkpoint from before they were kept
             return
-        changed = first_change(self.state.split_files, self._split_files())
+        changed = first_change(recorded, self._split_files())
         if changed is not None:
             name, change = changed
             raise CheckpointError(f"--resume: {self.dataset.root / name} was {change} since the run that made "
@@ -491,11 +492,13 @@ class TrainingRun:
                             "again", name, reason, restorable.manifest.name)
         check_resumable(restorable.manifest.config, config)
         check_position_carries_over(restorable.manifest, context.world_size)
+        # before the tables are restored: data imported again may have other vocabularies,
+        # hence other table sizes, which restoring would name without naming the data
+        self._check_same_splits(restorable.manifest.name, load_dense(restorable)["state"].get("split_files") or {})
         dense = restore_model(restorable, self.dlrm)
         self.optimizer.load_state_dict(dense["optimizer"])
         torch.set_rng_state(dense["rng"].cpu())
         self.state = LoopState(**dense["state"])
-        self._check_same_splits(restorable.manifest.name)
         if self.follower is None:
             self._count_total_steps(self.state)
         Interval.resume(self.state, context)

@@ -143,6 +143,35 @@ def test_evaluating_a_checkpoint_on_a_dataset_written_again_at_the_same_path_war
     assert f"{data / rewritten} was rewritten since the run that made checkpoint step-" in caplog.text
 
 
+def test_data_imported_again_with_other_vocabularies_is_named_before_the_tables_are(tmp_path, caplog):
+    """Converted again from other days, the dataset has other vocabularies, hence other
+    table sizes: resuming names the rewritten file (not a table the model sizes otherwise),
+    and evaluating warns of it before restoring refuses the tables."""
+    from neorec.ingest.importer import import_dataset
+    from neorec.ingest.presets import preset
+    from neorec.trainer.checkpoint.layout import CheckpointError
+    from neorec.trainer.run.train import evaluate_checkpoint
+    from tests.ingest.test_presets import criteo_line, write_criteo
+
+    def convert(days: range, values: int) -> Dataset:
+        lines = [criteo_line(str(n % 2), [str(n)] * 13, [f"{(n % values) + k:08x}" for k in range(26)])
+                 for n in range(300)]
+        spec, source = preset("criteo", [str(write_criteo(tmp_path / f"day_{d}", lines)) for d in days])
+        shutil.rmtree(tmp_path / "data", ignore_errors=True)
+        return import_dataset(spec, tmp_path / "data", source=source, profile="criteo")
+
+    config = config_for(convert(range(2), 50), tmp_path / "run")
+    config.train.batch_size = 32
+    with pytest.raises(Crash):
+        train(config, progress=crash_after(6))
+    convert(range(2), 200)  # more distinct values: larger tables
+    with pytest.raises(CheckpointError, match=rf"--resume: {tmp_path / 'data'}/\S+ was rewritten since"):
+        train(config, resume=True)
+    with caplog.at_level("WARNING", logger="neorec.trainer.run.train"), pytest.raises(CheckpointError):
+        evaluate_checkpoint(tmp_path / "run")
+    assert "was rewritten since the run that made checkpoint" in caplog.text
+
+
 def _interval_across_a_checkpoint(rank: int, world: int) -> dict:
     """Rank-distinct loss shares: steps 1-2, a checkpoint (rank 0's state is what it keeps),
     a restore, steps 3-4, the log line; and the same four steps uninterrupted."""
