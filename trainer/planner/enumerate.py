@@ -114,8 +114,27 @@ def _constrained(table: TableSpec, topology: Topology, options: list[Option], c:
     if not allowed:
         raise PlanError(f"table {table.name!r} ({table.rows} x {table.dim}) cannot be sharded as "
                         f"{kind}{'' if arg is None else f':{arg}'} on {topology.world_size} ranks "
-                        f"(group size {topology.group_size})")
+                        f"(group size {topology.group_size}){_why_not(kind, table, topology)}")
     return allowed
+
+
+def _why_not(kind: str, table: TableSpec, topology: Topology) -> str:
+    """Why ``table`` has no option of sharding ``kind`` on ``topology``, where one reason is
+    certain: ": ..." (else "")."""
+    world, group = topology.world_size, topology.group_size
+    if table.dynamic is not None:
+        return ""  # its map shards' blocks constrain it too
+    if world == 1 and kind != TABLE_WISE:
+        return ": one rank holds every table whole"
+    if kind == TABLE_ROW_WISE and not 1 < group < world:
+        return (f": table_row_wise splits rows within groups of more than one rank, and needs more than one group "
+                f"(sharding.group_size, or ranks_per_node: {world} ranks make no groups of {group})")
+    if kind in (ROW_WISE, TABLE_ROW_WISE) and table.rows < (world if kind == ROW_WISE else group):
+        return ": fewer rows than ranks to split them over"
+    if kind == COLUMN_WISE:
+        return (f": column shards split the dimension {table.dim} evenly in 2, 4, ... parts of at least "
+                f"{MIN_COLUMN_SHARD} columns")
+    return ""
 
 
 def _row_shapes(table: TableSpec, parts: int) -> tuple[ShardShape, ...]:

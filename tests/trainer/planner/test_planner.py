@@ -50,8 +50,11 @@ def test_constraints_restrict_options_and_reject_nonsense():
             Constraint.parse("t", text)
     with pytest.raises(PlanError, match="outside world size 4"):
         enumerate_options(table, topo, Constraint.parse("t", "table_wise:9"))
-    with pytest.raises(PlanError, match="cannot be sharded as column_wise:8"):
+    with pytest.raises(PlanError, match="cannot be sharded as column_wise:8 .*: column shards split the dimension"):
         enumerate_options(table, topo, Constraint.parse("t", "column_wise:8"))
+    with pytest.raises(PlanError, match=r"table_row_wise on 2 ranks \(group size 2\): table_row_wise splits rows "
+                                        r"within groups of more than one rank, and needs more than one group"):
+        enumerate_options(table, Topology(2), Constraint.parse("t", "table_row_wise"))
 
 
 # ------------------------------------------------------------------------------- estimate
