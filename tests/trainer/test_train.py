@@ -105,6 +105,21 @@ def test_the_newest_checkpoint_pruned_while_it_is_evaluated_is_chosen_again(crit
         evaluate_checkpoint(run_dir / "checkpoint" / names[-2])
 
 
+def test_a_run_s_relative_data_path_is_explained_when_evaluated_from_elsewhere(criteo_dataset, tmp_path,
+                                                                              monkeypatch):
+    from neorec.common.errors import ConfigError
+
+    monkeypatch.chdir(criteo_dataset.root.parent)
+    config = _config(criteo_dataset, tmp_path / "run", max_steps=3)
+    config.data.path = criteo_dataset.root.name  # relative, as a user's config often is
+    train(config)
+    assert "auc" in evaluate_checkpoint(tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=rf"the run's data.path '{criteo_dataset.root.name}' is relative to the "
+                                          rf"directory it started in, and {tmp_path} holds no dataset there"):
+        evaluate_checkpoint(tmp_path / "run")
+
+
 def test_training_learns(criteo_dataset, tmp_path):
     summary = train(_config(criteo_dataset, tmp_path / "run", epochs=1))
     assert summary["eval_auc"] > 0.65

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 from neorec.common.errors import ConfigError
 from neorec.ingest.fingerprint import fingerprints, first_change
 from neorec.ingest.partitions import MARKER, SPLIT_PREFIX, is_ready, partition_names, with_partition_split
-from neorec.ingest.schema import Dataset
+from neorec.ingest.schema import DATASET_FILE, Dataset
 from neorec.trainer import checkpoint
 from neorec.trainer.checkpoint.checkpointer import check_evaluable
 from neorec.trainer.checkpoint.layout import best_checkpoint, complete
@@ -103,6 +103,7 @@ def _committed(root: Path) -> list[str]:
 def _evaluate(restorable: checkpoint.Restorable, config: TrainConfig | None,
               ingest: Sequence[str]) -> dict[str, float]:
     """:func:`evaluate_checkpoint` of the checkpoint ``restorable`` opens."""
+    from_run = config is None
     if config is None:
         config = TrainConfig.from_dict(restorable.manifest.config)
     else:
@@ -112,6 +113,11 @@ def _evaluate(restorable: checkpoint.Restorable, config: TrainConfig | None,
     config.data.validate()
     set_threads(config.train.threads)
     device = resolve_device(config.train.device)
+    relative = Path(config.data.path)
+    if from_run and not relative.is_absolute() and not (relative / DATASET_FILE).exists():
+        raise ConfigError(f"the run's data.path {str(relative)!r} is relative to the directory it started in, and "
+                          f"{Path.cwd()} holds no dataset there: evaluate from that directory, or give a config "
+                          f"with --set data.path=PATH")
     dataset = with_partition_split(Dataset.load(config.data.path), config.data.eval_split)
     _check_eval_split(dataset, config.data.eval_split)
     on_store = {entry.table for entry in restorable.manifest.store}
