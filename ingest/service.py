@@ -47,8 +47,8 @@ from neorec.ingest.service_limits import DEFAULT_MAX_STREAMS, MAX_BATCH_SIZE
 from neorec.common.confine import confined, resolve_roots
 from neorec.common.transport import (MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, RequestError, ServerSecurity,
                                      ServiceHost, abort)
-from neorec.ingest.wire import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, SERVICE_NAME, \
-    serialize_pieces
+from neorec.ingest.wire import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, MAX_STEP, MAX_WINDOW_ROWS, \
+    SERVICE_NAME, serialize_pieces
 from neorec.protos import ingest_pb2, ingest_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,9 @@ def validate_request(request: ingest_pb2.ReadRequest, data_roots: Sequence[Path]
     if not 0 < request.num_batches * request.batch_size <= MAX_REQUEST_ROWS:
         raise RequestError(invalid, f"a request may ask for 1 to {MAX_REQUEST_ROWS} rows (num_batches x batch_size), "
                                     f"got {request.num_batches} x {request.batch_size}")
+    if request.first_step + request.num_batches - 1 > MAX_STEP:
+        raise RequestError(invalid, f"first_step {request.first_step} + num_batches {request.num_batches} runs past "
+                                    f"the largest step number, {MAX_STEP}")
     if request.compression not in ingest_pb2.Compression.values():
         raise RequestError(invalid, f"unknown compression {request.compression}")
     root = _dataset_root(request.dataset, data_roots)
@@ -156,7 +159,13 @@ def _windows(request: ingest_pb2.ReadRequest, paths: tuple[str, ...]) -> list[Wi
         if bad:
             raise RequestError(invalid, f"a window names file {bad[0]}, the request lists {len(paths)} files")
         groups = tuple(RowGroupInfo(g.file, g.row_group, g.num_rows) for g in w.groups)
-        windows.append(Window(groups, seed=w.seed if w.permuted else None))
+        if len({(g.file_index, g.row_group) for g in groups}) < len(groups):
+            raise RequestError(invalid, "a window of the request names a row group twice")
+        window = Window(groups, seed=w.seed if w.permuted else None)
+        if window.num_rows > MAX_WINDOW_ROWS:
+            raise RequestError(invalid, f"a window of the request holds {window.num_rows} rows, more than "
+                                        f"{MAX_WINDOW_ROWS} (fewer row groups a window: data.shuffle_window)")
+        windows.append(window)
     return windows
 
 

@@ -33,6 +33,12 @@ spans: kilobytes, or a few MiB for a split of many thousand files)."""
 MAX_REQUEST_ROWS = 1 << 22
 """Most rows, padding included, that one request may ask for (``num_batches *
 batch_size``); a client's tasks are a few hundred thousand rows."""
+MAX_WINDOW_ROWS = 1 << 26
+"""Most rows one window of a request may hold: a permuted window's order is an int64 per
+row (512 MiB at this bound); a client's windows are ~262k rows unless
+``data.shuffle_window`` asks for more."""
+MAX_STEP = 2**64 - 1
+"""The largest step number a batch message carries (``uint64``)."""
 
 
 class WireError(ValueError):
