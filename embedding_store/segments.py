@@ -366,7 +366,7 @@ class SegmentTier:
         unchanged), unless ``checked`` says the caller found them whole already (a
         checkpoint's restore checks every segment before any tier loads one)."""
         if not checked:
-            check_segments([directory / name for name in names], self.row_bytes)
+            check_segments([directory / name for name in names], self.row_bytes, self.rows)
         with self.lock:
             self._buffer_rows, self._buffer_data, self._buffered, self._buffer_bytes = [], [], {}, 0
             for segment in self.segments.values():
@@ -420,11 +420,14 @@ def _link_or_copy(source: Path, target: Path) -> None:
         fsync_file(target)
 
 
-def check_segments(paths: list[Path], row_bytes: int) -> None:
+def check_segments(paths: list[Path], row_bytes: int, rows: int | None = None) -> None:
     """Raise :class:`SegmentError` naming the first of the segment files ``paths`` that is
-    not whole (its header, row width or checksum), one file in memory at a time."""
+    not whole (its header, row width or checksum), or, given the table's ``rows``, holds a
+    row outside ``[0, rows)``; one file in memory at a time."""
     for path in paths:
-        _segment_contents(path, row_bytes)
+        ids, _ = _segment_contents(path, row_bytes)
+        if rows is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+            raise SegmentError(f"{path}: rows outside [0, {rows}), this table's: another table's segment")
 
 
 def read_segments(paths: list[Path], row_bytes: int) -> tuple[np.ndarray, np.ndarray]:

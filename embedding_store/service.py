@@ -233,6 +233,10 @@ class StoreServicer:
         removed again."""
         directory = self.directory / key
         made = not directory.exists()
+        if not made and not (directory / INDEX_FILE).exists() and any(directory.glob("*.seg")):
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"piece {key!r}: {directory} holds segments but is no piece's tier directory (a "
+                               f"snapshot's?): a piece never takes over another directory; give another key")
         try:
             return SegmentTier(directory, request.rows, request.row_bytes, direct_io=self.direct_io,
                                reset=request.reset)
@@ -267,6 +271,9 @@ class StoreServicer:
                                f"directory {path[:200]} is outside this service's data roots "
                                f"(neorec store serve --data-root)")
         resolved, pieces = Path(path).resolve(), self.directory.resolve()
+        if resolved == pieces:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"directory {path[:200]} is this service's own "
+                                                                  f"--dir, where the pieces' tier directories lie")
         inside = resolved.relative_to(pieces).parts if resolved.is_relative_to(pieces) else ()
         if inside and (pieces / inside[0] / INDEX_FILE).is_file():  # a piece's tier directory is --dir/KEY
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED,

@@ -243,9 +243,21 @@ def test_snapshots_and_loads_never_use_a_piece_s_directory_and_a_bad_load_change
     for tier, value in ((mine, 7), (other, 0xEE)):
         found, data = tier.read(np.array([5], dtype=np.int64))
         assert found.all() and (data == value).all()
+    with pytest.raises(StoreServiceError, match="PERMISSION_DENIED.*own --dir"):
+        other.snapshot(tiers)
+    big = client.open_tier("big@0", 10 * ROWS, WIDTH, reset=True, owner="/runs/b")
+    big.write(np.array([5 * ROWS], dtype=np.int64), np.full((1, WIDTH), 1, dtype=np.uint8))
+    (name, _), = big.snapshot(tiers / "big-snap")
+    with pytest.raises(StoreServiceError, match=f"DATA_LOSS.*rows outside \\[0, {ROWS}\\)"):  # whole, too wide
+        other.load(tiers / "big-snap", [name])
     assert other.snapshot(tiers / "snap")  # a directory of its own: allowed
+    with pytest.raises(StoreServiceError, match="FAILED_PRECONDITION.*no piece's tier directory"):
+        client.open_tier("snap", ROWS, WIDTH, owner="/runs/c")  # a key naming a snapshot: never taken over
+    assert len(list((tiers / "snap").glob("*.seg"))) == 1
     other.close()
-    assert client.open_tier("u@0", ROWS, WIDTH, owner="/runs/b").read(np.array([5], dtype=np.int64))[0].all()
+    again = client.open_tier("u@0", ROWS, WIDTH, owner="/runs/b")
+    found, data = again.read(np.array([5], dtype=np.int64))
+    assert found.all() and (data == 0xEE).all()
 
 
 def test_a_corrupt_segment_is_named(tmp_path, service):
