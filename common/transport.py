@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from neorec.common.errors import UserError
@@ -366,6 +367,23 @@ def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) ->
     if len(message) > MAX_DETAILS_CHARS:
         message = message[: MAX_DETAILS_CHARS - 20] + "... (message cut)"
     context.abort(code, message)
+
+
+def parsed(handler: Callable[[Any, grpc.ServicerContext], Any],
+           message: Any) -> Callable[[bytes, grpc.ServicerContext], Any]:
+    """``handler`` (of a request of protobuf type ``message``) taking the request's bytes,
+    for a method handler registered without a request deserializer: bytes that are no
+    ``message`` are INVALID_ARGUMENT naming it (a deserializer's failure is gRPC's own
+    INTERNAL)."""
+    def parse_then_handle(raw: bytes, context: grpc.ServicerContext) -> Any:
+        try:
+            request = message.FromString(raw)
+        except DecodeError as err:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a {message.DESCRIPTOR.full_name}: "
+                                                             f"{err}")
+        return handler(request, context)
+
+    return parse_then_handle
 
 
 class Stoppable(Protocol):

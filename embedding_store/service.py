@@ -39,7 +39,7 @@ from neorec.common.confine import confined, resolve_roots
 from neorec.common.dir_lock import DirectoryLock
 from neorec.embedding_store.segments import INDEX_FILE, SEGMENT_NAME, SegmentError, SegmentTier
 from neorec.common.transport import (MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, RequestError, ServerSecurity,
-                                     ServiceHost, abort)
+                                     ServiceHost, abort, parsed)
 from neorec.protos import store_pb2
 
 log = logging.getLogger(__name__)
@@ -338,7 +338,7 @@ def store_handler(servicer: StoreServicer) -> grpc.GenericRpcHandler:
         "Status": (store_pb2.StatusRequest, store_pb2.StatusReply),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-        name: grpc.unary_unary_rpc_method_handler(getattr(servicer, name), request_deserializer=request.FromString,
+        name: grpc.unary_unary_rpc_method_handler(parsed(getattr(servicer, name), request),
                                                   response_serializer=reply.SerializeToString)
         for name, (request, reply) in methods.items()})
 

@@ -46,7 +46,7 @@ from neorec.ingest.schema import Dataset
 from neorec.ingest.service_limits import DEFAULT_MAX_STREAMS, MAX_BATCH_SIZE
 from neorec.common.confine import confined, resolve_roots
 from neorec.common.transport import (MAX_DETAILS_CHARS, RESERVED_THREADS, HostedServer, RequestError, ServerSecurity,
-                                     ServiceHost, abort)
+                                     ServiceHost, abort, parsed)
 from neorec.ingest.wire import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, MAX_STEP, MAX_WINDOW_ROWS, \
     SERVICE_NAME, serialize_pieces
 from neorec.protos import ingest_pb2, ingest_pb2_grpc
@@ -441,9 +441,8 @@ def reader_handler(servicer: ReaderServicer) -> grpc.GenericRpcHandler:
     """The ``Reader`` service's handler. Registered by hand rather than with the generated
     ``add_ReaderServicer_to_server`` because ``Read`` yields already serialized messages."""
     return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-        "Read": grpc.unary_stream_rpc_method_handler(
-            servicer.Read, request_deserializer=ingest_pb2.ReadRequest.FromString),
+        "Read": grpc.unary_stream_rpc_method_handler(parsed(servicer.Read, ingest_pb2.ReadRequest)),
         "Status": grpc.unary_unary_rpc_method_handler(
-            servicer.Status, request_deserializer=ingest_pb2.StatusRequest.FromString,
+            parsed(servicer.Status, ingest_pb2.StatusRequest),
             response_serializer=ingest_pb2.StatusReply.SerializeToString),
     })

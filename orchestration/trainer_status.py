@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-from neorec.common.transport import RESERVED_THREADS, HostedServer, ServerSecurity, ServiceHost
+from neorec.common.transport import RESERVED_THREADS, HostedServer, ServerSecurity, ServiceHost, parsed
 from neorec.protos import trainer_pb2, trainer_pb2_grpc
 from neorec.trainer.run.step import StepReport
 
@@ -30,7 +30,7 @@ class TrainerStatusServer(HostedServer, trainer_pb2_grpc.TrainerServicer):
         self.world_size = world_size
         handler = grpc.method_handlers_generic_handler(SERVICE_NAME, {
             "Status": grpc.unary_unary_rpc_method_handler(
-                self.Status, request_deserializer=trainer_pb2.StatusRequest.FromString,
+                parsed(self.Status, trainer_pb2.StatusRequest),
                 response_serializer=trainer_pb2.StatusReply.SerializeToString)})
         self.host = ServiceHost(host, port, security, RESERVED_THREADS, [handler], [SERVICE_NAME], MAX_REQUEST_BYTES,
                                 MAX_REQUEST_BYTES)

@@ -177,6 +177,17 @@ def test_bad_requests_get_status_codes_and_the_server_keeps_serving(channel, cri
     assert len(_read_all(channel, _request(criteo_dataset))) == 3
 
 
+@pytest.mark.parametrize("method", ["Read", "Status"])
+def test_bytes_that_are_no_request_are_invalid_argument_naming_the_message(channel, method):
+    call = (channel.unary_stream if method == "Read" else channel.unary_unary)(
+        f"/{SERVICE_NAME}/{method}", request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(call(b"\xff\xff\xff garbage", timeout=10)) if method == "Read" else call(b"\xff\xff garbage", timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # not gRPC's own INTERNAL
+    assert caught.value.details().startswith(f"the request is not a neorec.ingest.{method}Request")
+    _status(channel)  # still serving
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_corrupt_file_is_data_loss_naming_the_file(channel, criteo_dataset, tmp_path, damage):
     copy = tmp_path / "dataset"

@@ -3,9 +3,12 @@ partitions, it names the partition and its lag, and waiting for one is not a sta
 
 import time
 
+import grpc
+import pytest
+
 from neorec.common.transport import ClientSecurity
 from neorec.orchestration.status import probe
-from neorec.orchestration.trainer_status import TrainerStatusServer
+from neorec.orchestration.trainer_status import SERVICE_NAME, TrainerStatusServer
 from neorec.trainer.run.step import StepReport
 
 
@@ -35,5 +38,20 @@ def test_status_of_a_run_not_following_has_no_partition():
         server.update(StepReport(3, 0, 0.6, 50.0, 10))
         status = probe(server.address, ClientSecurity(), 5.0, with_status=True).status
         assert status["partition"] == "" and status["partitionLagSeconds"] == 0.0 and status["worldSize"] == 2
+    finally:
+        server.stop(0.0)
+
+
+def test_bytes_that_are_no_status_request_are_invalid_argument():
+    server = TrainerStatusServer("127.0.0.1", 0, world_size=1)
+    server.start()
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            call = channel.unary_unary(f"/{SERVICE_NAME}/Status", request_serializer=lambda raw: raw,
+                                       response_deserializer=lambda raw: raw)
+            with pytest.raises(grpc.RpcError) as caught:
+                call(b"\xff\xff garbage", timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # not gRPC's own INTERNAL
+        assert caught.value.details().startswith("the request is not a neorec.trainer.StatusRequest")
     finally:
         server.stop(0.0)
