@@ -88,11 +88,11 @@ def test_the_newest_checkpoint_pruned_while_it_is_evaluated_is_chosen_again(crit
     restore = checkpoint.restore_model
     chosen = []
 
-    def pruned_as_read(restorable, model):
+    def pruned_as_read(restorable, model, *dense):
         chosen.append(restorable.manifest.name)
         if len(chosen) == 1:
             layout.remove(run_dir / "checkpoint" / restorable.manifest.name)
-        return restore(restorable, model)
+        return restore(restorable, model, *dense)
 
     monkeypatch.setattr(checkpoint, "restore_model", pruned_as_read)
     metrics = evaluate_checkpoint(run_dir)

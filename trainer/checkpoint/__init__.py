@@ -26,8 +26,8 @@ from neorec.trainer.model import DLRM
 from neorec.trainer.sharding.sharded_embedding import ShardedEmbeddingBagCollection, has_dynamic_tables
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, store_of
 
-__all__ = ["CheckpointError", "Restorable", "check", "checkpoints_root", "open_checkpoint", "restore_model",
-           "restore_store_tables"]
+__all__ = ["CheckpointError", "Restorable", "check", "checkpoints_root", "dense_state", "open_checkpoint",
+           "restore_model", "restore_store_tables"]
 
 
 def restore_store_tables(restorable: Restorable, store: StoreBackedEmbeddings | None, views: list[ShardView]) -> None:
@@ -56,16 +56,23 @@ def restore_dynamic(restorable: Restorable, embeddings: DynamicEmbeddings | Shar
     embeddings.restore_dynamic(chain)
 
 
-def restore_model(restorable: Restorable, model: DLRM) -> dict:
+def dense_state(restorable: Restorable, model: DLRM) -> dict:
+    """The checkpoint's dense state (MLPs, dense optimizer, RNG, position), its tensors on
+    ``model``'s device."""
+    return load_dense(restorable, next(model.bottom.parameters()).device)
+
+
+def restore_model(restorable: Restorable, model: DLRM, dense: dict | None = None) -> dict:
     """Restore ``model`` (its embeddings, whatever their sharding, with their dynamic tables'
     id maps, and its MLPs) from a checkpoint :func:`check` found whole (its store segments
-    are not read again); returns the checkpoint's dense state (optimizer, RNG, position)."""
+    are not read again); returns the checkpoint's dense state (optimizer, RNG, position):
+    ``dense`` when the caller has read it already (:func:`dense_state`), else read here."""
     embeddings = model.embeddings
     views = embeddings.shard_views()
     restore_embeddings(restorable, views)
     restore_store_tables(restorable, store_of(embeddings), views)
     embeddings.set_optimizer_steps(restorable.manifest.sparse_steps)
-    dense = load_dense(restorable, next(model.bottom.parameters()).device)
+    dense = dense if dense is not None else dense_state(restorable, model)
     if has_dynamic_tables(embeddings):
         restore_dynamic(restorable, embeddings)
     with torch.no_grad():

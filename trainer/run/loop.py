@@ -35,10 +35,10 @@ from neorec.trainer.run.affinity import pin_rank, schedule_as_batch
 from neorec.trainer.batch import Batch, DistributedSparse
 from neorec.trainer.run.build import (build_model, decode_options, dense_optimizer, sparse_optimizer, store_settings,
                                       table_configs)
-from neorec.trainer.checkpoint import restore_model
+from neorec.trainer.checkpoint import dense_state, restore_model
 from neorec.trainer.checkpoint.checkpointer import Checkpointer, check_position_carries_over, check_resumable
 from neorec.trainer.checkpoint.layout import CheckpointError, complete, read_manifest
-from neorec.trainer.checkpoint.restore import choose, load_dense
+from neorec.trainer.checkpoint.restore import choose
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.distributed import (DenseGradientSum, DistributedContext, check_same_steps, gather_arrays,
                                        global_sum)
@@ -494,8 +494,9 @@ class TrainingRun:
         check_position_carries_over(restorable.manifest, context.world_size)
         # before the tables are restored: data imported again may have other vocabularies,
         # hence other table sizes, which restoring would name without naming the data
-        self._check_same_splits(restorable.manifest.name, load_dense(restorable)["state"].get("split_files") or {})
-        dense = restore_model(restorable, self.dlrm)
+        dense = dense_state(restorable, self.dlrm)
+        self._check_same_splits(restorable.manifest.name, dense["state"].get("split_files") or {})
+        restore_model(restorable, self.dlrm, dense)
         self.optimizer.load_state_dict(dense["optimizer"])
         torch.set_rng_state(dense["rng"].cpu())
         self.state = LoopState(**dense["state"])

@@ -15,7 +15,6 @@ from neorec.ingest.schema import DATASET_FILE, Dataset
 from neorec.trainer import checkpoint
 from neorec.trainer.checkpoint.checkpointer import check_evaluable
 from neorec.trainer.checkpoint.layout import best_checkpoint, complete
-from neorec.trainer.checkpoint.restore import load_dense
 from neorec.trainer.config import DEFAULT_CACHE_FRACTION, TrainConfig
 from neorec.trainer.device import resolve_device
 from neorec.trainer.distributed import DistributedContext, explain_collective_failure, single_process
@@ -133,9 +132,10 @@ def _evaluate(restorable: checkpoint.Restorable, config: TrainConfig | None,
         # every file's size and dense.pt's checksum, as --resume checks them (the records'
         # checksums are checked as they are restored: not read twice)
         checkpoint.check(restorable, [], need_dense=True)
-        recorded = load_dense(restorable)["state"].get("split_files") or {}
+        dense = checkpoint.dense_state(restorable, model)
+        recorded = dense["state"].get("split_files") or {}
         _warn_if_rewritten(dataset, config.data.eval_split, restorable, recorded)  # before restoring names a table
-        checkpoint.restore_model(restorable, model)
+        checkpoint.restore_model(restorable, model, dense)
         reader = make_reader(dataset, config.data.eval_split, decode_options(dataset.schema, config),
                              eval_reader_config(config), config)
         try:
