@@ -13,7 +13,7 @@ import io
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -214,8 +214,12 @@ def _check_header(file: SourceFile, delimiter: str) -> None:
 
 def text_layout(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOptions) -> TextLayout:
     """Where the rows of ``file`` read with these options lie on its lines."""
-    header = not (read.column_names or read.autogenerate_column_names)
-    return TextLayout(file, read.skip_rows, header, parse.quote_char or None, parse.delimiter)
+    return TextLayout(file, read.skip_rows, _has_header(read), parse.quote_char or None, parse.delimiter)
+
+
+def _has_header(read: pacsv.ReadOptions) -> bool:
+    """Whether the reader takes the column names from the file's first row (after the skipped ones)."""
+    return not (read.column_names or read.autogenerate_column_names)
 
 
 def csv_batches(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOptions,
@@ -253,8 +257,7 @@ def csv_batches(file: SourceFile, read: pacsv.ReadOptions, parse: pacsv.ParseOpt
         if missing is not None:
             raise missing from None
         raise DataError(f"cannot read it as {what}: {_first_line(err)}", file=file.name) from None
-    header = not (read.column_names or read.autogenerate_column_names)
-    if parse.quote_char and counted.lines > rows + read.skip_rows + header:  # values over several lines
+    if parse.quote_char and counted.lines > rows + read.skip_rows + _has_header(read):  # values over several lines
         line = _unclosed_quote(file, parse.quote_char, parse.delimiter)
         if line is not None:
             raise DataError("a quote opened in this row is never closed: the rest of the file was read into one "
@@ -295,18 +298,11 @@ class _LineBreakCounter:
 
 def _unclosed_quote(file: SourceFile, quote: str, delimiter: str) -> int | None:
     """The 1-based line a row begins on whose quoted field is still open at the end of
-    ``file`` (None when every quote closes, or the file cannot be read again): a scan of
-    the whole file, line by line."""
-    marks, quoted, opened = (ord(quote), ord(delimiter)), False, 0
-    try:
-        with file.filesystem.open_input_stream(file.path, compression="detect") as stream:
-            for number, line in enumerate(io.BufferedReader(stream, 1 << 20), 1):
-                if not quoted:
-                    opened = number
-                if quoted or marks[0] in line:
-                    quoted = _ends_quoted(line.rstrip(b"\r\n"), *marks, quoted)
-    except OSError:
-        return None
+    ``file`` (None when every quote closes): a scan of the whole file, line by line."""
+    opened, quoted = 0, False
+    for number, _, inside, quoted in _quote_states(_lines(file, limit=None), quote, delimiter):
+        if not inside:
+            opened = number
     return opened if quoted else None
 
 
@@ -394,15 +390,15 @@ def _line_of(file: SourceFile, text: str, encoding: str) -> int | None:
     return next((number for number, line in _lines(file) if line == wanted), None)
 
 
-def _lines(file: SourceFile) -> Iterator[tuple[int, bytes]]:
+def _lines(file: SourceFile, limit: int | None = LINE_SCAN_BYTES) -> Iterator[tuple[int, bytes]]:
     """The 1-based number and the text (its line break removed) of each line of ``file``
-    within its first :data:`LINE_SCAN_BYTES`; none once it cannot be read again."""
+    within its first ``limit`` bytes (None: all of it); none once it cannot be read again."""
     scanned = 0
     try:
         with file.filesystem.open_input_stream(file.path, compression="detect") as stream:
             for number, line in enumerate(io.BufferedReader(stream, 1 << 20), 1):
                 scanned += len(line)
-                if scanned > LINE_SCAN_BYTES:
+                if limit is not None and scanned > limit:
                     return
                 yield number, line.rstrip(b"\r\n")
     except OSError:
@@ -412,13 +408,22 @@ def _lines(file: SourceFile) -> Iterator[tuple[int, bytes]]:
 def _records(file: SourceFile, quote: str | None, delimiter: str) -> Iterator[tuple[int, bool]]:
     """The 1-based line each row (record) of a delimited file begins on, and whether it is
     a blank line (:func:`_lines`' lines); a row may run over several lines inside a ``quote``."""
+    for number, text, inside, _ in _quote_states(_lines(file), quote, delimiter):
+        if not inside:
+            yield number, not text
+
+
+def _quote_states(lines: Iterable[tuple[int, bytes]], quote: str | None,
+                  delimiter: str) -> Iterator[tuple[int, bytes, bool, bool]]:
+    """Each of ``lines`` (number, text) with whether it begins, and whether it ends, inside
+    a quoted field (never, without a ``quote``)."""
     quoted = False
     marks = (ord(quote), ord(delimiter)) if quote else None
-    for number, text in _lines(file):
-        if not quoted:
-            yield number, not text
+    for number, text in lines:
+        begins = quoted
         if marks is not None and (quoted or marks[0] in text):
             quoted = _ends_quoted(text, *marks, quoted)
+        yield number, text, begins, quoted
 
 
 def _ends_quoted(line: bytes, quote: int, delimiter: int, quoted: bool) -> bool:
