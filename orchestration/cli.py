@@ -20,7 +20,8 @@ from neorec.orchestration.cli_args import (CommandParser, add_client_security, a
                                            port, seconds, service_addresses)
 from neorec.orchestration.progress import LazyBar
 from neorec.orchestration.nodes import add_node_arguments, nodes_from_args, uses_torchrun
-from neorec.orchestration.processes import USER_ERROR, rank_stopped_by_user_error, record_rank_exit
+from neorec.orchestration.processes import (USER_ERROR, earlier_attempt_user_error, rank_stopped_by_user_error,
+                                            record_rank_exit)
 from neorec.orchestration.supervisor import die_with_parent
 
 if TYPE_CHECKING:
@@ -48,8 +49,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     anything else is a bug: it keeps its traceback and exits 1. A rank under
     ``neorec train --nproc`` leaves its status for that command to report; a rank whose
     collective failed because another rank stopped with a user error says so in one line
-    and exits 2 too."""
-    code = _command(argv)
+    and exits 2 too; ranks that ``--max-restarts`` starts again after a user's error exit 2
+    at once, since they would meet it again."""
+    earlier = earlier_attempt_user_error()
+    if earlier is None:
+        code = _command(argv)
+    else:  # torchrun's --max-restarts started the ranks again after a user's error: they would meet it again
+        if os.environ.get("LOCAL_RANK") == "0":
+            print(f"neorec: error: not started again: rank {earlier} stopped with an error above that a restart "
+                  f"cannot mend", file=sys.stderr)
+        code = USER_ERROR
     record_rank_exit(code)
     return code
 

@@ -102,11 +102,24 @@ def record_rank_exit(code: int) -> None:
 def rank_stopped_by_user_error() -> int | None:
     """In a rank :func:`run_torchrun` started: another rank that stopped with a user's error
     (:func:`record_rank_exit`), whose own line says what it was; None if none did."""
-    directory, rank = os.environ.get(RANK_EXITS), os.environ.get("RANK")
+    return next((other for other in _ranks_with_user_error() if str(other) != os.environ.get("RANK")), None)
+
+
+def earlier_attempt_user_error() -> int | None:
+    """In a rank :func:`run_torchrun` started: the rank whose user's error ended an earlier
+    attempt of this node's ranks (torchrun's ``--max-restarts`` starts them again after any
+    failure, but a restart cannot mend a config, data or file the user must change); None
+    if none did, or in the first attempt (whose directory of exit statuses starts empty)."""
+    return next(iter(_ranks_with_user_error()), None)
+
+
+def _ranks_with_user_error() -> list[int]:
+    """The ranks that left :data:`USER_ERROR` as their exit status (nothing outside a rank
+    :func:`run_torchrun` started)."""
+    directory = os.environ.get(RANK_EXITS)
     if not directory:
-        return None
-    return next((other for other, code in sorted(_rank_exits(Path(directory)).items())
-                 if str(other) != rank and code == USER_ERROR), None)
+        return []
+    return [rank for rank, code in sorted(_rank_exits(Path(directory)).items()) if code == USER_ERROR]
 
 
 def _rank_exits(directory: Path) -> dict[int, int]:

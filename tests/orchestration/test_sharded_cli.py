@@ -234,6 +234,19 @@ def test_a_user_error_in_the_ranks_exits_2_and_torchrun_leaves_no_files(criteo_d
     live_run.rmdir()
 
 
+@pytest.mark.slow  # three attempts of two ranks
+def test_a_user_error_is_not_retried_by_elastic_restarts(criteo_dataset, tmp_path):
+    """Under ``--max-restarts 2`` the agent starts the ranks again after any failure; after
+    a user's error they exit 2 at once rather than load the data and meet it again."""
+    refused = neorec("train", "configs/demo.toml", "--nproc", "2", "--max-restarts", "2",
+                     *_settings(criteo_dataset, tmp_path / "run"), "--set", "train.batch_size=100000")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert 1 <= refused.stderr.count("neorec: error: split 'train'") <= 2, refused.stderr[-3000:]  # one attempt's
+    assert refused.stderr.count("neorec: error: not started again: rank 0 stopped with an error above that a "
+                                "restart cannot mend") == 2, refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr
+
+
 @pytest.mark.slow
 def test_a_killed_rank_is_named_as_killed_not_left_to_torchrun_s_traceback(criteo_dataset, tmp_path):
     """A rank the kernel kills (its out-of-memory killer, say) records no exit status; the
