@@ -205,9 +205,21 @@ def _eval_files(patterns: list[str], source: BlockSource) -> set[str]:
 
 def _cutoff(spec: ImportSpec, source: BlockSource) -> tuple[float, int]:
     """The time of the last train row of a chronological split, and how many rows of that
-    time are train rows (the first ones in file order)."""
+    time are train rows (the first ones in file order). Every block's times must be of one
+    kind (:func:`_time_kind`): a timestamp without an offset is in no time zone, so it
+    orders against one with an offset, or a number, only by a guess."""
     column = spec.split.time_column
-    times = np.concatenate([_times(b, column) for b in source.blocks([column])] or [np.zeros(0)])
+    parts, first = [], None
+    for block in source.blocks([column]):
+        values = _time_values(block, column)
+        parts.append(_seconds(block, column, values))
+        kind = _time_kind(values.type)
+        if first is None:
+            first = (kind, block.file)
+        elif kind != first[0]:
+            raise DataError(f"times are {kind} here, {first[0]} in {first[1]}: a chronological split orders times "
+                            f"of one kind", file=block.file, column=column, **block.where(0))
+    times = np.concatenate(parts or [np.zeros(0)])
     train_rows = _train_rows(times.size, spec)
     last = float(np.partition(times, train_rows - 1)[train_rows - 1])
     return last, train_rows - int((times < last).sum())
@@ -226,12 +238,22 @@ def _inputs(spec: ImportSpec) -> str:
 
 
 def _times(block: Block, column: str) -> np.ndarray:
-    """float64 ``[rows]``: a time column's values, to be ordered. Numbers are taken as they
-    are; timestamps and dates (typed, or ISO 8601 text, with or without an offset) become
-    seconds since the epoch."""
+    """float64 ``[rows]``: a time column's values, to be ordered (:func:`_seconds`)."""
+    return _seconds(block, column, _time_values(block, column))
+
+
+def _time_values(block: Block, column: str) -> pa.Array:
+    """A block's time column as Arrow holds it (typed), its text read as :data:`TIME_KINDS`."""
     values = _column(block, column)
     if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
-        values = _parsed_times(block, column, values)
+        return _parsed_times(block, column, values)
+    return values
+
+
+def _seconds(block: Block, column: str, values: pa.Array) -> np.ndarray:
+    """float64 ``[rows]``: a block's time ``values`` (:func:`_time_values`), to be ordered.
+    Numbers are taken as they are; timestamps and dates (with or without an offset) become
+    seconds since the epoch."""
     if values.null_count:
         raise DataError("missing time", file=block.file, column=column, **_where(block, values.is_null()))
     if pa.types.is_timestamp(values.type) or pa.types.is_date(values.type):
@@ -246,6 +268,14 @@ def _times(block: Block, column: str) -> np.ndarray:
     if bad.any():
         raise DataError(f"not a finite time: {times[bad][0]:g}", file=block.file, column=column, **_where(block, bad))
     return times
+
+
+def _time_kind(kind: pa.DataType) -> str:
+    """Which kind of time a column of type ``kind`` (:func:`_time_values`) holds, in words:
+    numbers, timestamps (or dates) without an offset, or timestamps with one."""
+    if pa.types.is_date(kind) or (pa.types.is_timestamp(kind) and kind.tz is None):
+        return "timestamps without an offset"
+    return "timestamps with an offset" if pa.types.is_timestamp(kind) else "numbers"
 
 
 TIME_KINDS = (pa.float64(), pa.timestamp("ns"), pa.timestamp("ns", tz="UTC"))

@@ -348,6 +348,20 @@ def test_a_time_that_is_not_one_is_named_by_its_row(tmp_path, monkeypatch):
 HEADER = "user,item,count,genres,ts,rating\n"
 
 
+@pytest.mark.parametrize("later,kind", [("2014-10-21T05:00:00+01:00", "timestamps with an offset"),
+                                         ("1413867600", "numbers")])
+def test_times_of_another_kind_in_a_later_file_are_refused_by_their_line(tmp_path, later, kind):
+    """A file of timestamps without an offset, then one whose times have an offset (or are
+    numbers): in no time zone, the first order against the others only by a guess."""
+    first, second = tmp_path / "day_0.csv", tmp_path / "day_1.csv"
+    first.write_text(HEADER + "".join(f"u{i},1,{i},a,2014-10-21 {i:02d}:00:00,4\n" for i in range(20)))
+    second.write_text(HEADER + "".join(f"u{i},1,{i},a,{later},4\n" for i in range(20)))
+    with pytest.raises(DataError, match=rf"^file {re.escape(str(second))}, column 'ts', line 2: times are {kind} "
+                                        rf"here, timestamps without an offset in {re.escape(str(first))}: a "
+                                        rf"chronological split orders times of one kind"):
+        import_dataset(spec(tmp_path / "day_*.csv"), tmp_path / "out")
+
+
 @pytest.mark.parametrize("transform,count,problem", [
     ("none", "1" + "0" * 40, "not a finite float32: 1e+40 is beyond float32's range"),
     ("standardize", "1e200", "values too large to standardize: their squares sum beyond float64's range"),
