@@ -4,7 +4,8 @@
 
     [input]
     files = ["logs/*.csv"]           # paths, globs, or URIs of any pyarrow filesystem
-    format = "csv"                   # csv, tsv or parquet
+    format = "csv"                   # csv, tsv or parquet; default: by the files' names
+                                     # (.tsv or .tab, .parquet or .pq; otherwise csv)
     header = true                    # false: give column_names
     column_names = []
 
@@ -63,14 +64,40 @@ class SpecError(UserError, ValueError):
     """An import spec value is missing, unknown or invalid; the message names the key."""
 
 
+COMPRESSED = (".gz", ".bz2", ".zst", ".zstd", ".lz4", ".br")
+"""Suffixes of compressed files, which Arrow reads as they are: the format is the suffix before."""
+FORMAT_SUFFIXES = {".tsv": "tsv", ".tab": "tsv", ".parquet": "parquet", ".pq": "parquet"}
+"""A file name's suffix → the format it says (any other: csv)."""
+
+
+def format_of_names(files: list[str]) -> str:
+    """The format the names of ``files`` (paths, globs or URIs) say: one of
+    :data:`FORMAT_SUFFIXES`' (a compressed file's by the suffix before its compression's),
+    else csv; a :class:`SpecError` when they say two."""
+    said: dict[str, str] = {}
+    for name in files:
+        stem = name.lower()
+        stem = next((stem[:-len(c)] for c in COMPRESSED if stem.endswith(c)), stem)
+        said.setdefault(next((f for suffix, f in FORMAT_SUFFIXES.items() if stem.endswith(suffix)), "csv"), name)
+    if len(said) > 1:
+        named = ", ".join(f"{kind} ({name})" for kind, name in said.items())
+        raise SpecError(f"input.format: the files' names say {named}: give the format")
+    return next(iter(said), "csv")
+
+
 @dataclass
 class InputSpec:
     files: list[str] = field(default_factory=list)
-    format: str = "csv"
+    format: str = ""
+    """csv, tsv or parquet; "": as the files' names say (:func:`format_of_names`)."""
     header: bool = True
     column_names: list[str] = field(default_factory=list)
     delimiter: str = ""
     """Default: ``,`` for csv, a tab for tsv."""
+
+    def __post_init__(self) -> None:
+        if not self.format and self.files:
+            self.format = format_of_names(self.files)
 
     def validate(self) -> None:
         if not self.files:

@@ -261,6 +261,27 @@ def test_bad_labels_missing_files_and_bad_specs_are_named(tmp_path):
             spec(path, categorical={"encoding": encoding, key: value})
 
 
+@pytest.mark.parametrize("names,format", [(["log.tsv"], "tsv"), (["day_*.TSV.gz"], "tsv"), (["log.tab.zst"], "tsv"),
+                                          (["a.parquet", "s3://b/c.pq"], "parquet"), (["log.csv", "day_0"], "csv")])
+def test_a_spec_without_a_format_takes_the_one_the_files_names_say(names, format):
+    given = ImportSpec.from_dict({"input": {"files": names}, "categorical": {"columns": ["user"]}})
+    assert given.input.format == format
+    assert ImportSpec.from_dict({"input": {"files": names, "format": "csv"},
+                                 "categorical": {"columns": ["user"]}}).input.format == "csv"  # as given
+
+
+def test_files_whose_names_say_two_formats_need_the_format_given(tmp_path):
+    with pytest.raises(SpecError, match=r"^input.format: the files' names say tsv \(a.tsv\), csv \(b.csv\): give "):
+        ImportSpec.from_dict({"input": {"files": ["a.tsv", "b.csv"]}, "categorical": {"columns": ["user"]}})
+    path = tmp_path / "log.tsv"  # read as the tab-separated file its name says
+    path.write_text("\t".join(HEADER.split(",")) + "".join(f"u{i}\t1\t{i}\ta\t{i}\t4\n" for i in range(8)))
+    dataset = import_dataset(ImportSpec.from_dict({
+        "input": {"files": [str(path)]}, "label": {"column": "rating", "transform": ">= 4"},
+        "categorical": {"columns": ["user", "item"]}, "split": {"kind": "ordered", "eval_fraction": 0.25}}),
+        tmp_path / "out")
+    assert sorted(int(r["user"]) for r in rows_of(dataset, "train")) == list(range(1, 7))
+
+
 def test_a_split_left_empty_names_the_input_files(tmp_path):
     path = tmp_path / "log.csv"
     path.write_text("user,item,count,genres,ts,rating\nu0,1,2,a,5,4\n")
