@@ -169,3 +169,38 @@ def test_a_model_the_host_cannot_allocate_is_a_config_error_that_releases_all(cr
     with pytest.raises(ConfigError, match=r"^the model does not fit this host's memory \(.*allocate.*\): lower "
                                           r"model.max_table_rows .* sharding.memory_per_rank is 16GiB\)$"):
         train(config)
+
+
+def _old_run(run_dir: Path) -> dict[str, str]:
+    """An earlier run's files in ``run_dir``: path → contents."""
+    files = {"config.json": "{}", "metrics.jsonl": "{}\n", "summary.json": '{"steps": 4}',
+             "checkpoint/step-4/manifest.json": "{}"}
+    for name, text in files.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(text)
+    return files
+
+
+@pytest.mark.parametrize("refusal", ["no tensorboard", "store service unreachable"])
+def test_a_run_refused_in_setting_up_leaves_the_run_it_would_overwrite_as_it_was(criteo_dataset, tmp_path,
+                                                                                 monkeypatch, refusal):
+    """A refused ``--overwrite`` leaves the old run (docs/checkpoints.md): what a run needs
+    beyond its config and data (TensorBoard installed, a store service that serves it) is
+    judged before the old run goes; a fresh directory is left empty, for the next run."""
+    from neorec.common.errors import UserError
+
+    if refusal == "no tensorboard":
+        monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # its import fails
+        config = _config(criteo_dataset, tmp_path / "run", loop={"tensorboard": True})
+    else:
+        config = TrainConfig.from_dict({**_config(criteo_dataset, tmp_path / "run").to_dict(),
+                                        "embedding_store": {"tables": {"t_C1": 0.005}, "service": "127.0.0.1:1"}})
+    files = _old_run(tmp_path / "run")
+    with pytest.raises(UserError, match="tensorboard package" if refusal == "no tensorboard" else "127.0.0.1:1"):
+        TrainingRun(config, SINGLE_PROCESS, overwrite=True)
+    left = {str(p.relative_to(tmp_path / "run")): p.read_text() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    assert {name: text for name, text in left.items() if name != ".lock"} == files
+    with pytest.raises(UserError):
+        TrainingRun(TrainConfig.from_dict({**config.to_dict(), "run": {"dir": str(tmp_path / "fresh")}}),
+                    SINGLE_PROCESS)
+    assert not [p for p in (tmp_path / "fresh").rglob("*") if p.name != ".lock"]

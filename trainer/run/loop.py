@@ -58,7 +58,7 @@ from neorec.trainer.run.step import ProgressFn, StepReport, set_threads, train_s
 from neorec.trainer.run.thread_governor import governor_for
 from neorec.trainer.embedding.fused import check_ids
 from neorec.trainer.embedding.dynamic.collection import DynamicEmbeddings
-from neorec.trainer.run.tensorboard import Board, open_board
+from neorec.trainer.run.tensorboard import Board, open_board, summary_writer
 from neorec.trainer.embedding.store_backed import StoreBackedEmbeddings, StorePiece, store_of
 from neorec.trainer.run.warmup import compile_kernels
 
@@ -113,6 +113,8 @@ class TrainingRun:
         self.run_dir = Path(config.run.dir)
         if context.is_main:
             run_directory.check_claim(self.run_dir, overwrite=overwrite, resume=resume)
+            if loop.tensorboard:
+                summary_writer()  # refused before the run directory is claimed
         if resume:
             self._check_resumable_early()
         self.early: BackgroundIterator | None = None
@@ -123,6 +125,11 @@ class TrainingRun:
         if self.follower is not None:
             self.follower.wait_for_first_partition()  # the planner samples lookups from it
         self.plan = job_plan(self.dataset, config, context)
+        store_dir = Path(config.embedding_store.dir or self.run_dir / run_directory.STORE)
+        # tiers emptied, also when resuming: the checkpoint restored replaces them (a tier's own segments,
+        # newer than any checkpoint, cannot be used, and one a crash damaged must not stop the resume);
+        # a store service is asked here, so that one that cannot serve the run refuses it before an old run goes
+        store = store_settings(config, store_dir, reset=True)
         self.run_lock = None
         """Rank 0's lock of the run directory, held until the run ends."""
         if context.is_main:  # an old run is replaced only once the plan is judged too
@@ -133,10 +140,7 @@ class TrainingRun:
             mark_claimed(self.run_dir)
         if context.distributed:
             dist.barrier()  # no rank opens its store tiers in the run directory while the old run is removed
-        store_dir = Path(config.embedding_store.dir or self.run_dir / run_directory.STORE)
-        # tiers emptied, also when resuming: the checkpoint restored replaces them (a tier's own segments,
-        # newer than any checkpoint, cannot be used, and one a crash damaged must not stop the resume)
-        self.dlrm = build_model(self.dataset, config, self.plan, store=store_settings(config, store_dir, reset=True))
+        self.dlrm = build_model(self.dataset, config, self.plan, store=store)
         self.dlrm = self.dlrm.to(context.device)
         self.store = store_of(self.dlrm.embeddings)
         if self.store is not None:

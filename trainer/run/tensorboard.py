@@ -36,9 +36,15 @@ class Board:
 
 def open_board(run_dir: Path) -> Board:
     """The run's event writer; :class:`ConfigError` when TensorBoard is not installed."""
+    return Board(summary_writer()(log_dir=str(run_dir / TENSORBOARD_DIR)))
+
+
+def summary_writer() -> type:
+    """``torch.utils.tensorboard.SummaryWriter``; :class:`ConfigError` when TensorBoard is not
+    installed (a run checks before it claims its directory)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise ConfigError("train.tensorboard = true needs the tensorboard package: pip install 'neorec[tensorboard]' "
                           "(or set train.tensorboard = false)") from None
-    return Board(SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR)))
+    return SummaryWriter
