@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from neorec.configs import shipped
 from neorec.ingest.synth import SynthSpec, generate
 from neorec.orchestration.config import load_config
 from neorec.trainer.checkpoint.layout import complete, read_manifest
@@ -39,7 +40,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         def config(name: str, **checkpoint: Any):
             settings = [f"data.path='{dataset.root}'", f"run.dir='{root / name}'", "train.log_every=1000000"]
             settings += [f"checkpoint.{k}={json.dumps(v)}" for k, v in checkpoint.items()]
-            return load_config("configs/demo.toml", settings)
+            return load_config(shipped("demo.toml"), settings)
 
         runs: dict[str, list[dict[str, Any]]] = {"plain": [], **{f"incremental-{b}": [] for b in (32, 8, 4)}}
         for round_ in range(ROUNDS):  # interleaved: drift of the machine hits every candidate alike

@@ -33,6 +33,7 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow.parquet as pq
 
+from neorec.configs import shipped
 from neorec.embedding_store.cache import SetAssociativeCache
 from neorec.ingest.schema import Dataset
 from neorec.ingest.synth import SynthSpec, generate
@@ -167,7 +168,7 @@ def out_of_core(quick: bool) -> dict[str, Any]:
         base = [f"data.path='{dataset.root}'", "model.embedding_dim=64", "model.bottom_mlp=[128, 64]",
                 "model.max_table_rows=2000000", "train.log_every=1000000", "train.batch_size=2048",
                 "checkpoint.final=false", "embedding_store.cache_fraction=0.0"]
-        config = load_config("configs/demo.toml", base)
+        config = load_config(shipped("demo.toml"), base)
         from neorec.trainer.run.build import table_configs
 
         tables = table_configs(dataset.schema, config)
@@ -181,7 +182,7 @@ def out_of_core(quick: bool) -> dict[str, Any]:
                     tables_on_store = json.dumps({t.name: fraction for t in large}).replace(":", "=")
                     settings += [f"embedding_store.tables={tables_on_store}", "embedding_store.direct_io=true",
                                  f"embedding_store.dir='{root / f'tiers-{name}-{round_}'}'"]
-                runs[name].append(train(load_config("configs/demo.toml", settings)))
+                runs[name].append(train(load_config(shipped("demo.toml"), settings)))
         memory_qps = statistics.median(r["train_qps"] for r in runs["memory"])
         table_bytes = sum(_bytes(t.num_embeddings, 64) for t in large)
         out: dict[str, Any] = {"rows": rows, "steps": runs["memory"][0]["steps"], "rounds": rounds,
@@ -215,12 +216,12 @@ def larger_than_memory(quick: bool) -> dict[str, Any]:
                     "train.batch_size=2048", "checkpoint.final=false", f"run.dir='{root / 'run'}'",
                     f"embedding_store.dir='{root / 'tiers'}'", "embedding_store.direct_io=true",
                     "embedding_store.cache_fraction=0.01", "sharding.memory_per_rank='4GiB'"]
-        config = load_config("configs/demo.toml", settings)
+        config = load_config(shipped("demo.toml"), settings)
         from neorec.trainer.run.build import table_configs
 
         logical = sum(_bytes(t.num_embeddings, dim) for t in table_configs(dataset.schema, config))
         # Its own process: the peak RSS is this run's alone.
-        subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", "train", "configs/demo.toml",
+        subprocess.run([sys.executable, "-m", "neorec.orchestration.cli", "train", str(shipped("demo.toml")),
                         *(arg for setting in settings for arg in ("--set", setting))], check=True,
                        stdout=subprocess.DEVNULL)
         summary = json.loads((root / "run" / "summary.json").read_text())

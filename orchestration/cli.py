@@ -203,7 +203,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a small, fast configuration (for smoke tests)")
     bench.add_argument("--threads", type=at_least(0), default=0,
                        help="tbe: threads for ours and the baseline alike (1: the per-core comparison; 0: all cores)")
-    bench.add_argument("--nproc", type=int, default=1,
+    bench.add_argument("--nproc", type=at_least(1), default=1,
                        help="train: compare N sharded trainer processes with one process; "
                             "collectives: ranks (at least 2)")
     bench.add_argument("--contend", action="store_true",
@@ -455,6 +455,13 @@ def _status(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from neorec.benchmarks import run_benchmark
 
+    for flag, given, benchmarks in (("--threads", args.threads != 0, ("tbe",)),
+                                    ("--nproc", args.nproc != 1, ("train", "collectives")),
+                                    ("--contend", args.contend, ("train",))):
+        if given and args.name not in benchmarks:
+            raise ConfigError(f"{flag} is for neorec bench {' and '.join(benchmarks)}, not {args.name}")
+    if args.contend and args.nproc != 1:
+        raise ConfigError("--contend measures one process beside a competing one: give it without --nproc")
     if args.json:  # found before the benchmark runs, not after
         with user_paths():
             _check_writable_file(Path(args.json))

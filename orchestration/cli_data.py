@@ -37,7 +37,7 @@ def add_data_commands(commands: "argparse._SubParsersAction") -> None:
                        help="ids each feature draws from (Zipf; default: the profile's cardinalities)")
     synth.set_defaults(run=_synth)
     importer = data.add_parser("import", help="import CSV/TSV/Parquet click logs (an import spec, or flags)")
-    importer.add_argument("spec", nargs="?", help="import spec (TOML; see ingest/import_spec.py; with --partition, "
+    importer.add_argument("spec", nargs="?", help="import spec (TOML; see docs/data-import.md; with --partition, "
                                                   "default: the spec the dataset in --out was imported with)")
     importer.add_argument("--out", required=True)
     importer.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)

@@ -33,7 +33,8 @@ def add_service_commands(commands: "argparse._SubParsersAction") -> None:
     serve.add_argument("--row-group-cache-mib", type=at_least(0), default=DEFAULT_CAPACITY_BYTES >> 20,
                        help="memory for row groups shared by concurrent reads of one epoch")
     serve.add_argument("--memory-pool", choices=sorted(MEMORY_POOLS), default=SERVICE_MEMORY_POOL,
-                       help="Arrow's allocator in the service (see ingest/arrow_memory.py)")
+                       help="Arrow's allocator in the service (system: the C library's malloc, which serves "
+                            "buffers freed on other threads best; mimalloc: pyarrow's default)")
     _status_parser(ingest, "print a reader service's live counters", _ingest_status)
 
     store = commands.add_parser("store", help="embedding store services").add_subparsers(dest="store", required=True)

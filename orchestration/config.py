@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from neorec.common.errors import ConfigError
+from neorec.configs import shipped
 from neorec.trainer.config import TrainConfig
 
 
@@ -46,7 +47,7 @@ def read_toml(path: str | Path, what: str) -> dict[str, Any]:
     try:
         return tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"{what} {path} not found") from None
+        raise ConfigError(f"{what} {path} not found{_shipped_instead(path)}") from None
     except OSError as err:  # a directory, no permission, …
         raise ConfigError(f"cannot read {what} {path}: {err.strerror or err}") from None
     except UnicodeDecodeError as err:
@@ -54,6 +55,13 @@ def read_toml(path: str | Path, what: str) -> dict[str, Any]:
                           f"TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
+
+
+def _shipped_instead(path: str | Path) -> str:
+    """Where neorec's own config of that name lies, when it ships one (``configs/demo.toml``
+    from outside a checkout: an installed wheel holds it inside the package)."""
+    name = Path(path).name
+    return f" (neorec ships {name} as {shipped(name)})" if name.endswith(".toml") and shipped(name).is_file() else ""
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:

@@ -30,12 +30,13 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from neorec.configs import shipped
 from neorec.ingest.synth import SynthSpec, generate
 from neorec.orchestration.config import load_config
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.run.train import train
 
-DEMO = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
+DEMO = shipped("demo.toml")
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 """The runtime and driver calls that launch a kernel, as the profiler names them."""

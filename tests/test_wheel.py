@@ -93,6 +93,8 @@ def test_the_wheel_holds_the_packages_and_no_tests(wheel: Path):
         inside = package.replace(".", "/")
         for path in folder.glob("*.py"):
             assert f"{inside}/{path.name}" in modules, f"{folder.relative_to(ROOT) / path.name} is not in the wheel"
+    shipped_configs = {f"neorec/configs/{p.name}" for p in (ROOT / "configs").glob("*.toml")}
+    assert shipped_configs and shipped_configs <= set(names), "the configs the benchmarks and docs name"
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "neorec = neorec.orchestration.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
@@ -194,6 +196,8 @@ def test_the_installed_wheel_runs_beside_a_users_own_trainer_protos_and_benchmar
     # top-level `import trainer` would find
     run(python, "-m", "neorec", "train", "config.toml")
     assert json.loads((project / "runs" / "wheel" / "summary.json").read_text())["steps"] == 4
+    demo = run(python, "-c", "from neorec.configs import shipped; print(shipped('demo.toml'))").strip()
+    assert Path(demo).is_relative_to(venv.resolve()) and "[model]" in Path(demo).read_text()  # the benchmarks' config
     assert "public API ok" in run(python, "check.py", str(venv))
     # and the library example of docs/api.md, as a user would run it
     (example,) = python_blocks(ROOT / "docs" / "api.md")

@@ -46,6 +46,17 @@ def test_errors_are_reported_without_a_traceback(tmp_path):
     assert result.returncode == 2 and "not a neorec dataset directory" in result.stderr
 
 
+@pytest.mark.parametrize("flags,error", [
+    (["ingest", "--threads", "1"], "--threads is for neorec bench tbe, not ingest"),
+    (["store", "--nproc", "2"], "--nproc is for neorec bench train and collectives, not store"),
+    (["tbe", "--contend"], "--contend is for neorec bench train, not tbe"),
+    (["train", "--contend", "--nproc", "2"], "--contend measures one process beside a competing one"),
+])
+def test_a_bench_flag_the_benchmark_does_not_take_is_refused(flags, error):
+    result = neorec("bench", *flags)
+    assert result.returncode == 2 and result.stderr.startswith(f"neorec: error: {error}"), result.stderr
+
+
 @pytest.mark.slow  # end to end, over 10 s: CI runs it with -m slow
 def test_bench_quick_times_both_sides_training_the_same_model(tmp_path):
     out = tmp_path / "bench.json"
