@@ -15,11 +15,15 @@ SETTINGS=(--set "train.max_steps=$STEPS" --overwrite "$@")
 mkdir -p runs
 
 start=$(date +%s.%N)
+nodes=()
 for node in 0 1; do
   $NEOREC train configs/demo.toml --nproc "$NPROC" --nnodes 2 --node-rank "$node" --rdzv "127.0.0.1:$PORT" \
     --set "run.dir='runs/two-nodes'" "${SETTINGS[@]}" > "runs/two-nodes-node$node.log" 2>&1 &
+  nodes+=($!)
 done
-wait
+for node in 0 1; do
+  wait "${nodes[$node]}" || { echo "node $node failed: see runs/two-nodes-node$node.log" >&2; exit 1; }
+done
 two=$(awk "BEGIN { print $(date +%s.%N) - $start }")
 
 start=$(date +%s.%N)
