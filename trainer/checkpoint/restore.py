@@ -19,6 +19,7 @@ agree to restore the newest checkpoint that all of them found whole instead.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import pickle
 from dataclasses import dataclass, field
@@ -100,9 +101,15 @@ def check(restorable: Restorable, views: list[ShardView], need_dense: bool) -> N
     for piece in restorable.manifest.store:  # before any is linked into a tier, whose own segments it replaces
         check_store_segments(restorable.directory, piece)
     if need_dense:
-        dense = next(f for f in restorable.manifest.files if f.name == DENSE_FILE)
-        if sha256_of(restorable.directory / DENSE_FILE) != dense.sha256:
-            raise CheckpointError(f"{restorable.directory / DENSE_FILE} does not match its checksum: corrupt")
+        _check_dense(restorable, sha256_of(restorable.directory / DENSE_FILE))
+
+
+def _check_dense(restorable: Restorable, sha256: str) -> None:
+    """A :class:`CheckpointError` naming the checkpoint's ``dense.pt`` when ``sha256`` (its
+    bytes') is not the one its manifest records."""
+    entry = next((f for f in restorable.manifest.files if f.name == DENSE_FILE), None)
+    if entry is not None and entry.sha256 and sha256 != entry.sha256:
+        raise CheckpointError(f"{restorable.directory / DENSE_FILE} does not match its checksum: corrupt")
 
 
 def restore_embeddings(restorable: Restorable, views: list[ShardView]) -> None:
@@ -130,10 +137,15 @@ def load_dense(restorable: Restorable, device: torch.device | str = "cpu") -> di
     """Rank 0's dense state (MLPs, dense optimizer, RNG, position), its tensors on ``device``
     (the run's: a checkpoint written on one device restores onto another): tensors, numbers,
     strings and their dicts and lists only. The file is read without unpickling anything
-    else, so a crafted file is refused, never run (:class:`CheckpointError` naming it)."""
+    else, so a crafted file is refused, never run, and one whose bytes are not those its
+    manifest's checksum records is refused too (:class:`CheckpointError` naming it): the
+    dense states of a chain's older checkpoints are read for the state they keep
+    incrementally (:func:`load_dense_chain`), where nothing else checks them."""
     path = restorable.directory / DENSE_FILE
+    data = path.read_bytes()
+    _check_dense(restorable, hashlib.sha256(data).hexdigest())
     try:
-        dense = torch.load(io.BytesIO(path.read_bytes()), weights_only=True, map_location=device)
+        dense = torch.load(io.BytesIO(data), weights_only=True, map_location=device)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{path} holds more than tensors and plain values, refused: {first_line}") from None

@@ -77,6 +77,25 @@ def test_the_run_s_own_config_evaluates_its_checkpoint(raw_dataset, tmp_path):
         evaluate_checkpoint(tmp_path / "run", config=other)
 
 
+def test_a_corrupt_dense_state_older_in_the_chain_is_named_not_restored(raw_dataset, tmp_path):
+    """The id maps are kept incrementally over the chain's dense states: the full
+    checkpoint's ``dense.pt`` is read on every restore, and one whose bytes changed (as a
+    flipped bit of a map's tensor, which loads as another map) is refused by name."""
+    run = config_for(raw_dataset, tmp_path / "run", train={"batch_size": 128, "eval_batch_size": 500,
+                                                            "max_steps": 12, "log_every": 4},
+                     checkpoint={"every_steps": 5, "final": False})  # 5 (full), 10 (incremental)
+    train(run)
+    restorable = checkpoint.open_checkpoint(tmp_path / "run" / "checkpoint")
+    assert len(restorable.chain) > 1
+    full = tmp_path / "run" / "checkpoint" / restorable.chain[0].name / "dense.pt"
+    data = bytearray(full.read_bytes())
+    data[len(data) // 2] ^= 1  # inside the tensors' bytes: still a loadable file
+    full.write_bytes(bytes(data))
+    for restore in (lambda: evaluate_checkpoint(tmp_path / "run"), lambda: train(run, resume=True)):
+        with pytest.raises(checkpoint.CheckpointError, match=f"^{full} does not match its checksum: corrupt"):
+            restore()
+
+
 def test_same_data_and_seed_give_the_same_map_and_weights(raw_dataset, tmp_path):
     runs = [train(config_for(raw_dataset, tmp_path / f"run{i}", checkpoint={"mode": "full", "every_steps": 0},
                              train={"batch_size": 128, "eval_batch_size": 500, "epochs": 1, "log_every": 4,
