@@ -10,6 +10,8 @@ from neorec.common.errors import UserError
 class AddressError(UserError, ValueError):
     """An address that does not read ``host:port`` with a port in [1, 65535]."""
 
+    lasting = True
+
 
 HOST = re.compile(r"[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?\]")
 """A host name, an IPv4 address, or an IPv6 address in brackets (a zone after ``%``)."""

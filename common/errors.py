@@ -21,9 +21,17 @@ class UserError(Exception):
     """Bad input from the user (config, data, paths, addresses, command-line arguments),
     with a message that names what is wrong and where."""
 
+    lasting = False
+    """Whether the same command meets the error again however often it is started (a
+    config, a data set, a spec: true of those kinds), so that torchrun's elastic restarts
+    are not spent on it; false where a restart may mend it (a service that was down, a
+    full disk, a lock another process held, a rank that died)."""
+
 
 class ConfigError(UserError, ValueError):
     """A configuration value is missing, unknown or invalid; the message names the key."""
+
+    lasting = True
 
 
 class PathError(UserError):

@@ -14,6 +14,8 @@ class DataError(UserError, ValueError):
     there are no lines to count (Parquet).
     """
 
+    lasting = True
+
     def __init__(
         self,
         problem: str,

@@ -63,6 +63,8 @@ LABEL_TRANSFORM = re.compile(r"\s*(>=|<=|==|!=|>|<)\s*(-?\d+(\.\d*)?)\s*")
 class SpecError(UserError, ValueError):
     """An import spec value is missing, unknown or invalid; the message names the key."""
 
+    lasting = True
+
 
 COMPRESSED = (".gz", ".bz2", ".zst", ".zstd", ".lz4", ".br")
 """Suffixes of compressed files, which Arrow reads as they are: the format is the suffix before."""

@@ -85,6 +85,8 @@ ProgressFn = Callable[[int], None]
 class SynthSpecError(UserError, ValueError):
     """A :class:`SynthSpec` that cannot be generated (a ``neorec data synth`` argument)."""
 
+    lasting = True
+
 
 @dataclass(frozen=True)
 class SynthSpec:

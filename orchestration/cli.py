@@ -20,8 +20,8 @@ from neorec.orchestration.cli_args import (CommandParser, add_client_security, a
                                            port, seconds, service_addresses)
 from neorec.orchestration.progress import LazyBar
 from neorec.orchestration.nodes import add_node_arguments, nodes_from_args, uses_torchrun
-from neorec.orchestration.processes import (USER_ERROR, earlier_attempt_user_error, rank_stopped_by_user_error,
-                                            record_rank_exit)
+from neorec.orchestration.processes import (USER_ERROR, earlier_attempt_lasting_error, rank_stopped_by_user_error,
+                                            record_lasting_error, record_rank_exit)
 from neorec.orchestration.supervisor import die_with_parent
 
 if TYPE_CHECKING:
@@ -49,12 +49,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     anything else is a bug: it keeps its traceback and exits 1. A rank under
     ``neorec train --nproc`` leaves its status for that command to report; a rank whose
     collective failed because another rank stopped with a user error says so in one line
-    and exits 2 too; ranks that ``--max-restarts`` starts again after a user's error exit 2
-    at once, since they would meet it again."""
-    earlier = earlier_attempt_user_error()
+    and exits 2 too; ranks that ``--max-restarts`` starts again after a lasting error (a
+    config's, data's: :attr:`~neorec.common.errors.UserError.lasting`) exit 2 at once, since
+    they would meet it again."""
+    earlier = earlier_attempt_lasting_error()
     if earlier is None:
         code = _command(argv)
-    else:  # torchrun's --max-restarts started the ranks again after a user's error: they would meet it again
+    else:  # torchrun's --max-restarts started the ranks again after a lasting error: they would meet it again
         if os.environ.get("LOCAL_RANK") == "0":
             print(f"neorec: error: not started again: rank {earlier} stopped with an error above that a restart "
                   f"cannot mend", file=sys.stderr)
@@ -85,6 +86,8 @@ def _command(argv: Sequence[str] | None) -> int:
         return OUTPUT_CLOSED
     except UserError as err:
         print(f"neorec: error: {one_line(err)}", file=sys.stderr)
+        if err.lasting:
+            record_lasting_error()
         return USER_ERROR
     except RuntimeError:  # a collective that failed because another rank left
         peer = rank_stopped_by_user_error()
@@ -278,6 +281,7 @@ def _train(args: argparse.Namespace) -> int:
                   f"partition {summary['blocked_by']} was never marked ready, and partitions are trained in name "
                   f"order; mark it ready (or remove it) and continue with --resume {config.run.dir}", file=sys.stderr)
         record_rank_exit(USER_ERROR)
+        record_lasting_error()  # a restart would wait data.idle_exit_s for the same partition
         return USER_ERROR
     return _exit_status(summary.get("stopped_by", ""))
 

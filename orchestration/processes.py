@@ -102,24 +102,53 @@ def record_rank_exit(code: int) -> None:
 def rank_stopped_by_user_error() -> int | None:
     """In a rank :func:`run_torchrun` started: another rank that stopped with a user's error
     (:func:`record_rank_exit`), whose own line says what it was; None if none did."""
-    return next((other for other in _ranks_with_user_error() if str(other) != os.environ.get("RANK")), None)
+    directory, rank = os.environ.get(RANK_EXITS), os.environ.get("RANK")
+    if not directory:
+        return None
+    return next((other for other, code in sorted(_rank_exits(Path(directory)).items())
+                 if str(other) != rank and code == USER_ERROR), None)
 
 
-def earlier_attempt_user_error() -> int | None:
-    """In a rank :func:`run_torchrun` started: the rank whose user's error ended an earlier
-    attempt of this node's ranks (torchrun's ``--max-restarts`` starts them again after any
-    failure, but a restart cannot mend a config, data or file the user must change); None
-    if none did, or in the first attempt (whose directory of exit statuses starts empty)."""
-    return next(iter(_ranks_with_user_error()), None)
+LASTING = "lasting-"
+"""A file ``lasting-R`` in the directory of exit statuses: rank R stopped with a lasting
+error (:attr:`~neorec.common.errors.UserError.lasting`), in the attempt its text numbers."""
 
 
-def _ranks_with_user_error() -> list[int]:
-    """The ranks that left :data:`USER_ERROR` as their exit status (nothing outside a rank
-    :func:`run_torchrun` started)."""
+def record_lasting_error() -> None:
+    """Leave word that this rank stopped with an error that every attempt meets again (a
+    config, data, a followed partition never marked ready), for the ranks torchrun's
+    ``--max-restarts`` starts next (:func:`earlier_attempt_lasting_error`; nothing outside
+    a rank :func:`run_torchrun` started)."""
+    directory, rank = os.environ.get(RANK_EXITS), os.environ.get("RANK")
+    if directory and rank is not None:
+        try:
+            (Path(directory) / f"{LASTING}{int(rank)}").write_text(str(_attempt()))
+        except (OSError, ValueError):  # a hint: without it the restarted ranks meet the error themselves
+            pass
+
+
+def earlier_attempt_lasting_error() -> int | None:
+    """In a rank :func:`run_torchrun` started again by torchrun's ``--max-restarts``: the
+    rank whose lasting error (:func:`record_lasting_error`) ended an earlier attempt on this
+    node, which this one would meet again; None if none did. (An attempt is told by the
+    agent's count of its own restarts; after a group re-formed for another node's failure
+    the count stays, and the ranks start as they would without the word.)"""
     directory = os.environ.get(RANK_EXITS)
     if not directory:
-        return []
-    return [rank for rank, code in sorted(_rank_exits(Path(directory)).items()) if code == USER_ERROR]
+        return None
+    attempt = _attempt()
+    for path in sorted(Path(directory).glob(f"{LASTING}*")):
+        try:
+            if int(path.read_text()) < attempt:
+                return int(path.name.removeprefix(LASTING))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _attempt() -> int:
+    """This rank's attempt: torchrun's count of its agent's restarts (0: the first)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def _rank_exits(directory: Path) -> dict[int, int]:

@@ -18,6 +18,8 @@ from neorec.common.errors import UserError
 class DeviceError(UserError, ValueError):
     """The device a config or launch asks for does not exist or cannot be shared."""
 
+    lasting = True
+
 
 def cuda_devices() -> int:
     """GPUs this process sees (0 without CUDA)."""

@@ -175,3 +175,39 @@ def test_an_empty_rendezvous_id_is_refused():  # torchrun would draw one on each
     result = neorec_in_process("train", "configs/demo.toml", "--nnodes", "2", "--rdzv", "127.0.0.1:1",
                                "--rdzv-id", "")
     assert result.returncode == 2 and "--rdzv-id: give the job an id" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("raised,restart_mends", [
+    ("neorec.common.errors:ConfigError", False), ("neorec.ingest.errors:DataError", False),
+    ("neorec.trainer.sharding.plan:PlanError", False),
+    ("neorec.embedding_store.client:StoreServiceError", True), ("neorec.ingest.client:IngestError", True),
+    ("neorec.embedding_store.segments:TierWriteError", True), ("neorec.common.dir_lock:DirectoryInUseError", True),
+    ("neorec.trainer.checkpoint.layout:CheckpointError", True),  # a rank that died left a checkpoint unfinished
+])
+def test_elastic_restarts_start_the_ranks_again_unless_an_attempt_met_a_lasting_error(tmp_path, monkeypatch,
+                                                                                      raised, restart_mends):
+    """Under ``--max-restarts`` a rank that stopped with a config's or data's error leaves
+    word, and the next attempt's ranks exit 2 at once; after a service that was down, a full
+    disk or a lock, they start again. The word counts for later attempts only."""
+    import importlib
+    import types
+
+    from neorec.orchestration import cli, processes
+
+    module, name = raised.split(":")
+    kind = getattr(importlib.import_module(module), name)
+    assert issubclass(kind, UserError) and kind.lasting is not restart_mends
+    error = kind(28, "no space left on device") if issubclass(kind, OSError) else kind("what went wrong")
+
+    def fail(args):
+        raise error
+
+    parser = types.SimpleNamespace(parse_args=lambda argv: types.SimpleNamespace(run=fail))
+    monkeypatch.setattr(cli, "_parser", lambda: parser)
+    monkeypatch.setenv(processes.RANK_EXITS, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert cli.main([]) == 2
+    assert processes.earlier_attempt_lasting_error() is None  # in the attempt that met it: its ranks run
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert processes.earlier_attempt_lasting_error() == (None if restart_mends else 1)

@@ -34,6 +34,8 @@ STORE_TYPES = WHOLE_ROW_TYPES
 class PlanError(UserError, ValueError):
     """A plan is invalid, or no plan fits; the message says which table and why."""
 
+    lasting = True
+
 
 @dataclass(frozen=True)
 class Shard:
