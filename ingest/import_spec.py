@@ -5,7 +5,7 @@
     [input]
     files = ["logs/*.csv"]           # paths, globs, or URIs of any pyarrow filesystem
     format = "csv"                   # csv, tsv or parquet; default: by the files' names
-                                     # (.tsv or .tab, .parquet or .pq; otherwise csv)
+                                     # (.csv, .tsv or .tab, .parquet or .pq; none: csv)
     header = true                    # false: give column_names
     column_names = []
 
@@ -66,21 +66,24 @@ class SpecError(UserError, ValueError):
     lasting = True
 
 
-COMPRESSED = (".gz", ".bz2", ".zst", ".zstd", ".lz4", ".br")
-"""Suffixes of compressed files, which Arrow reads as they are: the format is the suffix before."""
-FORMAT_SUFFIXES = {".tsv": "tsv", ".tab": "tsv", ".parquet": "parquet", ".pq": "parquet"}
-"""A file name's suffix → the format it says (any other: csv)."""
+COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
+"""Suffixes of compressed files, which Arrow reads as they are (spelled so, lower case):
+the format is the suffix before."""
+FORMAT_SUFFIXES = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".parquet": "parquet", ".pq": "parquet"}
+"""A file name's suffix (any case) → the format it says."""
 
 
 def format_of_names(files: list[str]) -> str:
-    """The format the names of ``files`` (paths, globs or URIs) say: one of
-    :data:`FORMAT_SUFFIXES`' (a compressed file's by the suffix before its compression's),
-    else csv; a :class:`SpecError` when they say two."""
+    """The format the names of ``files`` (paths, globs or URIs) say by their suffixes
+    (:data:`FORMAT_SUFFIXES`; a compressed file's by the suffix before its compression's, a
+    URI's without its query); csv when none says one; a :class:`SpecError` when they say two."""
     said: dict[str, str] = {}
     for name in files:
-        stem = name.lower()
+        stem = re.split(r"[?#]", name, maxsplit=1)[0] if "://" in name else name
         stem = next((stem[:-len(c)] for c in COMPRESSED if stem.endswith(c)), stem)
-        said.setdefault(next((f for suffix, f in FORMAT_SUFFIXES.items() if stem.endswith(suffix)), "csv"), name)
+        kind = next((f for suffix, f in FORMAT_SUFFIXES.items() if stem.lower().endswith(suffix)), None)
+        if kind is not None:
+            said.setdefault(kind, name)
     if len(said) > 1:
         named = ", ".join(f"{kind} ({name})" for kind, name in said.items())
         raise SpecError(f"input.format: the files' names say {named}: give the format")

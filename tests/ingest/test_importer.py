@@ -261,8 +261,11 @@ def test_bad_labels_missing_files_and_bad_specs_are_named(tmp_path):
             spec(path, categorical={"encoding": encoding, key: value})
 
 
-@pytest.mark.parametrize("names,format", [(["log.tsv"], "tsv"), (["day_*.TSV.gz"], "tsv"), (["log.tab.zst"], "tsv"),
-                                          (["a.parquet", "s3://b/c.pq"], "parquet"), (["log.csv", "day_0"], "csv")])
+@pytest.mark.parametrize("names,format", [
+    (["log.tsv"], "tsv"), (["day_*.TSV.gz"], "tsv"), (["log.tab.zst"], "tsv"), (["day_0", "day_1.tsv"], "tsv"),
+    (["a.parquet", "s3://b/c.pq?region=eu-west-1"], "parquet"), (["log.csv", "day_0"], "csv"), (["day_*"], "csv"),
+    (["log.tsv.GZ"], "csv"),  # not compressed as Arrow reads names: its suffix is .GZ, which says nothing
+])
 def test_a_spec_without_a_format_takes_the_one_the_files_names_say(names, format):
     given = ImportSpec.from_dict({"input": {"files": names}, "categorical": {"columns": ["user"]}})
     assert given.input.format == format
