@@ -15,6 +15,7 @@ from neorec.ingest.errors import DataError
 from neorec.trainer.config import TrainConfig
 from neorec.trainer.distributed import SINGLE_PROCESS
 from neorec.trainer.run import loop as loop_module
+from neorec.trainer.run import run_dir as run_directory
 from neorec.trainer.run.loop import TrainingRun
 from neorec.trainer.run.train import train
 from tests.ingest.workers import start_worker
@@ -203,4 +204,4 @@ def test_a_run_refused_in_setting_up_leaves_the_run_it_would_overwrite_as_it_was
     with pytest.raises(UserError):
         TrainingRun(TrainConfig.from_dict({**config.to_dict(), "run": {"dir": str(tmp_path / "fresh")}}),
                     SINGLE_PROCESS)
-    assert not [p for p in (tmp_path / "fresh").rglob("*") if p.name != ".lock"]
+    assert run_directory.check_claim(tmp_path / "fresh") == []  # no run's file there: the next run starts

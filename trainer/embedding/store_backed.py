@@ -100,6 +100,8 @@ class StoreSettings:
     scratch_rows: int = 0
     """0: twice a batch's ids of the table (``batch_size`` per feature), at most its rows."""
     batch_size: int = 0
+    close: Callable[[], None] = lambda: None
+    """Release what reaching the tiers holds (a store service's channel), once they are closed."""
 
     def table(self, name: str, rows: int, cache_fraction: float, num_features: int) -> StoreTable:
         """The cache of a table (or shard) of ``rows`` rows on the store."""

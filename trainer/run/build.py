@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -117,17 +118,23 @@ def store_settings(config: TrainConfig, directory: Path, reset: bool) -> StoreSe
     resolved, so that every rank given the same path names it alike),
     emptied first when ``reset`` (a fresh run)."""
     store = config.embedding_store
-    if store.service:
-        from neorec.embedding_store.client import StoreClient
+    settings = StoreSettings(partial(_segment_tier, directory, store.direct_io, reset), ways=store.ways,
+                             policy=store.policy, scratch_rows=store.scratch_rows,
+                             batch_size=max(config.train.batch_size, config.train.eval_batch_size))
+    if not store.service:
+        return settings
+    from neorec.embedding_store.client import StoreClient
 
-        client = StoreClient(store.service, tls_ca=config.security.tls_ca, token_file=config.security.token_file)
+    client = StoreClient(store.service, tls_ca=config.security.tls_ca, token_file=config.security.token_file)
+    try:
+        roots = [Path(root) for root in client.status().data_roots]  # a service that cannot serve: refused now
         if config.checkpoint.every_steps or config.checkpoint.final:
-            _check_checkpoints_reachable(config, [Path(root) for root in client.status().data_roots])
-        open_tier = partial(client.open_tier, reset=reset, owner=os.path.abspath(config.run.dir))
-    else:
-        open_tier = partial(_segment_tier, directory, store.direct_io, reset)
-    return StoreSettings(open_tier, ways=store.ways, policy=store.policy, scratch_rows=store.scratch_rows,
-                         batch_size=max(config.train.batch_size, config.train.eval_batch_size))
+            _check_checkpoints_reachable(config, roots)
+    except BaseException:
+        client.close()
+        raise
+    return replace(settings, open_tier=partial(client.open_tier, reset=reset, owner=os.path.abspath(config.run.dir)),
+                   close=client.close)
 
 
 def _check_checkpoints_reachable(config: TrainConfig, roots: list[Path]) -> None:

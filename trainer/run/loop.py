@@ -130,6 +130,8 @@ class TrainingRun:
         # newer than any checkpoint, cannot be used, and one a crash damaged must not stop the resume);
         # a store service is asked here, so that one that cannot serve the run refuses it before an old run goes
         store = store_settings(config, store_dir, reset=True)
+        self.close_store_channel = store.close
+        self.acquired.callback(self.close_store_channel)
         self.run_lock = None
         """Rank 0's lock of the run directory, held until the run ends."""
         if context.is_main:  # an old run is replaced only once the plan is judged too
@@ -221,6 +223,7 @@ class TrainingRun:
             if self.board is not None:
                 self.board.close()
             self._stop_reading()
+            self.close_store_channel()
 
     def _release_store(self) -> None:
         """Close the store tiers of a run that failed, without writing back; a failure to
