@@ -41,11 +41,12 @@ def restore_store_tables(restorable: Restorable, store: StoreBackedEmbeddings | 
         store.clear_cache()
 
 
-def restore_dynamic(restorable: Restorable, embeddings: DynamicEmbeddings | ShardedEmbeddingBagCollection) -> None:
+def restore_dynamic(restorable: Restorable, embeddings: DynamicEmbeddings | ShardedEmbeddingBagCollection,
+                    dense: dict) -> None:
     """Restore the id maps of the dynamic tables' map shards this process holds, kept
     incrementally over the chain by map shard (:class:`CheckpointError` when the checkpoint
-    has other map shards: another ``shards``)."""
-    chain = [d["incremental"] for d in load_dense_chain(restorable)]
+    has other map shards: another ``shards``); ``dense``: the checkpoint's own dense state."""
+    chain = [d["incremental"] for d in load_dense_chain(restorable, newest=dense)]
     local = embeddings if isinstance(embeddings, DynamicEmbeddings) else embeddings.local
     held = [] if not isinstance(local, DynamicEmbeddings) else [t.key for t in local.map_shards()]
     missing = [key for key in held if key not in chain[0]]
@@ -74,7 +75,7 @@ def restore_model(restorable: Restorable, model: DLRM, dense: dict | None = None
     embeddings.set_optimizer_steps(restorable.manifest.sparse_steps)
     dense = dense if dense is not None else dense_state(restorable, model)
     if has_dynamic_tables(embeddings):
-        restore_dynamic(restorable, embeddings)
+        restore_dynamic(restorable, embeddings, dense)
     with torch.no_grad():
         model.bottom.load_state_dict(dense["bottom"])
         model.top.load_state_dict(dense["top"])

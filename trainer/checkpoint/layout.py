@@ -294,13 +294,19 @@ def read_record(directory: Path, entry: RecordEntry) -> bytes:
     return data
 
 
+def check_checksum(directory: Path, entry: FileEntry) -> None:
+    """A :class:`CheckpointError` naming the file ``entry`` describes when its SHA-256 is not
+    the one recorded (a file of records, recorded without one, is not read)."""
+    if entry.sha256 and sha256_of(directory / entry.name) != entry.sha256:
+        raise CheckpointError(f"{directory / entry.name} does not match its checksum: corrupt")
+
+
 def verify(directory: Path, manifest: Manifest) -> None:
     """Raise :class:`CheckpointError` naming the first file of the checkpoint that is not
     whole: its size, its SHA-256 or the CRC-32 of a record it holds."""
     check_sizes(directory, manifest)
     for entry in manifest.files:
-        if entry.sha256 and sha256_of(directory / entry.name) != entry.sha256:
-            raise CheckpointError(f"{directory / entry.name} does not match its checksum: corrupt")
+        check_checksum(directory, entry)
     for record in manifest.records:
         read_record(directory, record)
     for piece in manifest.store:

@@ -19,7 +19,6 @@ agree to restore the newest checkpoint that all of them found whole instead.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import pickle
 from dataclasses import dataclass, field
@@ -31,7 +30,8 @@ import torch
 
 from neorec.trainer.checkpoint import records
 from neorec.trainer.checkpoint.layout import (DENSE_FILE, CheckpointError, Manifest, RecordEntry, check_sizes,
-                                       check_store_segments, complete, read_manifest, read_record, sha256_of)
+                                       check_checksum, check_store_segments, complete, read_manifest,
+                                       read_record)
 from neorec.trainer.embedding.fused import ShardView
 
 AgreeFn = Callable[[bool], bool]
@@ -92,7 +92,9 @@ def choose(root: Path, views: list[ShardView], agree: AgreeFn, fallback: bool, n
 
 
 def check(restorable: Restorable, views: list[ShardView], need_dense: bool) -> None:
-    """Check every record these ``views`` would read, and ``dense.pt`` when ``need_dense``."""
+    """Check every record these ``views`` would read, and when ``need_dense`` every
+    ``dense.pt`` a restore reads: the checkpoint's, and with dynamic tables those of its
+    chain too (:func:`load_dense_chain`)."""
     for manifest in restorable.chain:
         directory = restorable.root / manifest.name
         check_sizes(directory, manifest)
@@ -101,15 +103,18 @@ def check(restorable: Restorable, views: list[ShardView], need_dense: bool) -> N
     for piece in restorable.manifest.store:  # before any is linked into a tier, whose own segments it replaces
         check_store_segments(restorable.directory, piece)
     if need_dense:
-        _check_dense(restorable, sha256_of(restorable.directory / DENSE_FILE))
+        for manifest in restorable.chain if _keeps_dense_incrementally(restorable.manifest) else [restorable.manifest]:
+            entry = next((f for f in manifest.files if f.name == DENSE_FILE), None)
+            if entry is None:
+                raise CheckpointError(f"checkpoint {restorable.root / manifest.name}: its manifest lists no "
+                                      f"{DENSE_FILE}")
+            check_checksum(restorable.root / manifest.name, entry)
 
 
-def _check_dense(restorable: Restorable, sha256: str) -> None:
-    """A :class:`CheckpointError` naming the checkpoint's ``dense.pt`` when ``sha256`` (its
-    bytes') is not the one its manifest records."""
-    entry = next((f for f in restorable.manifest.files if f.name == DENSE_FILE), None)
-    if entry is not None and entry.sha256 and sha256 != entry.sha256:
-        raise CheckpointError(f"{restorable.directory / DENSE_FILE} does not match its checksum: corrupt")
+def _keeps_dense_incrementally(manifest: Manifest) -> bool:
+    """Whether a checkpoint's dense state is spread over its chain: its run's dynamic
+    tables' id maps (:func:`load_dense_chain`)."""
+    return bool((manifest.config.get("model") or {}).get("dynamic"))
 
 
 def restore_embeddings(restorable: Restorable, views: list[ShardView]) -> None:
@@ -137,15 +142,11 @@ def load_dense(restorable: Restorable, device: torch.device | str = "cpu") -> di
     """Rank 0's dense state (MLPs, dense optimizer, RNG, position), its tensors on ``device``
     (the run's: a checkpoint written on one device restores onto another): tensors, numbers,
     strings and their dicts and lists only. The file is read without unpickling anything
-    else, so a crafted file is refused, never run, and one whose bytes are not those its
-    manifest's checksum records is refused too (:class:`CheckpointError` naming it): the
-    dense states of a chain's older checkpoints are read for the state they keep
-    incrementally (:func:`load_dense_chain`), where nothing else checks them."""
+    else, so a crafted file is refused, never run (:class:`CheckpointError` naming it); its
+    checksum is :func:`check`'s."""
     path = restorable.directory / DENSE_FILE
-    data = path.read_bytes()
-    _check_dense(restorable, hashlib.sha256(data).hexdigest())
     try:
-        dense = torch.load(io.BytesIO(data), weights_only=True, map_location=device)
+        dense = torch.load(io.BytesIO(path.read_bytes()), weights_only=True, map_location=device)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{path} holds more than tensors and plain values, refused: {first_line}") from None
@@ -154,10 +155,12 @@ def load_dense(restorable: Restorable, device: torch.device | str = "cpu") -> di
     return dense
 
 
-def load_dense_chain(restorable: Restorable) -> list[dict[str, Any]]:
+def load_dense_chain(restorable: Restorable, newest: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Rank 0's dense state of every checkpoint of the chain, oldest (the full one) first:
-    the state kept incrementally is spread over them."""
-    return [load_dense(Restorable(restorable.root, manifest, [])) for manifest in restorable.chain]
+    the state kept incrementally is spread over them. ``newest``: the checkpoint's own, when
+    the caller has read it already (:func:`load_dense`)."""
+    older = [load_dense(Restorable(restorable.root, manifest, [])) for manifest in restorable.chain[:-1]]
+    return [*older, newest if newest is not None else load_dense(restorable)]
 
 
 def _check_tables(manifest: Manifest, views: list[ShardView]) -> dict[str, list[int]]:

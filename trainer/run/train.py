@@ -129,8 +129,8 @@ def _evaluate(restorable: checkpoint.Restorable, config: TrainConfig | None,
                 service=""))
             plan = plan_for_config(dataset, config, 1).plan
         model = build_model(dataset, config, plan, store=store_settings(config, Path(store_dir), reset=True)).to(device)
-        # every file's size and dense.pt's checksum, as --resume checks them (the records'
-        # checksums are checked as they are restored: not read twice)
+        # every file's size and the checksums of the dense.pt files restoring reads, as --resume checks
+        # them (the records' checksums are checked as they are restored: not read twice)
         checkpoint.check(restorable, [], need_dense=True)
         dense = checkpoint.dense_state(restorable, model)
         recorded = dense["state"].get("split_files") or {}
