@@ -75,7 +75,8 @@ def fbgemm_missing() -> str | None:
             from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
                 SplitTableBatchedEmbeddingBagsCodegen)
     except (ImportError, OSError, RuntimeError) as err:
-        return f"fbgemm-gpu-cpu is not installed ({err}): pip install 'neorec[bench]' (in a checkout: pip install -e '.[bench]')"
+        return (f"fbgemm-gpu-cpu is not installed ({err}): pip install 'neorec[bench]' (in a checkout: "
+                "pip install -e '.[bench]')")
     return None
 
 

@@ -47,7 +47,8 @@ def read_toml(path: str | Path, what: str) -> dict[str, Any]:
     try:
         return tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"{what} {path} not found{_shipped_instead(path)}") from None
+        shipped_instead = _shipped_instead(path) if what == "config file" else ""
+        raise ConfigError(f"{what} {path} not found{shipped_instead}") from None
     except OSError as err:  # a directory, no permission, …
         raise ConfigError(f"cannot read {what} {path}: {err.strerror or err}") from None
     except UnicodeDecodeError as err:

@@ -19,11 +19,23 @@ for node in 0 1; do
     --set "checkpoint.every_steps=$((STEPS / 3))" --set "checkpoint.mode='full'" "$@" > "$RUN-node$node.log" 2>&1 &
   nodes+=($!)
 done
-until [ -f "$RUN/checkpoint/LATEST" ]; do sleep 0.2; done
+trap 'kill "${nodes[@]}" 2>/dev/null' EXIT  # a node that failed leaves none behind
+until [ -f "$RUN/checkpoint/LATEST" ]; do
+  for node in 0 1; do
+    if ! kill -0 "${nodes[$node]}" 2>/dev/null; then
+      echo "node $node ended before the first checkpoint: see $RUN-node$node.log" >&2
+      exit 1
+    fi
+  done
+  sleep 0.2
+done
 agent=$(pgrep -P "${nodes[1]}")
 worker=$(pgrep -P "$agent")
 echo "first checkpoint $(cat "$RUN/checkpoint/LATEST"); SIGKILL to node 1's worker (pid $worker)"
 kill -KILL "$worker"
-wait "${nodes[@]}"
+for node in 0 1; do
+  wait "${nodes[$node]}" || { echo "node $node failed: see $RUN-node$node.log" >&2; exit 1; }
+done
+trap - EXIT
 grep -h "resuming\|starting the run over" "$RUN"-node*.log
 cat "$RUN/summary.json"

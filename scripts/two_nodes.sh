@@ -21,9 +21,11 @@ for node in 0 1; do
     --set "run.dir='runs/two-nodes'" "${SETTINGS[@]}" > "runs/two-nodes-node$node.log" 2>&1 &
   nodes+=($!)
 done
+trap 'kill "${nodes[@]}" 2>/dev/null' EXIT  # a node that failed leaves none behind
 for node in 0 1; do
   wait "${nodes[$node]}" || { echo "node $node failed: see runs/two-nodes-node$node.log" >&2; exit 1; }
 done
+trap - EXIT
 two=$(awk "BEGIN { print $(date +%s.%N) - $start }")
 
 start=$(date +%s.%N)
