@@ -386,6 +386,17 @@ def test_times_of_another_kind_in_a_later_file_are_refused_by_their_line(tmp_pat
         import_dataset(spec(tmp_path / "day_*.csv"), tmp_path / "out")
 
 
+def test_typed_times_of_another_kind_in_a_later_parquet_file_are_refused(tmp_path):
+    """Parquet's typed columns: seconds as numbers in one file, timestamps in the next."""
+    columns = {"user": [f"u{i}" for i in range(20)], "item": ["1"] * 20, "count": [1.0] * 20,
+               "genres": ["a"] * 20, "rating": [4] * 20}
+    pq.write_table(pa.table({**columns, "ts": pa.array(range(20), pa.int64())}), tmp_path / "day_0.parquet")
+    pq.write_table(pa.table({**columns, "ts": pa.array(range(20), pa.timestamp("s"))}), tmp_path / "day_1.parquet")
+    with pytest.raises(DataError, match=r"day_1.parquet, column 'ts', row 1: times are timestamps without an offset "
+                                        r"here, numbers in .*day_0.parquet"):
+        import_dataset(spec(tmp_path / "day_*.parquet"), tmp_path / "out")
+
+
 @pytest.mark.parametrize("transform,count,problem", [
     ("none", "1" + "0" * 40, "not a finite float32: 1e+40 is beyond float32's range"),
     ("standardize", "1e200", "values too large to standardize: their squares sum beyond float64's range"),
