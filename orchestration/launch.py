@@ -53,7 +53,7 @@ from neorec.orchestration.supervisor import ManagedProcess
 from neorec.protos import trainer_pb2, trainer_pb2_grpc
 from neorec.trainer.checkpoint.layout import complete
 from neorec.trainer.config import TrainConfig
-from neorec.trainer.run.run_dir import CHECKPOINTS, lock
+from neorec.trainer.run.run_dir import CHECKPOINTS, SUMMARY, lock
 
 TICK_S = 0.25
 STOP_GRACE_S = 3.0
@@ -62,6 +62,10 @@ STORE_SERVICE = "neorec.store.Store"
 STORE_SERVICE_DIR = "store-service"
 """The store service's tiers, under the run directory."""
 TRAINER_SERVICE = "neorec.trainer.Trainer"
+FINISHING_S = 120.0
+"""How long trainers that wrote their run's summary may take to exit (rank 0's status
+service stops first; the process groups, torchrun and the command end after it) before
+missed probes count as a hang."""
 
 
 class JobFailed(RuntimeError):
@@ -272,11 +276,24 @@ class Job:
         stalled = self._stalled_for(now)
         if code is not None:
             self._failed(trainer, f"the trainers exited with status {code}", now)
-        elif trainer.probe.misses >= self.launch.probe_misses and self._past_grace(trainer, now):
+        elif trainer.probe.misses >= self.launch.probe_misses and self._past_grace(trainer, now) \
+                and not self._finishing(now):
             self._failed(trainer, f"trainer rank 0 missed {trainer.probe.misses} health probes "
                                   f"({trainer.probe.last_error})", now)
         elif stalled is not None and stalled > self.launch.trainer_stall_s:
             self._failed(trainer, f"the trainers took no step for {stalled:.0f} s", now)
+
+    def _finishing(self, now: float) -> bool:
+        """Whether the trainers wrote the run's summary since they started, under
+        :data:`FINISHING_S` ago: their ranks are ending, and their status service is gone
+        before the command exits."""
+        try:
+            written = (self.run_dir / SUMMARY).stat().st_mtime
+        except OSError:
+            return False
+        wall = time.time()
+        started = wall - (now - self.trainer.process.started_at)
+        return started <= written and wall - written < FINISHING_S
 
     def _service_failed_under_trainer(self) -> bool:
         """Whether a service failed since the trainers started: their error is its, and
