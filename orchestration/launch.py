@@ -84,8 +84,15 @@ def start_failure(name: str, code: int, last_lines: list[str]) -> JobFailed:
     the user's config or data (its own status 2), else 1, whatever status the service had
     (0 when a SIGTERM stopped it, a signal's negative number)."""
     ended = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
-    return JobFailed(f"{name} {ended} while starting: {' / '.join(last_lines[-3:])}",
+    return JobFailed(f"{name} {ended} while starting: {said(last_lines)}",
                      status=USER_ERROR if code == USER_ERROR else 1)
+
+
+def said(last_lines: list[str]) -> str:
+    """What a process that ended said last, for the job's error: its ``neorec: error:``
+    lines (the ranks' own, not the log lines around them), else its last three lines."""
+    errors = [line for line in last_lines if line.startswith("neorec: error:")]
+    return " / ".join(errors or last_lines[-3:])
 
 
 def _signal_name(number: int) -> str:
@@ -240,7 +247,7 @@ class Job:
                 self._say("the trainers finished")
                 return 0
             if code == USER_ERROR and not self._service_failed_under_trainer():
-                raise JobFailed(f"the trainer refused the job: {' / '.join(self.trainer.process.last_lines[-3:])}",
+                raise JobFailed(f"the trainer refused the job: {said(self.trainer.process.last_lines)}",
                                 status=USER_ERROR)
             self._watch_trainer(code, now)
             time.sleep(TICK_S)
