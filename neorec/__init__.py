@@ -5,8 +5,9 @@ The public API is the names in :data:`__all__` (documented in ``docs/api.md``); 
 imported on first use, so ``import neorec`` (and ``neorec --help``) stays fast. Everything
 else lives in the subpackages ``neorec.ingest``, ``neorec.trainer``,
 ``neorec.embedding_store``, ``neorec.orchestration``, ``neorec.protos``,
-``neorec.common`` and ``neorec.configs`` (the configs neorec ships) and is internal. In a source checkout they are the repository's
-top-level folders, beside this one; an installed wheel holds them inside this package.
+``neorec.common`` and ``neorec.configs`` (the configs neorec ships) and is internal. In a
+source checkout they are the repository's top-level folders, beside this one; an installed
+wheel holds them inside this package.
 """
 
 from __future__ import annotations

@@ -91,11 +91,18 @@ def torchrun_command(nproc: int, module: str, args: list[str], nodes: Nodes = ON
 def record_rank_exit(code: int) -> None:
     """Leave this rank's exit status where :func:`run_torchrun` reads it (nothing outside
     a rank it started)."""
+    _leave_word("rank-", str(code))
+
+
+def _leave_word(prefix: str, text: str) -> None:
+    """Write ``text`` to ``PREFIX<rank>`` in the directory of exit statuses (nothing outside
+    a rank :func:`run_torchrun` started). A hint: where it cannot be written, the rank's own
+    message stands."""
     directory, rank = os.environ.get(RANK_EXITS), os.environ.get("RANK")
     if directory and rank is not None:
         try:
-            (Path(directory) / f"rank-{int(rank)}").write_text(str(code))
-        except (OSError, ValueError):  # the status is a hint: the rank's own message stands
+            (Path(directory) / f"{prefix}{int(rank)}").write_text(text)
+        except (OSError, ValueError):
             pass
 
 
@@ -119,12 +126,7 @@ def record_lasting_error() -> None:
     config, data, a followed partition never marked ready), for the ranks torchrun's
     ``--max-restarts`` starts next (:func:`earlier_attempt_lasting_error`; nothing outside
     a rank :func:`run_torchrun` started)."""
-    directory, rank = os.environ.get(RANK_EXITS), os.environ.get("RANK")
-    if directory and rank is not None:
-        try:
-            (Path(directory) / f"{LASTING}{int(rank)}").write_text(str(_attempt()))
-        except (OSError, ValueError):  # a hint: without it the restarted ranks meet the error themselves
-            pass
+    _leave_word(LASTING, str(_attempt()))
 
 
 def earlier_attempt_lasting_error() -> int | None:

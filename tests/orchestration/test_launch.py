@@ -412,7 +412,8 @@ def test_a_service_ending_while_it_starts_fails_the_job_with_1_or_2_not_its_own_
     failed = start_failure("ingest-0", code, ["a", "b", "c", "d"])
     assert failed.status == status
     assert str(failed) == f"ingest-0 {ended} while starting: b / c / d"
-    logged = ["2026-11-29 22:31:28,492 neorec INFO serving", "neorec: error: no dataset at /x", "2026-11-29 … INFO bye"]
+    logged = ["2026-11-29 22:31:28,492 neorec INFO serving", "neorec: error: no dataset at /x",
+              "2026-11-29 … INFO bye"]
     assert str(start_failure("ingest-0", code, logged)) == f"ingest-0 {ended} while starting: neorec: error: no " \
                                                             "dataset at /x"  # its error, not the log lines around it
 
