@@ -17,6 +17,7 @@ from typing import Sequence
 
 from neorec.common.abandoned import remove_abandoned
 from neorec.common.cpus import available_cpus
+from neorec.common.restarts import restart_count
 from neorec.common.wording import counted
 from neorec.common.errors import ConfigError
 from neorec.orchestration.nodes import ONE_NODE, Nodes
@@ -126,7 +127,7 @@ def record_lasting_error() -> None:
     config, data, a followed partition never marked ready), for the ranks torchrun's
     ``--max-restarts`` starts next (:func:`earlier_attempt_lasting_error`; nothing outside
     a rank :func:`run_torchrun` started)."""
-    _leave_word(LASTING, str(_attempt()))
+    _leave_word(LASTING, str(restart_count()))
 
 
 def earlier_attempt_lasting_error() -> int | None:
@@ -138,7 +139,7 @@ def earlier_attempt_lasting_error() -> int | None:
     directory = os.environ.get(RANK_EXITS)
     if not directory:
         return None
-    attempt = _attempt()
+    attempt = restart_count()
     for path in sorted(Path(directory).glob(f"{LASTING}*")):
         try:
             if int(path.read_text()) < attempt:
@@ -146,11 +147,6 @@ def earlier_attempt_lasting_error() -> int | None:
         except (OSError, ValueError):
             continue
     return None
-
-
-def _attempt() -> int:
-    """This rank's attempt: torchrun's count of its agent's restarts (0: the first)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def _rank_exits(directory: Path) -> dict[int, int]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from neorec.common.restarts import restart_count
 from neorec.common.stores import store_client
 from neorec.trainer.checkpoint.layout import complete
 from neorec.trainer.config import TrainConfig
@@ -29,16 +30,9 @@ from neorec.trainer.run import run_dir as run_directory
 
 log = logging.getLogger(__name__)
 
-RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 JOB_STORE = "NEOREC_JOB_STORE"
 """Names the job's rendezvous store (``HOST:PORT``; set by ``neorec train``)."""
 STORE_TIMEOUT_S = 30.0
-
-
-def restart_count() -> int:
-    """How many times the elastic agent restarted this worker's group (0: first attempt,
-    or not under torchrun)."""
-    return int(os.environ.get(RESTART_COUNT, "0"))
 
 
 def _job_store() -> dist.Store | None:
