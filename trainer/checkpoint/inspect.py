@@ -21,17 +21,18 @@ def describe(directory: str | Path, verify: bool = False) -> dict[str, Any]:
     root, _ = checkpoints_root(directory)
     latest = (root / LATEST).read_text(errors="replace").strip() if (root / LATEST).is_file() else None
     checkpoints = []
-    found: dict[str, str | None] = {}
+    found: dict[tuple[str, bool, bool], str | None] = {}
+    unreadable: dict[str, str] = {}
     for path in complete(root):
         try:
             manifest = read_manifest(path)
             entry = _entry(manifest)
         except (CheckpointError, AttributeError, KeyError, TypeError, ValueError) as err:  # a damaged manifest
-            found[path.name] = f"{path / layout.MANIFEST}: cannot be read ({' '.join(str(err).split())})"
-            checkpoints.append({"name": path.name, "verified": False, "error": found[path.name]})
+            unreadable[path.name] = f"{path / layout.MANIFEST}: cannot be read ({' '.join(str(err).split())})"
+            checkpoints.append({"name": path.name, "verified": False, "error": unreadable[path.name]})
             continue
         if verify:
-            error = _chain_error(root, manifest, found)
+            error = _chain_error(root, manifest, found, unreadable)
             entry["verified"] = error is None
             if error is not None:
                 entry["error"] = error
@@ -56,20 +57,27 @@ def _entry(manifest: layout.Manifest) -> dict[str, Any]:
             "snapshot_s": manifest.stats.get("snapshot_s"), "write_s": manifest.stats.get("write_s")}
 
 
-def _chain_error(root: Path, manifest: layout.Manifest, found: dict[str, str | None]) -> str | None:
+def _chain_error(root: Path, manifest: layout.Manifest, found: dict[tuple[str, bool, bool], str | None],
+                 unreadable: dict[str, str]) -> str | None:
     """Why the checkpoint ``manifest`` describes cannot be restored: the first checkpoint of
     its chain (the ones it is restored from, then itself) that is incomplete or holds a file
-    that is not whole; None when all are whole. ``found`` keeps each checkpoint's own
-    verdict, so that a chain's base is read once for all the increments on it."""
+    that is not whole, as the restore reads each (:func:`layout.verify`); None when all are
+    whole. ``found`` keeps each verdict, so that a chain's base is read once for all the
+    increments on it; ``unreadable`` names the checkpoints whose manifest cannot be read."""
+    dense = layout.keeps_dense_incrementally(manifest)
     for name in manifest.chain:
-        if name not in found:
+        restored = name == manifest.name
+        key = (name, restored, dense)
+        if key not in found:
             try:
-                layout.verify(root / name, manifest if name == manifest.name else read_manifest(root / name))
-                found[name] = None
+                if name in unreadable:
+                    raise CheckpointError(unreadable[name])
+                layout.verify(root / name, manifest if restored else read_manifest(root / name), restored, dense)
+                found[key] = None
             except CheckpointError as err:
-                found[name] = str(err)
-        if found[name] is not None:
-            return found[name] if name == manifest.name else f"restored from {name}, which is not whole: {found[name]}"
+                found[key] = str(err)
+        if found[key] is not None:
+            return found[key] if restored else f"restored from {name}, which is not whole: {found[key]}"
     return None
 
 

@@ -30,8 +30,8 @@ import torch
 
 from neorec.trainer.checkpoint import records
 from neorec.trainer.checkpoint.layout import (DENSE_FILE, CheckpointError, Manifest, RecordEntry, check_sizes,
-                                       check_checksum, check_store_segments, complete, read_manifest,
-                                       read_record)
+                                       check_checksum, check_store_segments, complete,
+                                       keeps_dense_incrementally, read_manifest, read_record)
 from neorec.trainer.embedding.fused import ShardView
 
 AgreeFn = Callable[[bool], bool]
@@ -103,18 +103,12 @@ def check(restorable: Restorable, views: list[ShardView], need_dense: bool) -> N
     for piece in restorable.manifest.store:  # before any is linked into a tier, whose own segments it replaces
         check_store_segments(restorable.directory, piece)
     if need_dense:
-        for manifest in restorable.chain if _keeps_dense_incrementally(restorable.manifest) else [restorable.manifest]:
+        for manifest in restorable.chain if keeps_dense_incrementally(restorable.manifest) else [restorable.manifest]:
             entry = next((f for f in manifest.files if f.name == DENSE_FILE), None)
             if entry is None:
                 raise CheckpointError(f"checkpoint {restorable.root / manifest.name}: its manifest lists no "
                                       f"{DENSE_FILE}")
             check_checksum(restorable.root / manifest.name, entry)
-
-
-def _keeps_dense_incrementally(manifest: Manifest) -> bool:
-    """Whether a checkpoint's dense state is spread over its chain: its run's dynamic
-    tables' id maps (:func:`load_dense_chain`)."""
-    return bool((manifest.config.get("model") or {}).get("dynamic"))
 
 
 def restore_embeddings(restorable: Restorable, views: list[ShardView]) -> None:

@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer.checkpoint.helpers import assert_same_state, checkpointer, module, state, train_steps
+from tests.trainer.checkpoint.helpers import (assert_same_state, checkpointer, module, state, tables_info,
+                                             train_steps)
 from neorec.trainer.checkpoint.checkpointer import Checkpointer
 from neorec.trainer.checkpoint.inspect import describe
 from neorec.trainer.checkpoint.layout import CheckpointError, complete, read_manifest
 from neorec.trainer.checkpoint.restore import choose, open_checkpoint, restore_embeddings
+from neorec.trainer.config import CheckpointConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 from tests.cli import NEOREC, neorec_in_process
 
@@ -178,6 +180,36 @@ def test_inspect_verify_marks_every_increment_on_a_corrupt_base_and_the_command_
     assert command.returncode == 2 and "Traceback" not in command.stderr, command.stderr
     assert command.stderr.strip() == (f"neorec: error: 3 checkpoints of 3 in {tmp_path} cannot be restored: "
                                       "step-000000001, step-000000002, step-000000003")
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_inspect_verify_judges_a_base_s_corrupt_dense_state_as_the_restore_does(tmp_path, dynamic):
+    """A chain's older ``dense.pt`` is read by a restore only where dynamic tables keep their
+    id maps incrementally; the increments on it are restorable exactly when it is not read."""
+    embeddings = module()
+    run_config = {"model": {"dynamic": {"t0": {}}}} if dynamic else {}
+    writer = Checkpointer(tmp_path, CheckpointConfig(), rank=0, world_size=1, attempt="test",
+                          views=embeddings.shard_views, store=list,
+                          local_optimizer_steps=embeddings.local_optimizer_steps, tables=tables_info(embeddings),
+                          run_config=run_config, plan=None, sum_over_ranks=lambda v: list(v), commit_timeout_s=10.0)
+    for step in (1, 2):
+        train_steps(embeddings, 1, seed=step)
+        writer.save(global_step=step, epoch=0, step_in_epoch=step, dense={"step": torch.tensor([step])}, wait=True)
+    dense = tmp_path / "step-000000001" / "dense.pt"
+    data = bytearray(dense.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    dense.write_bytes(bytes(data))
+    base, increment = describe(tmp_path, verify=True)["checkpoints"]
+    assert not base["verified"] and f"{dense} does not match its checksum" in base["error"]
+    assert increment["verified"] is not dynamic
+    views = module().shard_views()
+    if dynamic:
+        assert increment["error"] == f"restored from step-000000001, which is not whole: {base['error']}"
+        with pytest.raises(CheckpointError, match=f"{dense} does not match its checksum"):
+            choose(tmp_path, views, agree=lambda ok: ok, fallback=False, need_dense=True)
+    else:
+        assert choose(tmp_path, views, agree=lambda ok: ok, fallback=False, need_dense=True).manifest.name == \
+            "step-000000002"
 
 
 @pytest.mark.parametrize("damage", ["truncated", "wrong types"])
