@@ -182,22 +182,32 @@ def _old_run(run_dir: Path) -> dict[str, str]:
     return files
 
 
-@pytest.mark.parametrize("refusal", ["no tensorboard", "store service unreachable"])
+@pytest.mark.parametrize("refusal", ["no tensorboard", "store service unreachable", "model too large"])
 def test_a_run_refused_in_setting_up_leaves_the_run_it_would_overwrite_as_it_was(criteo_dataset, tmp_path,
                                                                                  monkeypatch, refusal):
     """A refused ``--overwrite`` leaves the old run (docs/checkpoints.md): what a run needs
-    beyond its config and data (TensorBoard installed, a store service that serves it) is
-    judged before the old run goes; a fresh directory is left empty, for the next run."""
+    beyond its config and data (TensorBoard installed, a store service that serves it, the
+    memory for its model) is judged before the old run goes; a fresh directory is left
+    empty, for the next run."""
     from neorec.common.errors import UserError
+    from neorec.trainer.embedding import fused
 
     if refusal == "no tensorboard":
         monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # its import fails
         config = _config(criteo_dataset, tmp_path / "run", loop={"tensorboard": True})
+    elif refusal == "model too large":
+        def fail(*args, **kwargs):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 64000000032 bytes")
+
+        monkeypatch.setattr(fused, "initial_table_weight", fail)
+        config = TrainConfig.from_dict({**_config(criteo_dataset, tmp_path / "run").to_dict(),
+                                        "embedding_store": {"tables": {}}})  # tables in memory only
     else:
         config = TrainConfig.from_dict({**_config(criteo_dataset, tmp_path / "run").to_dict(),
                                         "embedding_store": {"tables": {"t_C1": 0.005}, "service": "127.0.0.1:1"}})
     files = _old_run(tmp_path / "run")
-    with pytest.raises(UserError, match="tensorboard package" if refusal == "no tensorboard" else "127.0.0.1:1"):
+    expected = {"no tensorboard": "tensorboard package", "model too large": "does not fit this host's memory"}
+    with pytest.raises(UserError, match=expected.get(refusal, "127.0.0.1:1")):
         TrainingRun(config, SINGLE_PROCESS, overwrite=True)
     left = {str(p.relative_to(tmp_path / "run")): p.read_text() for p in (tmp_path / "run").rglob("*") if p.is_file()}
     assert {name: text for name, text in left.items() if name != ".lock"} == files

@@ -132,9 +132,14 @@ class TrainingRun:
         store = store_settings(config, store_dir, reset=True)
         self.close_store_channel = store.close
         self.acquired.callback(self.close_store_channel)
+        on_store = self.plan is not None and bool(self.plan.on_store())
+        if not on_store:  # a model too large for the host is refused (or killed) before an old run goes
+            self.dlrm = build_model(self.dataset, config, self.plan, store=store)
+            if context.distributed:
+                dist.barrier()  # every rank built its part: a rank that failed to stops rank 0 here
         self.run_lock = None
         """Rank 0's lock of the run directory, held until the run ends."""
-        if context.is_main:  # an old run is replaced only once the plan is judged too
+        if context.is_main:  # an old run is replaced only once the plan and the model are judged too
             self.run_lock = run_directory.lock(self.run_dir)  # before anything of an old run is removed
             if self.run_lock is not None:
                 self.acquired.callback(self.run_lock.release)
@@ -142,7 +147,8 @@ class TrainingRun:
             mark_claimed(self.run_dir)
         if context.distributed:
             dist.barrier()  # no rank opens its store tiers in the run directory while the old run is removed
-        self.dlrm = build_model(self.dataset, config, self.plan, store=store)
+        if on_store:  # its tiers lie in the run directory (emptied), unless embedding_store.dir is elsewhere
+            self.dlrm = build_model(self.dataset, config, self.plan, store=store)
         self.dlrm = self.dlrm.to(context.device)
         self.store = store_of(self.dlrm.embeddings)
         if self.store is not None:
