@@ -217,9 +217,8 @@ def test_a_user_error_in_the_ranks_exits_2_and_torchrun_leaves_no_files(criteo_d
                      "--set", "train.batch_size=100000")  # found by the ranks: their one line, torchrun's report
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "neorec: error: split 'train'" in refused.stderr and "Traceback" not in refused.stderr
-    # both ranks find it; whichever exits first is named, the other is ended
-    assert re.search(r"rank [01] \(pid \d+\) exited with status 2", refused.stderr), refused.stderr[-3000:]
-    assert re.search(r"^torchrun: rank [01] ", refused.stderr, re.MULTILINE), refused.stderr[-3000:]
+    assert re.search(r"^torchrun: .*rank [01] \(pid \d+\) exited with status 2", refused.stderr,
+                     re.MULTILINE), refused.stderr[-3000:]  # both ranks find it: either may exit first
     planned = neorec_in_process("train", "configs/demo.toml", "--nproc", "2",
                                 *_settings(criteo_dataset, tmp_path / "run"), "--set",
                                 "sharding.tables.t_C1='table_wise:5'")  # found before the ranks start

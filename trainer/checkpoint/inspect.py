@@ -64,15 +64,16 @@ def _chain_error(root: Path, manifest: layout.Manifest, found: dict[tuple[str, b
     that is not whole, as the restore reads each (:func:`layout.verify`); None when all are
     whole. ``found`` keeps each verdict, so that a chain's base is read once for all the
     increments on it; ``unreadable`` names the checkpoints whose manifest cannot be read."""
-    dense = layout.keeps_dense_incrementally(manifest)
+    incremental = layout.keeps_dense_incrementally(manifest)
     for name in manifest.chain:
         restored = name == manifest.name
-        key = (name, restored, dense)
+        dense, segments = restored or incremental, restored  # as the restore reads this link
+        key = (name, dense, segments)
         if key not in found:
             try:
                 if name in unreadable:
                     raise CheckpointError(unreadable[name])
-                layout.verify(root / name, manifest if restored else read_manifest(root / name), restored, dense)
+                layout.verify(root / name, manifest if restored else read_manifest(root / name), dense, segments)
                 found[key] = None
             except CheckpointError as err:
                 found[key] = str(err)

@@ -301,19 +301,20 @@ def check_checksum(directory: Path, entry: FileEntry) -> None:
         raise CheckpointError(f"{directory / entry.name} does not match its checksum: corrupt")
 
 
-def verify(directory: Path, manifest: Manifest, restored: bool = True, dense: bool = True) -> None:
+def verify(directory: Path, manifest: Manifest, dense: bool = True, segments: bool = True) -> None:
     """Raise :class:`CheckpointError` naming the first file of the checkpoint that is not
-    whole: its size, its SHA-256 or the CRC-32 of a record it holds. A checkpoint that is
-    only an older link of the one ``restored`` is checked as a restore reads it: its store
-    segments' contents are not (only the restored checkpoint's are linked into the tiers),
-    nor its ``dense.pt``'s unless ``dense`` (:func:`keeps_dense_incrementally`)."""
+    whole: its size, its SHA-256 or the CRC-32 of a record it holds. Without ``dense`` its
+    ``dense.pt``'s contents are not checked, without ``segments`` its store segments'
+    contents: an older link of a chain is checked so, as a restore reads it (only the
+    restored checkpoint's segments are linked into the tiers; only with dynamic tables,
+    :func:`keeps_dense_incrementally`, is every ``dense.pt`` of the chain read)."""
     check_sizes(directory, manifest)
     for entry in manifest.files:
-        if restored or dense or entry.name != DENSE_FILE:
+        if dense or entry.name != DENSE_FILE:
             check_checksum(directory, entry)
     for record in manifest.records:
         read_record(directory, record)
-    for piece in manifest.store if restored else []:
+    for piece in manifest.store if segments else []:
         check_store_segments(directory, piece)
 
 

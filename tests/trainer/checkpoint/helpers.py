@@ -35,11 +35,13 @@ def tables_info(embeddings: FusedEmbeddingBagCollection) -> dict:
             for t in TABLES}
 
 
-def checkpointer(root: Path, embeddings: FusedEmbeddingBagCollection, **config) -> Checkpointer:
+def checkpointer(root: Path, embeddings: FusedEmbeddingBagCollection, run_config: dict | None = None,
+                 **config) -> Checkpointer:
     return Checkpointer(root, CheckpointConfig(**config), rank=0, world_size=1, attempt="test",
-                        views=embeddings.shard_views, store=list, local_optimizer_steps=embeddings.local_optimizer_steps,
-                        tables=tables_info(embeddings), run_config={}, plan=None, sum_over_ranks=lambda v: list(v),
-                        commit_timeout_s=10.0)
+                        views=embeddings.shard_views, store=list,
+                        local_optimizer_steps=embeddings.local_optimizer_steps, tables=tables_info(embeddings),
+                        run_config=run_config or {}, plan=None,
+                        sum_over_ranks=lambda v: list(v), commit_timeout_s=10.0)
 
 
 def state(embeddings: FusedEmbeddingBagCollection) -> dict[str, torch.Tensor]:

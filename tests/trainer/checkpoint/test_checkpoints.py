@@ -10,13 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer.checkpoint.helpers import (assert_same_state, checkpointer, module, state, tables_info,
-                                             train_steps)
+from tests.trainer.checkpoint.helpers import assert_same_state, checkpointer, module, state, train_steps
 from neorec.trainer.checkpoint.checkpointer import Checkpointer
 from neorec.trainer.checkpoint.inspect import describe
 from neorec.trainer.checkpoint.layout import CheckpointError, complete, read_manifest
 from neorec.trainer.checkpoint.restore import choose, open_checkpoint, restore_embeddings
-from neorec.trainer.config import CheckpointConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 from tests.cli import NEOREC, neorec_in_process
 
@@ -187,11 +185,7 @@ def test_inspect_verify_judges_a_base_s_corrupt_dense_state_as_the_restore_does(
     """A chain's older ``dense.pt`` is read by a restore only where dynamic tables keep their
     id maps incrementally; the increments on it are restorable exactly when it is not read."""
     embeddings = module()
-    run_config = {"model": {"dynamic": {"t0": {}}}} if dynamic else {}
-    writer = Checkpointer(tmp_path, CheckpointConfig(), rank=0, world_size=1, attempt="test",
-                          views=embeddings.shard_views, store=list,
-                          local_optimizer_steps=embeddings.local_optimizer_steps, tables=tables_info(embeddings),
-                          run_config=run_config, plan=None, sum_over_ranks=lambda v: list(v), commit_timeout_s=10.0)
+    writer = checkpointer(tmp_path, embeddings, run_config={"model": {"dynamic": {"t0": {}}}} if dynamic else None)
     for step in (1, 2):
         train_steps(embeddings, 1, seed=step)
         writer.save(global_step=step, epoch=0, step_in_epoch=step, dense={"step": torch.tensor([step])}, wait=True)
