@@ -8,7 +8,8 @@ request's seed, a tier of the embedding store computes a never-written row's ini
 from (seed, table, row). The functions are written once for numpy ``uint64`` arrays and
 compiled unchanged by Numba for scalars (:data:`mix64_jit`); :func:`mix64_int64` computes
 the same bits in signed 64-bit arithmetic for array libraries without unsigned 64-bit
-multiplication (torch).
+multiplication (torch). :func:`fold_mix32` (with :data:`fold_mix32_jit` and
+:func:`fold_mix32_int64`) is a cheaper 32-bit finalizer for noise made in vector lanes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ MIX1 = 0xBF58476D1CE4E5B9
 MIX2 = 0x94D049BB133111EB
 SALT = 0x632BE59BD9B4E019
 """The constants of splitmix64 (Steele et al., 2014), and an odd salt to combine keys."""
+FMIX32_1 = 0x85EBCA6B
+FMIX32_2 = 0xC2B2AE35
+"""The multipliers of MurmurHash3's 32-bit finalizer (:func:`fold_mix32`)."""
 
 _MASK64 = (1 << 64) - 1
 
@@ -35,6 +39,25 @@ def mix64(z):
 
 mix64_jit = numba.njit(inline="always")(mix64)
 """:func:`mix64` compiled for Numba kernels (scalar ``np.uint64``)."""
+
+
+def fold_mix32(z):
+    """32 bits (as ``uint64`` values below 2**32) from ``uint64`` values (numpy arrays or
+    scalars): ``z``'s two halves xored, through MurmurHash3's 32-bit finalizer. For noise
+    that vector units make in 32-bit lanes (eight or sixteen at a time, where
+    :func:`mix64`'s 64-bit products have no vector instruction on many CPUs); its input
+    should already be spread over 64 bits (a multiple of an odd constant)."""
+    low = np.uint64(0xFFFFFFFF)
+    x = (z ^ (z >> np.uint64(32))) & low
+    x = x ^ (x >> np.uint64(16))
+    x = (x * np.uint64(FMIX32_1)) & low
+    x = x ^ (x >> np.uint64(13))
+    x = (x * np.uint64(FMIX32_2)) & low
+    return x ^ (x >> np.uint64(16))
+
+
+fold_mix32_jit = numba.njit(inline="always")(fold_mix32)
+""":func:`fold_mix32` compiled for Numba kernels (scalar ``np.uint64``)."""
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
@@ -137,6 +160,18 @@ def mix64_int64(z):
     z = (z ^ _shift_right(z, 30)) * signed(MIX1)
     z = (z ^ _shift_right(z, 27)) * signed(MIX2)
     return z ^ _shift_right(z, 31)
+
+
+def fold_mix32_int64(z):
+    """:func:`fold_mix32` on int64 two's-complement bit patterns (duck-typed as
+    :func:`mix64_int64`); same bits, as int64 values below 2**32."""
+    low = 0xFFFFFFFF
+    x = (z ^ _shift_right(z, 32)) & low
+    x = x ^ (x >> 16)
+    x = (x * FMIX32_1) & low
+    x = x ^ (x >> 13)
+    x = (x * FMIX32_2) & low
+    return x ^ (x >> 16)
 
 
 def _shift_right(z, k: int):

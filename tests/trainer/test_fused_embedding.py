@@ -9,7 +9,7 @@ from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 from neorec.trainer.embedding.kernels.forward import LANES, MIN_LANES, pooled_forward, pooled_sum_lanes, streams_output
 from neorec.trainer.embedding.kernels.registers import STREAM_ALIGNMENT
-from neorec.trainer.embedding.kernels.precision import FP32
+from neorec.trainer.embedding.kernels.precision import FP16, FP32
 
 
 def _tables(rng: np.random.Generator, pooling: str) -> list[TableConfig]:
@@ -175,12 +175,13 @@ def assert_a_sliced_gradient_updates_as_its_contiguous_copy(pooling: str, weight
         assert torch.equal(a, b)
 
 
-def test_wide_float32_sums_pool_in_registers_like_the_general_kernel(monkeypatch):
+@pytest.mark.parametrize("weight_dtype", ["fp32", "fp16", "bf16"])
+def test_wide_sums_pool_in_registers_like_the_general_kernel(monkeypatch, weight_dtype):
     """Tables whose width is a multiple of the register kernel's fewest lanes (64 or 16
-    columns at a time), fp32 and unweighted sums, take :func:`pooled_sum_lanes`; the same
-    ids with unit weights take the general kernel. Outputs and three steps of training
-    agree bit for bit, and with the reference; the register kernel streams its output
-    (torch's buffers are aligned for it)."""
+    columns at a time) and unweighted sums take :func:`pooled_sum_lanes`, whatever the
+    weights' precision; the same ids with unit weights take the general kernel. Outputs
+    and three steps of training agree bit for bit, and with the reference; the register
+    kernel streams its output (torch's buffers are aligned for it)."""
     from neorec.trainer.embedding import fused
 
     calls = []
@@ -188,20 +189,21 @@ def test_wide_float32_sums_pool_in_registers_like_the_general_kernel(monkeypatch
     tables = [TableConfig("wide", 50, 2 * LANES, ("a", "b")), TableConfig("narrow", 30, LANES, ("c",)),
               *(TableConfig(f"w{dim}", 20, dim, (f"f{dim}",)) for dim in (MIN_LANES, 2 * MIN_LANES, 3 * MIN_LANES, 96))]
     optimizer = SparseOptimizer("rowwise_adagrad", 0.1)
-    in_registers = FusedEmbeddingBagCollection(tables, optimizer, seed=4)
-    in_memory = FusedEmbeddingBagCollection(tables, optimizer, seed=4)
+    in_registers = FusedEmbeddingBagCollection(tables, optimizer, seed=4, weight_dtype=weight_dtype)
+    in_memory = FusedEmbeddingBagCollection(tables, optimizer, seed=4, weight_dtype=weight_dtype)
     rng = np.random.default_rng(5)
     for _ in range(3):
         kjt = random_kjt(tables, 64, rng, max_len=6)
         ones = KeyedJaggedTensor(kjt.keys, kjt.lengths, kjt.values, torch.ones(kjt.values.numel()))
-        expected = reference_pooled(tables, {t.name: in_registers.table_weight(t.name).clone() for t in tables}, kjt)
+        expected = reference_pooled(tables, {t.name: in_registers.table_weight(t.name).float() for t in tables}, kjt)
         out, general = in_registers(kjt), in_memory(ones)
         assert torch.equal(out, general)
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
         upstream = torch.from_numpy(rng.standard_normal(out.shape).astype(np.float32))
         (out * upstream).sum().backward()
         (general * upstream).sum().backward()
-        assert torch.equal(in_registers.weights, in_memory.weights)
+        for t in tables:
+            assert torch.equal(in_registers.table_weight(t.name), in_memory.table_weight(t.name))
     assert calls == [True] * 3
 
 
@@ -214,21 +216,28 @@ def _aligned_nans(n: int) -> np.ndarray:
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("dim", [MIN_LANES, 3 * MIN_LANES, 96, 2 * LANES])
-def test_the_register_kernel_counts_out_of_range_ids_as_the_general_kernel_does(stream, dim):
+@pytest.mark.parametrize("precision", [FP32, FP16])
+def test_the_register_kernel_counts_out_of_range_ids_as_the_general_kernel_does(stream, dim, precision):
     """The kernels count out-of-range ids (the module's ``"fatal"`` check names one when
     they count any), each id once however many lanes its row spans, and pool the other ids
     alike, whether the register kernel stores its output through the caches or around
-    them."""
+    them, from float32 rows or half-precision ones."""
     weights = np.random.default_rng(0).standard_normal(10 * dim).astype(np.float32)
+    weights16 = np.zeros(0, np.uint16)
+    if precision == FP16:
+        weights16 = weights.astype(np.float16).view(np.uint16)
+        weights = weights16.view(np.float16).astype(np.float32)  # the values the kernels decode
+    stored = (np.zeros(0, np.float32), weights16) if precision == FP16 else (weights, weights16)
     i64 = lambda *v: np.array(v, dtype=np.int64)
     layout = (i64(0), i64(dim), i64(10), i64(0), i64(0), i64(0))  # offsets, dims, rows; feature: table, source, column
     bag_offsets, values = i64(0, 2, 3), i64(3, 10, -1)
     lanes_out, general_out = _aligned_nans(2 * dim), np.full(2 * dim, np.nan, np.float32)
     upstream = np.empty(3, np.int64), np.empty(3, np.int64)
     assert streams_output(lanes_out)
-    bad = pooled_sum_lanes(weights, *layout, bag_offsets, values, 2, 1, lanes_out, upstream[0], stream)
-    general_bad = pooled_forward(weights, np.zeros(0, np.uint16), FP32, *layout, np.zeros(1, np.bool_), bag_offsets,
-                                 values, np.zeros(0, np.float32), 2, 1, general_out, upstream[1], np.zeros(0, np.float32))
+    bad = pooled_sum_lanes(*stored, precision, *layout, bag_offsets, values, 2, 1, lanes_out, upstream[0], stream)
+    no_floats = np.zeros(0, np.float32)
+    general_bad = pooled_forward(*stored, precision, *layout, np.zeros(1, np.bool_), bag_offsets, values, no_floats, 2,
+                                 1, general_out, upstream[1], no_floats)
     assert bad == general_bad == 2
     assert np.array_equal(lanes_out, general_out) and np.array_equal(lanes_out[:dim], weights[3 * dim : 4 * dim])
     assert np.array_equal(upstream[0], upstream[1])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from neorec.trainer.embedding.kernels.backward import RADIX_MIN_IDS, group_by_row
-from neorec.trainer.embedding.kernels.precision import BF16, FP16, decode, encode, encode_row, noise_bits_of
+from neorec.trainer.embedding.kernels.precision import BF16, FP16, decode, decode_row, encode, encode_row, noise_of
 from neorec.trainer.embedding.kernels.torch_ops import Rounding, _round
 
 DTYPES = {FP16: torch.float16, BF16: torch.bfloat16}
@@ -21,17 +21,22 @@ def _decode_all(bits, precision, out):
 
 
 @numba.njit
+def _decode_rows(bits, precision, out):
+    for r in range(bits.shape[0]):
+        decode_row(bits[r], out[r], bits.shape[1], precision)
+
+
+@numba.njit
 def _encode_all(values, precision, seed, out):
     for i in range(values.shape[0]):
-        noise = -1.0 if seed < 0 else np.float64(noise_bits_of(seed, 3, i)) * (1.0 / 9007199254740992.0)
+        noise = -1.0 if seed < 0 else noise_of(seed, 3, i)
         out[i] = encode(values[i], precision, noise)
 
 
 @numba.njit
 def _encode_rows(rows, precision, seed, out):
-    noise = np.empty(rows.shape[1], dtype=np.uint64)
     for r in range(rows.shape[0]):
-        encode_row(rows[r], out[r], rows.shape[1], precision, seed, 3, r * rows.shape[1], noise)
+        encode_row(rows[r], out[r], rows.shape[1], precision, seed, 3, r * rows.shape[1])
 
 
 def _awkward_floats() -> np.ndarray:
@@ -56,6 +61,20 @@ def test_decode_matches_torch_on_every_bit_pattern(precision):
     nan = np.isnan(theirs)
     assert (np.isnan(ours) == nan).all()
     assert (ours.view(np.uint32)[~nan] == theirs.view(np.uint32)[~nan]).all()
+
+
+@pytest.mark.parametrize("precision", [FP16, BF16])
+@pytest.mark.parametrize("width", [32, 37])
+def test_row_decoder_equals_decoding_each_element(precision, width):
+    """Every bit pattern, NaNs' payloads included, in rows of whole vector blocks and with a
+    tail past the last block."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    bits = bits[: bits.shape[0] // width * width].reshape(-1, width)
+    ours = np.empty(bits.shape, dtype=np.float32)
+    _decode_rows(bits, precision, ours)
+    each = np.empty(bits.size, dtype=np.float32)
+    _decode_all(bits.ravel(), precision, each)
+    assert (ours.ravel().view(np.uint32) == each.view(np.uint32)).all()
 
 
 @pytest.mark.parametrize("precision", [FP16, BF16])
@@ -85,14 +104,16 @@ def test_stochastic_encode_is_bit_identical_to_the_torch_ops_rounding(precision)
 
 @pytest.mark.parametrize("precision", [FP16, BF16])
 @pytest.mark.parametrize("seed", [-1, 5])
-def test_row_encoder_equals_encoding_each_element(precision, seed):
-    """Rows inside the fast range, and rows with one element outside it, alike."""
+@pytest.mark.parametrize("width", [32, 37])
+def test_row_encoder_equals_encoding_each_element(precision, seed, width):
+    """Rows inside the fast range, and rows with one element outside it, alike; widths of
+    whole vector blocks and with a tail past the last block."""
     values = _awkward_floats()
-    rows = values[: values.shape[0] // 32 * 32].reshape(-1, 32).copy()
+    rows = values[: values.shape[0] // width * width].reshape(-1, width).copy()
     rng = np.random.default_rng(1)
-    tame = (rng.standard_normal((5_000, 32)) * rng.choice([1e-3, 1, 100], (5_000, 1))).astype(np.float32)
+    tame = (rng.standard_normal((5_000, width)) * rng.choice([1e-3, 1, 100], (5_000, 1))).astype(np.float32)
     # fp16 subnormals and zeros among normal values, as in freshly initialised tables
-    small = (rng.uniform(-1, 1, (5_000, 32)) * rng.choice([3e-3, 1e-5, 1e-9], (5_000, 1))).astype(np.float32)
+    small = (rng.uniform(-1, 1, (5_000, width)) * rng.choice([3e-3, 1e-5, 1e-9], (5_000, 1))).astype(np.float32)
     small[rng.random(small.shape) < 0.05] = 0.0
     rows = np.concatenate([rows, tame, small])
     ours = np.empty(rows.shape, dtype=np.uint16)

@@ -136,7 +136,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         self.weight_dtype = weight_dtype
         self._precision = PRECISIONS[weight_dtype]
         # fixed by the tables and the storage: unweighted batches then pool in registers
-        self._pools_in_registers = sums_in_registers(self._precision, self._dims, bool(self._mean_pooling.any()))
+        self._pools_in_registers = sums_in_registers(self._dims, bool(self._mean_pooling.any()))
         self._rounding_seed = seed if stochastic_rounding and weight_dtype != "fp32" else -1
         if shard_origins is None:
             shard_origins = [(t, 0, 0, int(d)) for t, d in enumerate(dims)]
@@ -370,7 +370,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         weights, weights16, precision = self._kernel_weights()
         if self._pools_in_registers and sparse.weights is None:
             bad = pooled_sum_lanes(
-                weights, self._table_offsets, self._dims, self._rows, self._feature_table, ctx.source,
+                weights, weights16, precision, self._table_offsets, self._dims, self._rows, self._feature_table, ctx.source,
                 self._out_columns, ctx.bag_offsets, ctx.values, batch_size, jobs, out.view(-1).numpy(),
                 ctx.upstream_of_id, streams_output(out.numpy()))
         else:

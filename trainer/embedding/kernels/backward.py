@@ -21,7 +21,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from neorec.trainer.embedding.kernels.precision import FP32, decode, encode_row
+from neorec.trainer.embedding.kernels.precision import FP32, decode_row, encode_row
 from neorec.common.borrowed_view import borrowed_view
 from neorec.common.cache_prefetch import prefetch, prefetch_for_write
 from neorec.trainer.embedding.kernels.row_prefetch import prefetch_row
@@ -237,7 +237,6 @@ def apply_updates(
     for c in numba.prange(chunks):
         grad = np.empty(max_dim, dtype=np.float32)
         row_copy = np.empty(max_dim, dtype=np.float32)  # a half-precision row, in float32
-        noise_bits = np.empty(max_dim, dtype=np.uint64)  # its stochastic rounding's noise
         first = _chunk_start(c, chunks, num_runs, table_starts, table_runs, run_rows, touched_offsets)
         last = _chunk_start(c + 1, chunks, num_runs, table_starts, table_runs, run_rows, touched_offsets)
         if first == last:
@@ -297,15 +296,14 @@ def apply_updates(
                             adam_step_size)
                 continue
             bits = borrowed_view(weights16, w0, dim)
-            for d in range(dim):
-                row_copy[d] = decode(bits[d], precision)
+            decode_row(bits, row_copy, dim, precision)
             _update_row(row_copy, s1, s2, row_grad, dim, optimizer, learning_rates[t],
                         np.float32(eps), beta1, beta2, np.float32(weight_decay), np.float32(adagrad_decay),
                         adam_step_size)
             held = row if slot_base[t] < 0 else slot_rows[slot_base[t] + row]
             element = ((noise_origin[t, 0] << 40) + (noise_origin[t, 1] + held) * noise_origin[t, 3]
                        + noise_origin[t, 2])
-            encode_row(row_copy, bits, dim, precision, stochastic_seed, step, element, noise_bits)
+            encode_row(row_copy, bits, dim, precision, stochastic_seed, step, element)
 
 
 @numba.njit(inline="always")

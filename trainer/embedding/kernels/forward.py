@@ -3,8 +3,8 @@
 Weights of all tables live in one flat array (float32, or fp16/bf16 bit patterns);
 table ``t`` occupies ``weights[table_offsets[t] : table_offsets[t] + rows[t] * dims[t]]``
 row-major. Pooling is in float32 whatever the storage. :func:`pooled_forward` pools any
-batch; :func:`pooled_sum_lanes` the common case of float32 rows, unweighted sums and widths
-that are multiples of 16, faster (see :func:`sums_in_registers`).
+batch; :func:`pooled_sum_lanes` the common case of unweighted sums and widths that are
+multiples of 16, faster (see :func:`sums_in_registers`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 
 from neorec.common.borrowed_view import borrowed_view
 from neorec.common.cache_prefetch import prefetch_to_l2
-from neorec.trainer.embedding.kernels.precision import FP32, decode
+from neorec.trainer.embedding.kernels.precision import BF16, FP32, decode, decode_lanes
 from neorec.trainer.embedding.kernels.registers import STREAM_ALIGNMENT, fence_streaming, stack_floats, store_streaming
 from neorec.trainer.embedding.kernels.row_prefetch import prefetch_row
 
@@ -55,11 +55,11 @@ def _job(job, jobs_per_feature, bags_per_job, batch_size, table_offsets, dims, r
             min(first_bag + bags_per_job, batch_size), source, bag_offsets[source + batch_size])
 
 
-def sums_in_registers(precision: int, dims: np.ndarray, scaled: bool) -> bool:
-    """Whether :func:`pooled_sum_lanes` can pool a batch: float32 rows, every table's width
-    (``dims``, int64 ``[T]``) a multiple of :data:`MIN_LANES`, and no id's row scaled
-    (``scaled``: the batch has id weights or a table mean-pools)."""
-    return precision == FP32 and not scaled and bool(np.all(dims % MIN_LANES == 0))
+def sums_in_registers(dims: np.ndarray, scaled: bool) -> bool:
+    """Whether :func:`pooled_sum_lanes` can pool a batch: every table's width (``dims``,
+    int64 ``[T]``) a multiple of :data:`MIN_LANES`, and no id's row scaled (``scaled``: the
+    batch has id weights or a table mean-pools)."""
+    return not scaled and bool(np.all(dims % MIN_LANES == 0))
 
 
 def streams_output(out: np.ndarray) -> bool:
@@ -145,7 +145,9 @@ def pooled_forward(
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def pooled_sum_lanes(
-    weights: np.ndarray,         # float32 [sum(rows * dims)]
+    weights: np.ndarray,         # float32 [sum(rows * dims)], or [0] when weights16 holds them
+    weights16: np.ndarray,       # uint16 fp16/bf16 bit patterns [sum(rows * dims)], or [0]
+    precision: int,              # precision.FP32, FP16 or BF16
     table_offsets: np.ndarray,   # int64 [T]
     dims: np.ndarray,            # int64 [T], each a multiple of MIN_LANES (unchecked: rows are read as views)
     rows: np.ndarray,            # int64 [T]
@@ -160,17 +162,18 @@ def pooled_sum_lanes(
     upstream_of_id: np.ndarray,  # int64 [N], written (as in pooled_forward)
     stream: bool,                # store ``out`` around the caches (see streams_output)
 ) -> int:
-    """:func:`pooled_forward` for float32 rows, unweighted sum pooling and widths that are
-    multiples of :data:`MIN_LANES` (see :func:`sums_in_registers`), with the same result
-    bit for bit: each bag's columns are summed in registers, :data:`LANES` at a time
-    (:data:`MIN_LANES` for a table whose width is not a multiple of :data:`LANES`: at
-    width 32, two passes of 16 ran faster than one of 32), and stored once, where the
-    general kernel adds every row into the output in memory (the half-precision decoding,
-    id weights and means that the general kernel also handles keep LLVM from doing the
-    same there). With ``stream`` the sums go to memory by non-temporal stores: the output
-    is written once and read by the next layer, and a plain store would first read every
-    line it overwrites (a batch's output is tens of MB) and evict table rows for it.
-    Returns the number of out-of-range ids."""
+    """:func:`pooled_forward` for unweighted sum pooling and widths that are multiples of
+    :data:`MIN_LANES` (see :func:`sums_in_registers`), with the same result bit for bit:
+    each bag's columns are summed in registers, :data:`LANES` at a time (:data:`MIN_LANES`
+    for a table whose width is not a multiple of :data:`LANES`: at width 32, two passes of
+    16 ran faster than one of 32), and stored once, where the general kernel adds every row
+    into the output in memory (the id weights and means that the general kernel also
+    handles keep LLVM from doing the same there). Half-precision rows are decoded in
+    vector lanes (:func:`neorec.trainer.embedding.kernels.precision.decode_lanes`). With
+    ``stream`` the sums go to memory by non-temporal stores: the output is written once and
+    read by the next layer, and a plain store would first read every line it overwrites (a
+    batch's output is tens of MB) and evict table rows for it. Returns the number of
+    out-of-range ids."""
     width = out.shape[0] // max(batch_size, 1)
     jobs_per_feature = -(-batch_size // bags_per_job)
     # the count per job: Numba cannot analyse a reduction through the inlined loops below
@@ -180,13 +183,24 @@ def pooled_sum_lanes(
             job, jobs_per_feature, bags_per_job, batch_size, table_offsets, dims, rows, feature_table, feature_source,
             out_columns, bag_offsets)
         sums = stack_floats(LANES)
-        # one copy of the loops per lane count, each with its count a constant (registers)
-        if dim % LANES == 0:
-            job_bad = _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, LANES, dim, base,
-                                 table_rows, width, column, first_bag, last_bag, source, feature_end, stream)
+        decoded = stack_floats(LANES)  # a half-precision row's columns, in float32
+        # one copy of the loops per storage and lane count, each a constant (registers)
+        if precision == FP32 and dim % LANES == 0:
+            job_bad = _pool_bags(weights, weights16, values, out, upstream_of_id, bag_offsets, sums, LANES, dim,
+                                 base, table_rows, width, column, first_bag, last_bag, source, feature_end,
+                                 stream, FP32, decoded)
+        elif precision == FP32:
+            job_bad = _pool_bags(weights, weights16, values, out, upstream_of_id, bag_offsets, sums, MIN_LANES, dim,
+                                 base, table_rows, width, column, first_bag, last_bag, source, feature_end,
+                                 stream, FP32, decoded)
+        elif dim % LANES == 0:
+            job_bad = _pool_bags(weights, weights16, values, out, upstream_of_id, bag_offsets, sums, LANES, dim,
+                                 base, table_rows, width, column, first_bag, last_bag, source, feature_end,
+                                 stream, precision, decoded)
         else:
-            job_bad = _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, MIN_LANES, dim, base,
-                                 table_rows, width, column, first_bag, last_bag, source, feature_end, stream)
+            job_bad = _pool_bags(weights, weights16, values, out, upstream_of_id, bag_offsets, sums, MIN_LANES, dim,
+                                 base, table_rows, width, column, first_bag, last_bag, source, feature_end,
+                                 stream, precision, decoded)
         bad[job] = job_bad
         if stream:
             fence_streaming()
@@ -194,11 +208,13 @@ def pooled_sum_lanes(
 
 
 @numba.njit(inline="always")
-def _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, lanes, dim, base, table_rows, width, column,
-               first_bag, last_bag, source, feature_end, stream):
+def _pool_bags(weights, weights16, values, out, upstream_of_id, bag_offsets, sums, lanes, dim, base, table_rows,
+               width, column, first_bag, last_bag, source, feature_end, stream, precision, decoded):
     """:func:`pooled_sum_lanes`' bags ``[first_bag, last_bag)`` of one feature, ``lanes``
     columns at a time (a constant at each call, so that ``sums``, a stack array, lives in
-    registers); returns the count of out-of-range ids."""
+    registers); returns the count of out-of-range ids. The rows are float32 ``weights`` if
+    ``precision`` is FP32 (a constant at each call), else the half-precision bit patterns of
+    ``weights16``, decoded into ``decoded`` (a stack array) ``lanes`` columns at a time."""
     missing = 0
     for b in range(first_bag, last_bag):
         o = b * width + column
@@ -212,17 +228,27 @@ def _pool_bags(weights, values, out, upstream_of_id, bag_offsets, sums, lanes, d
                 if ahead < feature_end:
                     row_ahead = values[ahead]
                     if 0 <= row_ahead < table_rows:
-                        for d in range(0, lanes, 16):
-                            prefetch_to_l2(weights, base + row_ahead * dim + c + d)
+                        if precision == FP32:
+                            for d in range(0, lanes, 16):
+                                prefetch_to_l2(weights, base + row_ahead * dim + c + d)
+                        else:  # 32 half-precision elements a cache line
+                            for d in range(0, lanes, 32):
+                                prefetch_to_l2(weights16, base + row_ahead * dim + c + d)
                 upstream_of_id[p] = o
                 idx = values[p]
                 if idx < 0 or idx >= table_rows:
                     if c == 0:
                         missing += 1
                     continue
-                row = borrowed_view(weights, base + idx * dim + c, lanes)  # idx checked: in its table
-                for d in range(lanes):
-                    sums[d] += row[d]
+                if precision == FP32:
+                    row = borrowed_view(weights, base + idx * dim + c, lanes)  # idx checked: in its table
+                    for d in range(lanes):
+                        sums[d] += row[d]
+                else:
+                    for d in range(0, lanes, MIN_LANES):
+                        decode_lanes(weights16, base + idx * dim + c + d, precision == BF16, decoded, d)
+                    for d in range(lanes):
+                        sums[d] += decoded[d]
             if stream:
                 for d in range(0, lanes, 16):
                     store_streaming(out, o + c + d, borrowed_view(sums, d, 16), 16)

@@ -1,12 +1,12 @@
 """Half-precision weight storage: fp16 and bf16 held as uint16 bit patterns (Numba has no
-CPU half type), converted to and from float32 one element at a time with integer
-operations on the float's bits (branch-free in the common case, so the kernels' loops over
-a row vectorize).
+CPU half type), converted to and from float32 with integer operations on the float's bits:
+one element at a time (branch-free in the common case, so the kernels' loops over a row
+vectorize), and a row's blocks of 16 in explicit 32-bit vector lanes (:func:`encode_row`).
 
 Rounding to half precision is to nearest, ties to even (as torch's conversions), or
 stochastic: away from zero with probability equal to the remainder's fraction of the gap
-between the two half values around it, from a hash of ``(seed, step, element)`` so the
-result does not depend on the thread count. A value whose nearest half is infinite stays
+between the two half values around it, the noise (32 bits) a hash of ``(seed, step,
+element)`` so the result does not depend on the thread count. A value whose nearest half is infinite stays
 infinite, and stochastic rounding never rounds up to infinity, as
 :func:`neorec.trainer.embedding.kernels.torch_ops._round` does.
 """
@@ -17,9 +17,10 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
-from neorec.common.hashing import GOLDEN, MIX1, MIX2, SALT, mix64_jit
+from neorec.common.hashing import FMIX32_1, FMIX32_2, GOLDEN, MIX1, MIX2, SALT, fold_mix32_jit
 
 FP32 = 0
 FP16 = 1
@@ -101,58 +102,171 @@ def encode(x: np.float32, precision: int, noise: float) -> np.uint16:
     return np.uint16(sign | (truncated + np.uint32(up)))
 
 
-_FAST_LOWEST = (0, 73 << 23, 0)
+_FAST_LOWEST = (0, 95 << 23, 0)
 _FAST_HIGHEST = (0, 0x477FE000, 0x7F7F0000)
-"""By precision code: nonzero float32 magnitudes (as bits) that :func:`encode_row`'s vectorized
-loop encodes, zero aside: fp16 from 2**-54 (where a subnormal's rounding needs at most 53
-noise bits, as in :func:`encode`) to 65504, the largest value no rounding takes to infinity;
-bf16 up to its largest finite value."""
+"""By precision code: nonzero float32 magnitudes (as bits) that :func:`_encode_lanes`
+encodes, zero aside: fp16 from 2**-32 (a subnormal's rounding then shifts out at most 31
+bits, so the sum of its significand and the noise stays within 32 bits) to 65504, the
+largest value no rounding takes to infinity; bf16 up to its largest finite value."""
+LANES = 16
+"""Elements :func:`_encode_lanes` encodes at once."""
 
 
 @numba.njit(inline="always")
-def encode_row(row, bits, dim, precision, seed, step, first_element, noise_bits):
-    """``bits[:dim]`` = :func:`encode` of float32 ``row[:dim]``, rounding to nearest even
-    when ``seed < 0``, else stochastically with element ``first_element + d``'s noise;
-    ``noise_bits``: uint64 scratch of at least ``dim`` elements. Equal, bit for bit, to
-    encoding one element at a time."""
+def encode_row(row, bits, dim, precision, seed, step, first_element):
+    """``bits[:dim]`` = :func:`encode` of float32 ``row[:dim]`` (both C-contiguous), rounding
+    to nearest even when ``seed < 0``, else stochastically with element ``first_element + d``'s
+    noise (:func:`noise_of`). Equal, bit for bit, to encoding one element at a time: blocks
+    of :data:`LANES` in 32-bit vector lanes, then, one at a time, the elements past the last
+    whole block and those outside the blocks' range (NaNs, infinities, values that round
+    to infinity, fp16 below 2**-32), whose blocks' bits are overwritten."""
     stochastic = seed >= 0
-    if stochastic:
-        for d in range(dim):
-            noise_bits[d] = noise_bits_of(seed, step, first_element + d)
+    key = noise_key(seed, step, first_element) if stochastic else np.uint64(0)
+    whole = dim - dim % LANES
+    for d in range(0, whole, LANES):
+        _encode_lanes(row, d, bits, d, precision == BF16, stochastic, key + np.uint64(d) * np.uint64(MIX2))
     lowest, highest = _FAST_LOWEST[precision], _FAST_HIGHEST[precision]
     inside = True
-    for d in range(dim):
+    for d in range(whole):
         a = _bits_of_float(row[d]) & np.uint32(0x7FFFFFFF)
         inside &= (a == np.uint32(0)) | ((a >= np.uint32(lowest)) & (a <= np.uint32(highest)))
-    if not inside:
-        for d in range(dim):
-            noise = np.float64(noise_bits[d]) * (1.0 / 9007199254740992.0) if stochastic else -1.0
-            bits[d] = encode(row[d], precision, noise)
-        return
-    for d in range(dim):
-        b = _bits_of_float(row[d])
-        a = b & np.uint32(0x7FFFFFFF)
-        if precision == BF16:
-            base, shift = np.uint64(a), np.uint64(16)
-        else:  # fp16 normal: rebias the exponent; subnormal (zero too): the significand, in
-            # units of 2**-24 once shifted (see encode); selects, not branches, so it vectorizes
-            exponent = a >> np.uint32(23)
-            normal = exponent >= np.uint32(113)
-            significand = (a & np.uint32(0x7FFFFF)) | (np.uint32(0x800000) if exponent > 0 else np.uint32(0))
-            base = np.uint64(a - np.uint32(112 << 23)) if normal else np.uint64(significand)
-            shift = np.uint64(13) if normal else np.uint64(min(np.uint32(126) - exponent, np.uint32(53)))
-        if stochastic:  # the top `shift` of the noise's 53 bits: see encode
-            carry = noise_bits[d] >> (np.uint64(53) - shift)
-        else:  # ties to even
-            carry = ((np.uint64(1) << (shift - np.uint64(1))) - np.uint64(1)) + ((base >> shift) & np.uint64(1))
-        bits[d] = np.uint16(((b >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32((base + carry) >> shift))
+    for d in range(whole if inside else 0, dim):
+        noise = noise_of(seed, step, first_element + d) if stochastic else -1.0
+        bits[d] = encode(row[d], precision, noise)
 
 
 @numba.njit(inline="always")
-def noise_bits_of(seed: int, step: int, element: int) -> np.uint64:
-    """53 uniform random bits from ``(seed, step, element)``: :func:`neorec.common.hashing.mix64`
-    of a linear combination of the three."""
+def noise_key(seed: int, step: int, element: int) -> np.uint64:
+    """The 64-bit key of element ``element``'s rounding noise at ``step``: a linear
+    combination of the three, so consecutive elements' keys differ by ``MIX2``."""
     z = np.uint64(seed) * np.uint64(GOLDEN) + np.uint64(step) * np.uint64(MIX1)
-    z = z + np.uint64(element) * np.uint64(MIX2) + np.uint64(SALT)
-    return mix64_jit(z) >> np.uint64(11)
+    return z + np.uint64(element) * np.uint64(MIX2) + np.uint64(SALT)
 
+
+@numba.njit(inline="always")
+def noise_of(seed: int, step: int, element: int) -> np.float64:
+    """Stochastic rounding's noise, uniform in [0, 1) in steps of 2**-32:
+    :func:`neorec.common.hashing.fold_mix32` of :func:`noise_key`, over 2**32."""
+    return np.float64(fold_mix32_jit(noise_key(seed, step, element))) * (1.0 / 4294967296.0)
+
+
+_I32 = ir.IntType(32)
+_LANE_VECTOR = ir.VectorType(_I32, LANES)
+_KEY_VECTOR = ir.VectorType(ir.IntType(64), LANES)
+_BITS_VECTOR = ir.VectorType(ir.IntType(16), LANES)
+
+
+def _lanes(value: int, vector: ir.VectorType = _LANE_VECTOR) -> ir.Constant:
+    """``value`` in every lane of ``vector``."""
+    return ir.Constant(vector, [value] * LANES)
+
+
+@intrinsic
+def _encode_lanes(typingctx, row, start, bits, bits_start, bf16, stochastic, key):
+    """``_encode_lanes(row, start, bits, bits_start, bf16, stochastic, key)``:
+    ``bits[bits_start : bits_start + 16]`` = :func:`encode` (fp16, or bf16 if ``bf16``) of
+    float32 ``row[start : start + 16]``, every one of them zero or inside
+    :data:`_FAST_LOWEST`..:data:`_FAST_HIGHEST` (others get wrong bits). Stochastically if
+    ``stochastic``, ``key`` being the first element's :func:`noise_key`, else to nearest
+    even. In ``<16 x i32>`` vectors: Numba widens 32-bit integer arithmetic to 64 bits,
+    and 64-bit lanes (their products most of all) are slow where vectors are 256 bits."""
+    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (row, bits)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        row_type, _, bits_type, _, _, _, _ = signature.args
+        source = cgutils.get_item_pointer(context, builder, row_type, context.make_array(row_type)(
+            context, builder, args[0]), [args[1]], wraparound=False, boundscheck=False)
+        target = cgutils.get_item_pointer(context, builder, bits_type, context.make_array(bits_type)(
+            context, builder, args[2]), [args[3]], wraparound=False, boundscheck=False)
+        b = builder.load(builder.bitcast(source, _LANE_VECTOR.as_pointer()), align=4)
+        a = builder.and_(b, _lanes(0x7FFFFFFF))
+        # fp16 as encode computes it: normal values rebias the exponent; subnormals (zero
+        # too) shift the significand by 126 - exponent, at most 31 here
+        exponent = builder.lshr(a, _lanes(23))
+        normal = builder.icmp_unsigned(">=", exponent, _lanes(113))
+        implicit = builder.select(builder.icmp_unsigned("!=", exponent, _lanes(0)), _lanes(0x800000), _lanes(0))
+        significand = builder.or_(builder.and_(a, _lanes(0x7FFFFF)), implicit)
+        subnormal_shift = builder.sub(_lanes(126), exponent)
+        subnormal_shift = builder.select(builder.icmp_unsigned("<", subnormal_shift, _lanes(31)), subnormal_shift,
+                                         _lanes(31))
+        is_bf16 = context.cast(builder, args[4], signature.args[4], types.boolean)
+        base = builder.select(is_bf16, a, builder.select(normal, builder.sub(a, _lanes(112 << 23)), significand))
+        shift = builder.select(is_bf16, _lanes(16), builder.select(normal, _lanes(13), subnormal_shift))
+        with builder.if_else(context.cast(builder, args[5], signature.args[5], types.boolean)) as (noisy, even):
+            with noisy:  # the top `shift` bits of each element's 32 noise bits
+                first = builder.insert_element(ir.Constant(_KEY_VECTOR, ir.Undefined), args[6], _I32(0))
+                keys = builder.shuffle_vector(first, ir.Constant(_KEY_VECTOR, ir.Undefined), _lanes(0))
+                keys = builder.add(keys, ir.Constant(_KEY_VECTOR, [i * MIX2 & (1 << 64) - 1 for i in range(LANES)]))
+                folded = builder.xor(builder.trunc(keys, _LANE_VECTOR),
+                                     builder.trunc(builder.lshr(keys, _lanes(32, _KEY_VECTOR)), _LANE_VECTOR))
+                noise_carry = builder.lshr(_fmix32_lanes(builder, folded), builder.sub(_lanes(32), shift))
+                noisy_block = builder.block
+            with even:  # just under half a unit, plus one if the kept part is odd
+                half = builder.sub(builder.shl(_lanes(1), builder.sub(shift, _lanes(1))), _lanes(1))
+                even_carry = builder.add(half, builder.and_(builder.lshr(base, shift), _lanes(1)))
+                even_block = builder.block
+        carry = builder.phi(_LANE_VECTOR)
+        carry.add_incoming(noise_carry, noisy_block)
+        carry.add_incoming(even_carry, even_block)
+        sign = builder.and_(builder.lshr(b, _lanes(16)), _lanes(0x8000))
+        encoded = builder.or_(sign, builder.lshr(builder.add(base, carry), shift))
+        builder.store(builder.trunc(encoded, _BITS_VECTOR), builder.bitcast(target, _BITS_VECTOR.as_pointer()),
+                      align=2)
+        return context.get_dummy_value()
+
+    return types.void(row, start, bits, bits_start, bf16, stochastic, key), codegen
+
+
+@numba.njit(inline="always")
+def decode_row(bits, row, dim, precision):
+    """float32 ``row[:dim]`` = :func:`decode` of ``bits[:dim]`` (both C-contiguous): blocks
+    of :data:`LANES` in 32-bit vector lanes, the rest one at a time."""
+    whole = dim - dim % LANES
+    for d in range(0, whole, LANES):
+        decode_lanes(bits, d, precision == BF16, row, d)
+    for d in range(whole, dim):
+        row[d] = decode(bits[d], precision)
+
+
+@intrinsic
+def decode_lanes(typingctx, bits, start, bf16, row, row_start):
+    """``decode_lanes(bits, start, bf16, row, row_start)``: float32
+    ``row[row_start : row_start + 16]`` = :func:`decode` (fp16, or bf16 if ``bf16``) of
+    ``bits[start : start + 16]``, in ``<16 x i32>`` vectors (see :func:`_encode_lanes`)."""
+    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (bits, row)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        bits_type, _, _, row_type, _ = signature.args
+        source = cgutils.get_item_pointer(context, builder, bits_type, context.make_array(bits_type)(
+            context, builder, args[0]), [args[1]], wraparound=False, boundscheck=False)
+        target = cgutils.get_item_pointer(context, builder, row_type, context.make_array(row_type)(
+            context, builder, args[3]), [args[4]], wraparound=False, boundscheck=False)
+        h = builder.zext(builder.load(builder.bitcast(source, _BITS_VECTOR.as_pointer()), align=2), _LANE_VECTOR)
+        float_vector = ir.VectorType(ir.FloatType(), LANES)
+        # fp16 as decode computes it: infinities and NaNs keep an all-ones exponent, every
+        # other magnitude is exact times 2**112
+        magnitude = builder.shl(builder.and_(h, _lanes(0x7FFF)), _lanes(13))
+        special = builder.icmp_unsigned(">=", magnitude, _lanes(_FP16_INFINITY << 13))
+        scaled = builder.fmul(builder.bitcast(magnitude, float_vector),
+                              ir.Constant(float_vector, [float(_FP16_SCALE)] * LANES))
+        unsigned = builder.select(special, builder.or_(magnitude, _lanes(_FLOAT32_INFINITY)),
+                                  builder.bitcast(scaled, _LANE_VECTOR))
+        half = builder.or_(unsigned, builder.shl(builder.and_(h, _lanes(0x8000)), _lanes(16)))
+        is_bf16 = context.cast(builder, args[2], signature.args[2], types.boolean)
+        value = builder.select(is_bf16, builder.shl(h, _lanes(16)), half)
+        builder.store(builder.bitcast(value, float_vector), builder.bitcast(target, float_vector.as_pointer()),
+                      align=4)
+        return context.get_dummy_value()
+
+    return types.void(bits, start, bf16, row, row_start), codegen
+
+
+def _fmix32_lanes(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """:func:`neorec.common.hashing.fold_mix32`'s finalizer on ``<16 x i32>`` lanes."""
+    x = builder.xor(x, builder.lshr(x, _lanes(16)))
+    x = builder.mul(x, _lanes(FMIX32_1))
+    x = builder.xor(x, builder.lshr(x, _lanes(13)))
+    x = builder.mul(x, _lanes(FMIX32_2))
+    return builder.xor(x, builder.lshr(x, _lanes(16)))

@@ -17,7 +17,7 @@ writes to one element differ. Atomics only add integers (counts, the touched bit
 bits), which are exact in any order, so the result does not depend on scheduling.
 Half-precision weights are read as float32 and each update is rounded back
 to nearest even or stochastically, with the Numba kernels' noise
-(``precision.noise_bits_of``, here in int64 ops).
+(``precision.noise_of``, here in int64 ops).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from neorec.common.hashing import GOLDEN, MIX1, MIX2, SALT, mix64_int64, signed
+from neorec.common.hashing import GOLDEN, MIX1, MIX2, SALT, fold_mix32_int64, signed
 from neorec.trainer.embedding.config import SparseOptimizer
 
 
@@ -319,12 +319,11 @@ def _from_bits(magnitude: torch.Tensor, sign_of: torch.Tensor, dtype: torch.dtyp
 
 
 def _uniform_noise(seed: int, step: int | torch.Tensor, element: torch.Tensor) -> torch.Tensor:
-    """float64 uniform [0, 1): splitmix64 of ``(seed, step, element)`` as
-    :func:`neorec.trainer.embedding.kernels.precision.noise_bits_of` over 2**53, in int64
+    """float64 uniform [0, 1) in steps of 2**-32: the noise of ``(seed, step, element)`` as
+    :func:`neorec.trainer.embedding.kernels.precision.noise_of` makes it, in int64
     (wrapping) arithmetic; ``step`` a number or an int64 scalar tensor."""
     if isinstance(step, torch.Tensor):  # the same sum modulo 2**64, in int64 ops
         start = signed(seed * GOLDEN + SALT) + step * signed(MIX1)
     else:
         start = signed(seed * GOLDEN + step * MIX1 + SALT)
-    z = mix64_int64(start + element * signed(MIX2))
-    return ((z >> 11) & ((1 << 53) - 1)).double() * (1.0 / 9007199254740992.0)
+    return fold_mix32_int64(start + element * signed(MIX2)).double() * (1.0 / 4294967296.0)
