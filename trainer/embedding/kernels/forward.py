@@ -108,6 +108,7 @@ def pooled_forward(
         t, dim, base, table_rows, column, first_bag, last_bag, source, feature_end = _job(
             job, jobs_per_feature, bags_per_job, batch_size, table_offsets, dims, rows, feature_table, feature_source,
             out_columns, bag_offsets)
+        decoded = stack_floats(MIN_LANES)  # a half-precision row's columns, in float32
         for b in range(first_bag, last_bag):
             o = b * width + column
             pooled = borrowed_view(out, o, dim)  # indexed by the loop counter: vectorizes
@@ -133,10 +134,14 @@ def pooled_forward(
                     row_weights = borrowed_view(weights, row, dim)
                     for d in range(dim):
                         pooled[d] += w * row_weights[d]
-                else:
-                    row_bits = borrowed_view(weights16, row, dim)
-                    for d in range(dim):
-                        pooled[d] += w * decode(row_bits[d], precision)
+                else:  # 16 columns at a time decoded in vector lanes, the rest one by one
+                    whole = dim - dim % MIN_LANES
+                    for c in range(0, whole, MIN_LANES):
+                        decode_lanes(weights16, row + c, precision == BF16, decoded, 0)
+                        for d in range(MIN_LANES):
+                            pooled[c + d] += w * decoded[d]
+                    for d in range(whole, dim):
+                        pooled[d] += w * decode(weights16[row + d], precision)
             if mean_pooling[t] and end > start:
                 for d in range(dim):
                     pooled[d] /= count

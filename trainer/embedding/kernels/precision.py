@@ -1,13 +1,14 @@
 """Half-precision weight storage: fp16 and bf16 held as uint16 bit patterns (Numba has no
 CPU half type), converted to and from float32 with integer operations on the float's bits:
 one element at a time (branch-free in the common case, so the kernels' loops over a row
-vectorize), and a row's blocks of 16 in explicit 32-bit vector lanes (:func:`encode_row`).
+vectorize), and a row's blocks of 16 in explicit 32-bit vector lanes (:func:`encode_row`,
+:func:`decode_row`).
 
 Rounding to half precision is to nearest, ties to even (as torch's conversions), or
 stochastic: away from zero with probability equal to the remainder's fraction of the gap
 between the two half values around it, the noise (32 bits) a hash of ``(seed, step,
-element)`` so the result does not depend on the thread count. A value whose nearest half is infinite stays
-infinite, and stochastic rounding never rounds up to infinity, as
+element)`` so the result does not depend on the thread count. A value whose nearest half
+is infinite stays infinite, and stochastic rounding never rounds up to infinity, as
 :func:`neorec.trainer.embedding.kernels.torch_ops._round` does.
 """
 
