@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from neorec.trainer.embedding.kernels import precision as precision_module
 from neorec.trainer.embedding.kernels.backward import RADIX_MIN_IDS, group_by_row
 from neorec.trainer.embedding.kernels.precision import BF16, FP16, decode, decode_row, encode, encode_row, noise_of
 from neorec.trainer.embedding.kernels.torch_ops import Rounding, _round
@@ -65,13 +66,18 @@ def test_decode_matches_torch_on_every_bit_pattern(precision):
 
 @pytest.mark.parametrize("precision", [FP16, BF16])
 @pytest.mark.parametrize("width", [32, 37])
-def test_row_decoder_equals_decoding_each_element(precision, width):
+@pytest.mark.parametrize("hardware", [True, False], ids=["cpu-conversion", "integer-lanes"])
+def test_row_decoder_equals_decoding_each_element(monkeypatch, precision, width, hardware):
     """Every bit pattern, NaNs' payloads included, in rows of whole vector blocks and with a
-    tail past the last block."""
+    tail past the last block; through the CPU's conversion where it has one, and through the
+    integer operations that stand in for it elsewhere."""
+    if hardware and not precision_module.HARDWARE_HALF:
+        pytest.skip("this CPU has no vector fp16 conversion")
+    monkeypatch.setattr(precision_module, "HARDWARE_HALF", hardware)
     bits = np.arange(1 << 16, dtype=np.uint16)
     bits = bits[: bits.shape[0] // width * width].reshape(-1, width)
     ours = np.empty(bits.shape, dtype=np.float32)
-    _decode_rows(bits, precision, ours)
+    numba.njit(_decode_rows.py_func)(bits, precision, ours)  # compiled afresh, with the path chosen
     each = np.empty(bits.size, dtype=np.float32)
     _decode_all(bits.ravel(), precision, each)
     assert (ours.ravel().view(np.uint32) == each.view(np.uint32)).all()
