@@ -9,7 +9,7 @@ from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
 from neorec.trainer.embedding.kernels.forward import LANES, MIN_LANES, pooled_forward, pooled_sum_lanes, streams_output
 from neorec.trainer.embedding.kernels.registers import STREAM_ALIGNMENT
-from neorec.trainer.embedding.kernels.precision import FP16, FP32
+from neorec.trainer.embedding.kernels.precision import BF16, FP16, FP32
 
 
 def _tables(rng: np.random.Generator, pooling: str) -> list[TableConfig]:
@@ -216,7 +216,7 @@ def _aligned_nans(n: int) -> np.ndarray:
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("dim", [MIN_LANES, 3 * MIN_LANES, 96, 2 * LANES])
-@pytest.mark.parametrize("precision", [FP32, FP16])
+@pytest.mark.parametrize("precision", [FP32, FP16, BF16])
 def test_the_register_kernel_counts_out_of_range_ids_as_the_general_kernel_does(stream, dim, precision):
     """The kernels count out-of-range ids (the module's ``"fatal"`` check names one when
     they count any), each id once however many lanes its row spans, and pool the other ids
@@ -224,10 +224,11 @@ def test_the_register_kernel_counts_out_of_range_ids_as_the_general_kernel_does(
     them, from float32 rows or half-precision ones."""
     weights = np.random.default_rng(0).standard_normal(10 * dim).astype(np.float32)
     weights16 = np.zeros(0, np.uint16)
-    if precision == FP16:
-        weights16 = weights.astype(np.float16).view(np.uint16)
-        weights = weights16.view(np.float16).astype(np.float32)  # the values the kernels decode
-    stored = (np.zeros(0, np.float32), weights16) if precision == FP16 else (weights, weights16)
+    if precision != FP32:
+        half = torch.from_numpy(weights).to(torch.float16 if precision == FP16 else torch.bfloat16)
+        weights16 = half.view(torch.int16).numpy().view(np.uint16)
+        weights = half.float().numpy()  # the values the kernels decode
+    stored = (weights, weights16) if precision == FP32 else (np.zeros(0, np.float32), weights16)
     i64 = lambda *v: np.array(v, dtype=np.int64)
     layout = (i64(0), i64(dim), i64(10), i64(0), i64(0), i64(0))  # offsets, dims, rows; feature: table, source, column
     bag_offsets, values = i64(0, 2, 3), i64(3, 10, -1)

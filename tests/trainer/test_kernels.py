@@ -71,9 +71,9 @@ def test_row_decoder_equals_decoding_each_element(monkeypatch, precision, width,
     """Every bit pattern, NaNs' payloads included, in rows of whole vector blocks and with a
     tail past the last block; through the CPU's conversion where it has one, and through the
     integer operations that stand in for it elsewhere."""
-    if hardware and not precision_module.HARDWARE_HALF:
+    if hardware and not precision_module.converts_half_in_hardware():
         pytest.skip("this CPU has no vector fp16 conversion")
-    monkeypatch.setattr(precision_module, "HARDWARE_HALF", hardware)
+    monkeypatch.setattr(precision_module, "converts_half_in_hardware", lambda: hardware)
     bits = np.arange(1 << 16, dtype=np.uint16)
     bits = bits[: bits.shape[0] // width * width].reshape(-1, width)
     ours = np.empty(bits.shape, dtype=np.float32)
@@ -121,7 +121,11 @@ def test_row_encoder_equals_encoding_each_element(precision, seed, width):
     # fp16 subnormals and zeros among normal values, as in freshly initialised tables
     small = (rng.uniform(-1, 1, (5_000, width)) * rng.choice([3e-3, 1e-5, 1e-9], (5_000, 1))).astype(np.float32)
     small[rng.random(small.shape) < 0.05] = 0.0
-    rows = np.concatenate([rows, tame, small])
+    # fp16 subnormals of every size the vector lanes encode: 2**-32 up to 2**-14
+    deep = np.ldexp(rng.uniform(1, 2, (5_000, width)), rng.integers(-32, -13, (5_000, width))).astype(np.float32)
+    deep *= rng.choice(np.float32([-1, 1]), deep.shape)
+    deep[0, :] = np.float32(2.0**-32)
+    rows = np.concatenate([rows, tame, small, deep])
     ours = np.empty(rows.shape, dtype=np.uint16)
     _encode_rows(rows, precision, seed, ours)
     each = np.empty(rows.size, dtype=np.uint16)

@@ -14,7 +14,7 @@ import numpy as np
 
 from neorec.common.borrowed_view import borrowed_view
 from neorec.common.cache_prefetch import prefetch_to_l2
-from neorec.trainer.embedding.kernels.precision import BF16, FP32, decode, decode_lanes
+from neorec.trainer.embedding.kernels.precision import BF16, BLOCK, FP32, decode, decode_lanes
 from neorec.trainer.embedding.kernels.registers import STREAM_ALIGNMENT, fence_streaming, stack_floats, store_streaming
 from neorec.trainer.embedding.kernels.row_prefetch import prefetch_row
 
@@ -108,7 +108,7 @@ def pooled_forward(
         t, dim, base, table_rows, column, first_bag, last_bag, source, feature_end = _job(
             job, jobs_per_feature, bags_per_job, batch_size, table_offsets, dims, rows, feature_table, feature_source,
             out_columns, bag_offsets)
-        decoded = stack_floats(MIN_LANES)  # a half-precision row's columns, in float32
+        decoded = stack_floats(BLOCK)  # a half-precision row's columns, in float32
         for b in range(first_bag, last_bag):
             o = b * width + column
             pooled = borrowed_view(out, o, dim)  # indexed by the loop counter: vectorizes
@@ -134,11 +134,11 @@ def pooled_forward(
                     row_weights = borrowed_view(weights, row, dim)
                     for d in range(dim):
                         pooled[d] += w * row_weights[d]
-                else:  # 16 columns at a time decoded in vector lanes, the rest one by one
-                    whole = dim - dim % MIN_LANES
-                    for c in range(0, whole, MIN_LANES):
+                else:  # BLOCK columns at a time decoded in vector lanes, the rest one by one
+                    whole = dim - dim % BLOCK
+                    for c in range(0, whole, BLOCK):
                         decode_lanes(weights16, row + c, precision == BF16, decoded, 0)
-                        for d in range(MIN_LANES):
+                        for d in range(BLOCK):
                             pooled[c + d] += w * decoded[d]
                     for d in range(whole, dim):
                         pooled[d] += w * decode(weights16[row + d], precision)
@@ -218,8 +218,9 @@ def _pool_bags(weights, weights16, values, out, upstream_of_id, bag_offsets, sum
     """:func:`pooled_sum_lanes`' bags ``[first_bag, last_bag)`` of one feature, ``lanes``
     columns at a time (a constant at each call, so that ``sums``, a stack array, lives in
     registers); returns the count of out-of-range ids. The rows are float32 ``weights`` if
-    ``precision`` is FP32 (a constant at each call), else the half-precision bit patterns of
-    ``weights16``, decoded into ``decoded`` (a stack array) ``lanes`` columns at a time."""
+    ``precision`` is FP32 (then the constant FP32 at the call, so that the other branches
+    fold away), else the half-precision bit patterns of ``weights16``, decoded into
+    ``decoded`` (a stack array) ``lanes`` columns at a time."""
     missing = 0
     for b in range(first_bag, last_bag):
         o = b * width + column
@@ -250,7 +251,7 @@ def _pool_bags(weights, weights16, values, out, upstream_of_id, bag_offsets, sum
                     for d in range(lanes):
                         sums[d] += row[d]
                 else:
-                    for d in range(0, lanes, MIN_LANES):
+                    for d in range(0, lanes, BLOCK):  # lanes is a multiple of BLOCK
                         decode_lanes(weights16, base + idx * dim + c + d, precision == BF16, decoded, d)
                     for d in range(lanes):
                         sums[d] += decoded[d]

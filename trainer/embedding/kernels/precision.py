@@ -14,10 +14,12 @@ is infinite stays infinite, and stochastic rounding never rounds up to infinity,
 
 from __future__ import annotations
 
-import platform
+import functools
+import re
 
 import llvmlite.binding
 import numba
+import numba.core.codegen
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -37,8 +39,10 @@ _BF16_NAN = 0x7FC0
 _FLOAT32_INFINITY = 0x7F800000
 _FLOAT32_QUIET = 0x400000
 """The bit that makes a float32 NaN quiet."""
-_FP16_SCALE = np.float32(2.0 ** 112)
+_FP16_REBIAS = 112 << 23
 """float32 bits of a fp16 magnitude shifted into place carry an exponent 112 too small."""
+_FP16_SUBNORMAL_UNIT = np.float32(2.0 ** -24)
+"""The value of a fp16 subnormal's least significant bit."""
 
 
 @intrinsic
@@ -68,8 +72,11 @@ def decode(bits: np.uint16, precision: int) -> np.float32:
     if magnitude >= np.uint32(_FP16_INFINITY << 13):  # infinity or NaN: all-ones exponent
         quiet = np.uint32(_FLOAT32_QUIET) if magnitude > np.uint32(_FP16_INFINITY << 13) else np.uint32(0)
         value = _float_of_bits(magnitude | np.uint32(_FLOAT32_INFINITY) | quiet)
-    else:  # normal and subnormal alike: the product is exact
-        value = _float_of_bits(magnitude) * _FP16_SCALE
+    elif magnitude >= np.uint32(1 << 23):  # normal: the exponent rebiased
+        value = _float_of_bits(magnitude + np.uint32(_FP16_REBIAS))
+    else:  # subnormal (zero too): the significand in units of 2**-24, no float32 subnormal
+        # on the way (a CPU set to treat those as zero would lose it)
+        value = np.float32(h & np.uint32(0x3FF)) * _FP16_SUBNORMAL_UNIT
     return _float_of_bits(_bits_of_float(value) | ((h & np.uint32(0x8000)) << np.uint32(16)))
 
 
@@ -116,8 +123,8 @@ _FAST_HIGHEST = (0, 0x477FE000, 0x7F7F0000)
 encodes, zero aside: fp16 from 2**-32 (a subnormal's rounding then shifts out at most 31
 bits, so the sum of its significand and the noise stays within 32 bits) to 65504, the
 largest value no rounding takes to infinity; bf16 up to its largest finite value."""
-LANES = 16
-"""Elements :func:`_encode_lanes` encodes at once."""
+BLOCK = 16
+"""Elements :func:`_encode_lanes` and :func:`decode_lanes` convert at once."""
 
 
 @numba.njit(inline="always")
@@ -125,13 +132,14 @@ def encode_row(row, bits, dim, precision, seed, step, first_element):
     """``bits[:dim]`` = :func:`encode` of float32 ``row[:dim]`` (both C-contiguous), rounding
     to nearest even when ``seed < 0``, else stochastically with element ``first_element + d``'s
     noise (:func:`noise_of`). Equal, bit for bit, to encoding one element at a time: blocks
-    of :data:`LANES` in 32-bit vector lanes, then, one at a time, the elements past the last
-    whole block and those outside the blocks' range (NaNs, infinities, values that round
-    to infinity, fp16 below 2**-32), whose blocks' bits are overwritten."""
+    of :data:`BLOCK` in 32-bit vector lanes, then, one at a time, the elements past the last
+    whole block; a row with an element outside the blocks' range (a NaN, an infinity, a
+    value that rounds to infinity, fp16 below 2**-32: rare) is encoded again whole, one
+    element at a time."""
     stochastic = seed >= 0
     key = noise_key(seed, step, first_element) if stochastic else np.uint64(0)
-    whole = dim - dim % LANES
-    for d in range(0, whole, LANES):
+    whole = dim - dim % BLOCK
+    for d in range(0, whole, BLOCK):
         _encode_lanes(row, d, bits, d, precision == BF16, stochastic, key + np.uint64(d) * np.uint64(MIX2))
     lowest, highest = _FAST_LOWEST[precision], _FAST_HIGHEST[precision]
     inside = True
@@ -159,14 +167,30 @@ def noise_of(seed: int, step: int, element: int) -> np.float64:
 
 
 _I32 = ir.IntType(32)
-_LANE_VECTOR = ir.VectorType(_I32, LANES)
-_KEY_VECTOR = ir.VectorType(ir.IntType(64), LANES)
-_BITS_VECTOR = ir.VectorType(ir.IntType(16), LANES)
+_LANE_VECTOR = ir.VectorType(_I32, BLOCK)
+_KEY_VECTOR = ir.VectorType(ir.IntType(64), BLOCK)
+_BITS_VECTOR = ir.VectorType(ir.IntType(16), BLOCK)
+_FLOAT_VECTOR = ir.VectorType(ir.FloatType(), BLOCK)
 
 
 def _lanes(value: int, vector: ir.VectorType = _LANE_VECTOR) -> ir.Constant:
     """``value`` in every lane of ``vector``."""
-    return ir.Constant(vector, [value] * LANES)
+    return ir.Constant(vector, [value] * BLOCK)
+
+
+def _contiguous(array: types.Type, dtype: types.Type) -> bool:
+    """Whether Numba type ``array`` is a 1-D C-contiguous array of ``dtype``."""
+    return isinstance(array, types.Array) and array.ndim == 1 and array.layout == "C" and array.dtype == dtype
+
+
+def _element_pointer(context, builder: ir.IRBuilder, signature, args, position: int) -> ir.Value:
+    """Pointer to ``array[index]`` for the intrinsic arguments ``array`` at ``position`` and
+    ``index`` after it (cast to ``intp``; unchecked)."""
+    array_type, index_type = signature.args[position], signature.args[position + 1]
+    array = context.make_array(array_type)(context, builder, args[position])
+    index = context.cast(builder, args[position + 1], index_type, types.intp)
+    return cgutils.get_item_pointer(context, builder, array_type, array, [index], wraparound=False,
+                                    boundscheck=False)
 
 
 @intrinsic
@@ -178,15 +202,12 @@ def _encode_lanes(typingctx, row, start, bits, bits_start, bf16, stochastic, key
     ``stochastic``, ``key`` being the first element's :func:`noise_key`, else to nearest
     even. In ``<16 x i32>`` vectors: Numba widens 32-bit integer arithmetic to 64 bits,
     and 64-bit lanes (their products most of all) are slow where vectors are 256 bits."""
-    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (row, bits)):
+    if not (_contiguous(row, types.float32) and _contiguous(bits, types.uint16)):
         return None
 
     def codegen(context, builder, signature, args):
-        row_type, _, bits_type, _, _, _, _ = signature.args
-        source = cgutils.get_item_pointer(context, builder, row_type, context.make_array(row_type)(
-            context, builder, args[0]), [args[1]], wraparound=False, boundscheck=False)
-        target = cgutils.get_item_pointer(context, builder, bits_type, context.make_array(bits_type)(
-            context, builder, args[2]), [args[3]], wraparound=False, boundscheck=False)
+        source = _element_pointer(context, builder, signature, args, 0)
+        target = _element_pointer(context, builder, signature, args, 2)
         b = builder.load(builder.bitcast(source, _LANE_VECTOR.as_pointer()), align=4)
         a = builder.and_(b, _lanes(0x7FFFFFFF))
         # fp16 as encode computes it: normal values rebias the exponent; subnormals (zero
@@ -205,7 +226,7 @@ def _encode_lanes(typingctx, row, start, bits, bits_start, bf16, stochastic, key
             with noisy:  # the top `shift` bits of each element's 32 noise bits
                 first = builder.insert_element(ir.Constant(_KEY_VECTOR, ir.Undefined), args[6], _I32(0))
                 keys = builder.shuffle_vector(first, ir.Constant(_KEY_VECTOR, ir.Undefined), _lanes(0))
-                keys = builder.add(keys, ir.Constant(_KEY_VECTOR, [i * MIX2 & (1 << 64) - 1 for i in range(LANES)]))
+                keys = builder.add(keys, ir.Constant(_KEY_VECTOR, [i * MIX2 & (1 << 64) - 1 for i in range(BLOCK)]))
                 folded = builder.xor(builder.trunc(keys, _LANE_VECTOR),
                                      builder.trunc(builder.lshr(keys, _lanes(32, _KEY_VECTOR)), _LANE_VECTOR))
                 noise_carry = builder.lshr(_fmix32_lanes(builder, folded), builder.sub(_lanes(32), shift))
@@ -229,34 +250,38 @@ def _encode_lanes(typingctx, row, start, bits, bits_start, bf16, stochastic, key
 @numba.njit(inline="always")
 def decode_row(bits, row, dim, precision):
     """float32 ``row[:dim]`` = :func:`decode` of ``bits[:dim]`` (both C-contiguous): blocks
-    of :data:`LANES` in 32-bit vector lanes, the rest one at a time."""
-    whole = dim - dim % LANES
-    for d in range(0, whole, LANES):
+    of :data:`BLOCK` in 32-bit vector lanes, the rest one at a time."""
+    whole = dim - dim % BLOCK
+    for d in range(0, whole, BLOCK):
         decode_lanes(bits, d, precision == BF16, row, d)
     for d in range(whole, dim):
         row[d] = decode(bits[d], precision)
 
 
-def _converts_half_in_hardware() -> bool:
-    """Whether LLVM turns a vector conversion from fp16 to float32 into a few instructions
-    for the CPU Numba compiles for: the host (no ``NUMBA_CPU_NAME`` set), 64-bit ARM or x86
-    with F16C. Elsewhere it would call a runtime function the JIT may not link."""
-    if numba.config.CPU_NAME is not None:
-        return False
-    machine = platform.machine().lower()
-    if machine in ("aarch64", "arm64"):
-        return True
-    if machine not in ("x86_64", "amd64"):
-        return False
-    try:
-        return bool(llvmlite.binding.get_host_cpu_features().get("f16c", False))
-    except RuntimeError:  # features unknown on this host
-        return False
-
-
-HARDWARE_HALF = _converts_half_in_hardware()
-"""Whether :func:`decode_lanes` converts fp16 with the CPU's instructions (``vcvtph2ps``,
-``fcvtl``): on x86 without AVX-512, three times as fast as the integer operations."""
+@functools.cache
+def converts_half_in_hardware() -> bool:
+    """Whether the CPU Numba compiles for (its name and features, ``NUMBA_CPU_NAME`` and
+    ``NUMBA_CPU_FEATURES`` included) converts a vector of fp16 to float32 in instructions of
+    its own (x86 with F16C: ``vcvtph2ps``; 64-bit ARM: ``fcvtl``): a probe conversion is
+    compiled for it, and without them LLVM calls a runtime function, which the JIT may not
+    link. Asked when a kernel using :func:`decode_lanes` is compiled, not at import."""
+    cpu = numba.config.CPU_NAME or llvmlite.binding.get_host_cpu_name()  # as Numba's JIT chooses them
+    features = numba.config.CPU_FEATURES
+    if features is None:
+        features = numba.core.codegen.get_host_cpu_features()
+    triple = llvmlite.binding.get_process_triple()
+    machine = llvmlite.binding.Target.from_triple(triple).create_target_machine(cpu=cpu, features=features, opt=2)
+    module = ir.Module("half_probe")
+    module.triple = triple
+    function = ir.Function(module, ir.FunctionType(ir.VoidType(), [_BITS_VECTOR.as_pointer(),
+                                                                   _FLOAT_VECTOR.as_pointer()]), "probe")
+    builder = ir.IRBuilder(function.append_basic_block())
+    loaded = builder.load(function.args[0], align=2)
+    builder.store(builder.fpext(builder.bitcast(loaded, ir.VectorType(ir.HalfType(), BLOCK)), _FLOAT_VECTOR),
+                  function.args[1], align=4)
+    builder.ret_void()
+    assembly = machine.emit_assembly(llvmlite.binding.parse_assembly(str(module)))
+    return not re.search(r"^\s*(call|callq|jmp|bl|b)\s", assembly, re.MULTILINE)
 
 
 @intrinsic
@@ -264,24 +289,21 @@ def decode_lanes(typingctx, bits, start, bf16, row, row_start):
     """``decode_lanes(bits, start, bf16, row, row_start)``: float32
     ``row[row_start : row_start + 16]`` = :func:`decode` (fp16, or bf16 if ``bf16``) of
     ``bits[start : start + 16]``, bit for bit: bf16 by a shift, fp16 by the CPU's
-    conversion where it has one (:data:`HARDWARE_HALF`), else by :func:`decode`'s integer
-    operations in ``<16 x i32>`` vectors (see :func:`_encode_lanes`)."""
-    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (bits, row)):
+    conversion where it has one (:func:`converts_half_in_hardware`: on x86 without AVX-512
+    three times as fast), else by :func:`decode`'s integer operations in ``<16 x i32>``
+    vectors (see :func:`_encode_lanes`). ``bits``: uint16, ``row``: float32, both 1-D and
+    C-contiguous."""
+    if not (_contiguous(bits, types.uint16) and _contiguous(row, types.float32)):
         return None
 
     def codegen(context, builder, signature, args):
-        bits_type, _, _, row_type, _ = signature.args
-        source = cgutils.get_item_pointer(context, builder, bits_type, context.make_array(bits_type)(
-            context, builder, args[0]), [args[1]], wraparound=False, boundscheck=False)
-        target = cgutils.get_item_pointer(context, builder, row_type, context.make_array(row_type)(
-            context, builder, args[3]), [args[4]], wraparound=False, boundscheck=False)
-        float_vector = ir.VectorType(ir.FloatType(), LANES)
-        target = builder.bitcast(target, float_vector.as_pointer())
+        source = _element_pointer(context, builder, signature, args, 0)
+        target = builder.bitcast(_element_pointer(context, builder, signature, args, 3), _FLOAT_VECTOR.as_pointer())
         loaded = builder.load(builder.bitcast(source, _BITS_VECTOR.as_pointer()), align=2)
         with builder.if_else(context.cast(builder, args[2], signature.args[2], types.boolean)) as (bf16, fp16):
             with bf16:
                 shifted = builder.shl(builder.zext(loaded, _LANE_VECTOR), _lanes(16))
-                builder.store(builder.bitcast(shifted, float_vector), target, align=4)
+                builder.store(builder.bitcast(shifted, _FLOAT_VECTOR), target, align=4)
             with fp16:
                 builder.store(_fp16_to_float(builder, loaded), target, align=4)
         return context.get_dummy_value()
@@ -292,21 +314,22 @@ def decode_lanes(typingctx, bits, start, bf16, row, row_start):
 def _fp16_to_float(builder: ir.IRBuilder, loaded: ir.Value) -> ir.Value:
     """``<16 x float>`` of the fp16 bit patterns ``loaded`` (``<16 x i16>``), as
     :func:`decode` gives them."""
-    float_vector = ir.VectorType(ir.FloatType(), LANES)
-    if HARDWARE_HALF:
-        return builder.fpext(builder.bitcast(loaded, ir.VectorType(ir.HalfType(), LANES)), float_vector)
+    if converts_half_in_hardware():
+        return builder.fpext(builder.bitcast(loaded, ir.VectorType(ir.HalfType(), BLOCK)), _FLOAT_VECTOR)
     h = builder.zext(loaded, _LANE_VECTOR)
-    # infinities and NaNs (made quiet) keep an all-ones exponent; every other magnitude is
-    # exact times 2**112
+    # as decode: infinities and NaNs (made quiet) keep an all-ones exponent, normal values
+    # rebias theirs, subnormals are their significand times 2**-24
     magnitude = builder.shl(builder.and_(h, _lanes(0x7FFF)), _lanes(13))
-    special = builder.icmp_unsigned(">=", magnitude, _lanes(_FP16_INFINITY << 13))
-    nan = builder.icmp_unsigned(">", magnitude, _lanes(_FP16_INFINITY << 13))
-    quiet = builder.select(nan, _lanes(_FLOAT32_QUIET | _FLOAT32_INFINITY), _lanes(_FLOAT32_INFINITY))
-    scaled = builder.fmul(builder.bitcast(magnitude, float_vector),
-                          ir.Constant(float_vector, [float(_FP16_SCALE)] * LANES))
-    unsigned = builder.select(special, builder.or_(magnitude, quiet), builder.bitcast(scaled, _LANE_VECTOR))
+    infinity = _lanes(_FP16_INFINITY << 13)
+    quiet = builder.select(builder.icmp_unsigned(">", magnitude, infinity), _lanes(_FLOAT32_QUIET | _FLOAT32_INFINITY),
+                           _lanes(_FLOAT32_INFINITY))
+    significand = builder.uitofp(builder.and_(h, _lanes(0x3FF)), _FLOAT_VECTOR)
+    subnormal = builder.fmul(significand, ir.Constant(_FLOAT_VECTOR, [float(_FP16_SUBNORMAL_UNIT)] * BLOCK))
+    finite = builder.select(builder.icmp_unsigned(">=", magnitude, _lanes(1 << 23)),
+                            builder.add(magnitude, _lanes(_FP16_REBIAS)), builder.bitcast(subnormal, _LANE_VECTOR))
+    unsigned = builder.select(builder.icmp_unsigned(">=", magnitude, infinity), builder.or_(magnitude, quiet), finite)
     signed = builder.or_(unsigned, builder.shl(builder.and_(h, _lanes(0x8000)), _lanes(16)))
-    return builder.bitcast(signed, float_vector)
+    return builder.bitcast(signed, _FLOAT_VECTOR)
 
 
 def _fmix32_lanes(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
