@@ -7,7 +7,8 @@ from tests.trainer.reference import ReferenceOptimizer, random_kjt, reference_po
 from neorec.trainer.batch import KeyedJaggedTensor
 from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.fused import FusedEmbeddingBagCollection
-from neorec.trainer.embedding.kernels.forward import LANES, MIN_LANES, pooled_forward, pooled_sum_lanes, streams_output
+from neorec.trainer.embedding.kernels.forward import (LANES, MIN_LANES, pooled_forward, pooled_half_sum_lanes,
+                                                        pooled_sum_lanes, streams_output)
 from neorec.trainer.embedding.kernels.registers import STREAM_ALIGNMENT
 from neorec.trainer.embedding.kernels.precision import BF16, FP16, FP32
 
@@ -185,7 +186,8 @@ def test_wide_sums_pool_in_registers_like_the_general_kernel(monkeypatch, weight
     from neorec.trainer.embedding import fused
 
     calls = []
-    monkeypatch.setattr(fused, "pooled_sum_lanes", lambda *args: calls.append(args[-1]) or pooled_sum_lanes(*args))
+    kernel = pooled_sum_lanes if weight_dtype == "fp32" else pooled_half_sum_lanes
+    monkeypatch.setattr(fused, kernel.__name__, lambda *args: calls.append(args[-1]) or kernel(*args))
     tables = [TableConfig("wide", 50, 2 * LANES, ("a", "b")), TableConfig("narrow", 30, LANES, ("c",)),
               *(TableConfig(f"w{dim}", 20, dim, (f"f{dim}",)) for dim in (MIN_LANES, 2 * MIN_LANES, 3 * MIN_LANES, 96))]
     optimizer = SparseOptimizer("rowwise_adagrad", 0.1)
@@ -235,7 +237,9 @@ def test_the_register_kernel_counts_out_of_range_ids_as_the_general_kernel_does(
     lanes_out, general_out = _aligned_nans(2 * dim), np.full(2 * dim, np.nan, np.float32)
     upstream = np.empty(3, np.int64), np.empty(3, np.int64)
     assert streams_output(lanes_out)
-    bad = pooled_sum_lanes(*stored, precision, *layout, bag_offsets, values, 2, 1, lanes_out, upstream[0], stream)
+    pool = (lambda *args: pooled_sum_lanes(weights, *args)) if precision == FP32 else (
+        lambda *args: pooled_half_sum_lanes(weights16, precision, *args))
+    bad = pool(*layout, bag_offsets, values, 2, 1, lanes_out, upstream[0], stream)
     no_floats = np.zeros(0, np.float32)
     general_bad = pooled_forward(*stored, precision, *layout, np.zeros(1, np.bool_), bag_offsets, values, no_floats, 2,
                                  1, general_out, upstream[1], no_floats)

@@ -35,7 +35,7 @@ def test_a_run_compiles_nothing_after_the_warm_up(criteo_dataset, tmp_path, mode
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.splitlines()[-1])
     assert report["compiled_in_training"] == []
-    for kernel in ("embedding.kernels.forward.pooled_forward", "embedding.kernels.forward.pooled_sum_lanes",
+    for kernel in ("embedding.kernels.forward.pooled_forward", "embedding.kernels.forward.pooled_half_sum_lanes",
                    "embedding.kernels.backward.apply_updates",
                    "embedding.kernels.id_range.first_out_of_range",
                    "embedding_store.cache.lookup", "embedding_store.cache.admit", "checkpoint.quantize._quantize_rows",

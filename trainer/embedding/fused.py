@@ -24,8 +24,8 @@ from neorec.trainer.embedding.config import SparseOptimizer, TableConfig
 from neorec.trainer.embedding.id_weight_grads import id_weight_grads
 from neorec.trainer.embedding.kernels import backward as backward_kernels
 from neorec.trainer.embedding.kernels import torch_ops
-from neorec.trainer.embedding.kernels.forward import (bags_per_job, pooled_forward, pooled_sum_lanes,
-                                                        streams_output, sums_in_registers)
+from neorec.trainer.embedding.kernels.forward import (bags_per_job, pooled_forward, pooled_half_sum_lanes,
+                                                        pooled_sum_lanes, streams_output, sums_in_registers)
 from neorec.trainer.embedding.kernels.precision import FP32, PRECISIONS
 from neorec.trainer.embedding.memory import huge_page_empty
 from neorec.trainer.embedding.state_dict import load_tables, save_tables
@@ -369,10 +369,11 @@ class FusedEmbeddingBagCollection(nn.Module):
         jobs = bags_per_job(len(self.feature_names) * batch_size, numba.get_num_threads())
         weights, weights16, precision = self._kernel_weights()
         if self._pools_in_registers and sparse.weights is None:
-            bad = pooled_sum_lanes(
-                weights, weights16, precision, self._table_offsets, self._dims, self._rows, self._feature_table, ctx.source,
-                self._out_columns, ctx.bag_offsets, ctx.values, batch_size, jobs, out.view(-1).numpy(),
-                ctx.upstream_of_id, streams_output(out.numpy()))
+            layout = (self._table_offsets, self._dims, self._rows, self._feature_table, ctx.source, self._out_columns,
+                      ctx.bag_offsets, ctx.values, batch_size, jobs, out.view(-1).numpy(), ctx.upstream_of_id,
+                      streams_output(out.numpy()))
+            bad = (pooled_sum_lanes(weights, *layout) if precision == FP32
+                   else pooled_half_sum_lanes(weights16, precision, *layout))
         else:
             bad = pooled_forward(
                 weights, weights16, precision, self._table_offsets, self._dims, self._rows, self._feature_table,

@@ -56,7 +56,7 @@ def _embedding_kernels(config: TrainConfig | None) -> None:
     module = FusedEmbeddingBagCollection(tables, optimizer, weight_dtype=weight_dtype)
     module(kjt).sum().backward()
     BoundsCheck("fatal", ("a",), ("t",), (4,))(kjt)  # the store-backed collection's up-front pass
-    wide = FusedEmbeddingBagCollection([TableConfig("t", 4, LANES, ("a",))], optimizer)  # fp32 tables LANES
+    wide = FusedEmbeddingBagCollection([TableConfig("t", 4, LANES, ("a",))], optimizer, weight_dtype=weight_dtype)
     wide(KeyedJaggedTensor(("a",), kjt.lengths, kjt.values)).sum().backward()  # wide pool in registers
     plan = ShardingPlan(1, (TableSharding("t", ROW_WISE, (Shard(0, 0, 4, 0, 4),)),))
     SparseAllToAll(ShardedLayout(tables, plan, rank=0)).route(kjt)
