@@ -14,7 +14,6 @@ import numba
 import numpy as np
 
 from neorec.common.borrowed_view import borrowed_view
-from neorec.common.cache_prefetch import prefetch_to_l2
 from neorec.trainer.embedding.kernels.precision import BF16, BLOCK, FP32, decode, decode_lanes
 from neorec.trainer.embedding.kernels.registers import STREAM_ALIGNMENT, fence_streaming, stack_floats, store_streaming
 from neorec.trainer.embedding.kernels.row_prefetch import prefetch_row
@@ -57,7 +56,8 @@ def _job(job, jobs_per_feature, bags_per_job, batch_size, table_offsets, dims, r
 
 
 def sums_in_registers(dims: np.ndarray, scaled: bool) -> bool:
-    """Whether :func:`pooled_sum_lanes` can pool a batch: every table's width (``dims``,
+    """Whether :func:`pooled_sum_lanes` (or, for half-precision rows,
+    :func:`pooled_half_sum_lanes`) can pool a batch: every table's width (``dims``,
     int64 ``[T]``) a multiple of :data:`MIN_LANES`, and no id's row scaled (``scaled``: the
     batch has id weights or a table mean-pools)."""
     return not scaled and bool(np.all(dims % MIN_LANES == 0))
@@ -264,12 +264,7 @@ def _pool_bags(weights, weights16, values, out, upstream_of_id, bag_offsets, sum
                 if ahead < feature_end:
                     row_ahead = values[ahead]
                     if 0 <= row_ahead < table_rows:
-                        if precision == FP32:
-                            for d in range(0, lanes, 16):
-                                prefetch_to_l2(weights, base + row_ahead * dim + c + d)
-                        else:  # 32 half-precision elements a cache line
-                            for d in range(0, lanes, 32):
-                                prefetch_to_l2(weights16, base + row_ahead * dim + c + d)
+                        prefetch_row(weights, weights16, precision, base + row_ahead * dim + c, lanes)
                 upstream_of_id[p] = o
                 idx = values[p]
                 if idx < 0 or idx >= table_rows:
