@@ -125,12 +125,50 @@ def test_row_encoder_equals_encoding_each_element(precision, seed, width):
     deep = np.ldexp(rng.uniform(1, 2, (5_000, width)), rng.integers(-32, -13, (5_000, width))).astype(np.float32)
     deep *= rng.choice(np.float32([-1, 1]), deep.shape)
     deep[0, :] = np.float32(2.0**-32)
-    rows = np.concatenate([rows, tame, small, deep])
+    rows = np.concatenate([rows, tame, small, deep, _one_outside(tame[:2_000], precision, rng)])
     ours = np.empty(rows.shape, dtype=np.uint16)
     _encode_rows(rows, precision, seed, ours)
     each = np.empty(rows.size, dtype=np.uint16)
     _encode_all(rows.ravel(), precision, seed, each)
     assert (ours.ravel() == each).all()
+
+
+def _one_outside(rows, precision, rng) -> np.ndarray:
+    """``rows`` (inside the fast range) with one element each, at a random place, just or
+    far outside it: above the largest value no rounding takes to infinity, below fp16's
+    2**-32, or not finite."""
+    largest = {FP16: [65504.004, 65519.99, 65520.0, 1e5, 3e38], BF16: [3.3895316e38, 3.3961776e38]}[precision]
+    outside = np.float32(largest + [2.3e-10, 1e-20, 1e-45, np.inf, np.nan])
+    rows = rows.copy()
+    picks = rng.integers(0, outside.shape[0], rows.shape[0])
+    rows[np.arange(rows.shape[0]), rng.integers(0, rows.shape[1], rows.shape[0])] = outside[picks]
+    return rows * rng.choice(np.float32([-1, 1]), (rows.shape[0], 1))
+
+
+@numba.njit
+def _block_flags(rows, precision, out, flags):
+    for r in range(rows.shape[0]):
+        flags[r] = precision_module._encode_lanes(rows[r], 0, out[r], 0, precision == BF16, True, np.uint64(r))
+
+
+@pytest.mark.parametrize("precision", [FP16, BF16])
+def test_vector_block_reports_whether_its_elements_are_in_its_range(precision):
+    """The block encoder says which blocks it encoded right: those whose elements are all zero
+    or inside the range it rounds (the row encoder encodes the others again), no more and
+    no fewer, so that rows of ordinary values take the vector path."""
+    rng = np.random.default_rng(2)
+    block = precision_module.BLOCK
+    tame = (rng.standard_normal((3_000, block)) * rng.choice([1e-6, 1e-3, 1, 100], (3_000, 1))).astype(np.float32)
+    tame[rng.random(tame.shape) < 0.05] = 0.0
+    rows = np.concatenate([tame, _one_outside(tame, precision, rng),
+                           _awkward_floats()[: 1_000 * block].reshape(-1, block)])
+    flags = np.empty(rows.shape[0], dtype=np.bool_)
+    _block_flags(rows, precision, np.empty(rows.shape, dtype=np.uint16), flags)
+    magnitude = rows.view(np.uint32) & np.uint32(0x7FFFFFFF)
+    lowest, highest = precision_module._FAST_LOWEST[precision], precision_module._FAST_HIGHEST[precision]
+    inside = (magnitude == 0) | ((magnitude >= lowest) & (magnitude <= highest))
+    assert (flags == inside.all(axis=1)).all()
+    assert 0.2 < flags.mean() < 0.8
 
 
 def _flat_runs(id_upstream, id_scale, run_ends, run_rows, table_starts, table_runs):

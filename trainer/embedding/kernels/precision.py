@@ -139,13 +139,9 @@ def encode_row(row, bits, dim, precision, seed, step, first_element):
     stochastic = seed >= 0
     key = noise_key(seed, step, first_element) if stochastic else np.uint64(0)
     whole = dim - dim % BLOCK
-    for d in range(0, whole, BLOCK):
-        _encode_lanes(row, d, bits, d, precision == BF16, stochastic, key + np.uint64(d) * np.uint64(MIX2))
-    lowest, highest = _FAST_LOWEST[precision], _FAST_HIGHEST[precision]
     inside = True
-    for d in range(whole):
-        a = _bits_of_float(row[d]) & np.uint32(0x7FFFFFFF)
-        inside &= (a == np.uint32(0)) | ((a >= np.uint32(lowest)) & (a <= np.uint32(highest)))
+    for d in range(0, whole, BLOCK):
+        inside &= _encode_lanes(row, d, bits, d, precision == BF16, stochastic, key + np.uint64(d) * np.uint64(MIX2))
     for d in range(whole if inside else 0, dim):
         noise = noise_of(seed, step, first_element + d) if stochastic else -1.0
         bits[d] = encode(row[d], precision, noise)
@@ -197,11 +193,12 @@ def _element_pointer(context, builder: ir.IRBuilder, signature, args, position: 
 def _encode_lanes(typingctx, row, start, bits, bits_start, bf16, stochastic, key):
     """``_encode_lanes(row, start, bits, bits_start, bf16, stochastic, key)``:
     ``bits[bits_start : bits_start + 16]`` = :func:`encode` (fp16, or bf16 if ``bf16``) of
-    float32 ``row[start : start + 16]``, every one of them zero or inside
-    :data:`_FAST_LOWEST`..:data:`_FAST_HIGHEST` (others get wrong bits). Stochastically if
+    float32 ``row[start : start + 16]``, right where every one of them is zero or inside
+    :data:`_FAST_LOWEST`..:data:`_FAST_HIGHEST`, which it returns (bool). Stochastically if
     ``stochastic``, ``key`` being the first element's :func:`noise_key`, else to nearest
-    even. In ``<16 x i32>`` vectors: Numba widens 32-bit integer arithmetic to 64 bits,
-    and 64-bit lanes (their products most of all) are slow where vectors are 256 bits."""
+    even. In ``<16 x i32>`` vectors: Numba widens 32-bit integer arithmetic (comparisons
+    too) to 64 bits, and 64-bit lanes (their products most of all) are slow where vectors
+    are 256 bits."""
     if not (_contiguous(row, types.float32) and _contiguous(bits, types.uint16)):
         return None
 
@@ -242,9 +239,20 @@ def _encode_lanes(typingctx, row, start, bits, bits_start, bf16, stochastic, key
         encoded = builder.or_(sign, builder.lshr(builder.add(base, carry), shift))
         builder.store(builder.trunc(encoded, _BITS_VECTOR), builder.bitcast(target, _BITS_VECTOR.as_pointer()),
                       align=2)
-        return context.get_dummy_value()
+        return _all_inside(builder, a, is_bf16)
 
-    return types.void(row, start, bits, bits_start, bf16, stochastic, key), codegen
+    return types.boolean(row, start, bits, bits_start, bf16, stochastic, key), codegen
+
+
+def _all_inside(builder: ir.IRBuilder, magnitudes: ir.Value, is_bf16: ir.Value) -> ir.Value:
+    """Whether every lane of ``magnitudes`` (``<16 x i32>`` float32 bits, sign cleared) is
+    zero or inside the fast range of bf16 (if ``is_bf16``) or fp16, as an ``i1``."""
+    lowest = builder.select(is_bf16, _lanes(_FAST_LOWEST[BF16]), _lanes(_FAST_LOWEST[FP16]))
+    highest = builder.select(is_bf16, _lanes(_FAST_HIGHEST[BF16]), _lanes(_FAST_HIGHEST[FP16]))
+    # below 2**31, so signed comparisons, which vector units have, order them
+    inside = builder.and_(builder.icmp_signed(">=", magnitudes, lowest), builder.icmp_signed("<=", magnitudes, highest))
+    inside = builder.or_(inside, builder.icmp_signed("==", magnitudes, _lanes(0)))
+    return builder.icmp_signed("==", builder.bitcast(inside, ir.IntType(BLOCK)), ir.IntType(BLOCK)(-1))
 
 
 @numba.njit(inline="always")
