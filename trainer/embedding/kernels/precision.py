@@ -117,9 +117,9 @@ def encode(x: np.float32, precision: int, noise: float) -> np.uint16:
     return np.uint16(sign | (truncated + np.uint32(up)))
 
 
-_FAST_LOWEST = (0, 95 << 23, 0)
-_FAST_HIGHEST = (0, 0x477FE000, 0x7F7F0000)
-"""By precision code: nonzero float32 magnitudes (as bits) that :func:`_encode_lanes`
+_FAST_LOWEST = {FP16: 95 << 23, BF16: 0}
+_FAST_HIGHEST = {FP16: 0x477FE000, BF16: 0x7F7F0000}
+"""By half-precision code: nonzero float32 magnitudes (as bits) that :func:`_encode_lanes`
 encodes, zero aside: fp16 from 2**-32 (a subnormal's rounding then shifts out at most 31
 bits, so the sum of its significand and the noise stays within 32 bits) to 65504, the
 largest value no rounding takes to infinity; bf16 up to its largest finite value."""
