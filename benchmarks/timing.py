@@ -7,13 +7,15 @@ import time
 from typing import Callable
 
 
-def interleaved_rates(
+def interleaved_round_rates(
     candidates: dict[str, Callable[[int], int]], steps: int, rounds: int, warmup: int = 2
-) -> dict[str, float]:
-    """Items per second of each candidate, the median over ``rounds``.
+) -> dict[str, list[float]]:
+    """Items per second of each candidate in each of ``rounds`` rounds, in round order.
 
-    ``candidates[name](i)`` runs step ``i`` and returns the items it processed. Rounds
-    alternate between candidates so that drift of the machine hits all of them alike.
+    ``candidates[name](i)`` runs step ``i`` and returns the items it processed. Each round
+    runs ``steps`` steps of every candidate, one candidate after the other, so that drift of
+    the machine hits all of them alike, and the candidates' rates in one round were measured
+    seconds apart (their per-round ratios show how far the machine moved the comparison).
     """
     for run in candidates.values():
         for i in range(warmup):
@@ -24,4 +26,17 @@ def interleaved_rates(
             started = time.perf_counter()
             items = sum(run(warmup + r * steps + i) for i in range(steps))
             rates[name].append(items / (time.perf_counter() - started))
-    return {name: statistics.median(values) for name, values in rates.items()}
+    return rates
+
+
+def interleaved_rates(
+    candidates: dict[str, Callable[[int], int]], steps: int, rounds: int, warmup: int = 2
+) -> dict[str, float]:
+    """Items per second of each candidate, the median over the rounds of
+    :func:`interleaved_round_rates`."""
+    return medians(interleaved_round_rates(candidates, steps, rounds, warmup))
+
+
+def medians(by_round: dict[str, list[float]]) -> dict[str, float]:
+    """Each candidate's median over its rounds."""
+    return {name: statistics.median(values) for name, values in by_round.items()}

@@ -68,6 +68,9 @@ def test_bench_quick_times_both_sides_training_the_same_model(tmp_path):
     # update of a row (about lr * sign(gradient) with eps 1e-10) lets show for tiny gradients;
     # a side that trained otherwise would be off by about lr (0.05)
     assert report["max_table_difference"] < 1e-3
+    ceiling = report["dense_ceiling"]
+    assert len(ceiling["fraction_of_ceiling_by_round"]) == 2  # the quick run's rounds
+    assert min(ceiling["fraction_of_ceiling_by_round"]) > 0
 
 
 @pytest.mark.slow  # two torchrun jobs of two ranks, ~9 s: CI runs it with -m slow
