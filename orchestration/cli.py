@@ -20,8 +20,9 @@ from neorec.orchestration.cli_args import (CommandParser, add_client_security, a
                                            port, seconds, service_addresses)
 from neorec.orchestration.progress import LazyBar
 from neorec.orchestration.nodes import add_node_arguments, nodes_from_args, uses_torchrun
-from neorec.orchestration.processes import (USER_ERROR, earlier_attempt_lasting_error, rank_stopped_by_user_error,
-                                            record_lasting_error, record_rank_exit)
+from neorec.orchestration.processes import (USER_ERROR, await_refusal_said, earlier_attempt_lasting_error,
+                                            rank_stopped_by_user_error, record_lasting_error, record_rank_exit,
+                                            refusal_said)
 from neorec.orchestration.supervisor import die_with_parent
 
 if TYPE_CHECKING:
@@ -58,7 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:  # torchrun's --max-restarts started the ranks again after a lasting error: they would meet it again
         if os.environ.get("LOCAL_RANK") == "0":
             print(f"neorec: error: not started again: rank {earlier} stopped with an error above that a restart "
-                  f"cannot mend", file=sys.stderr)
+                  f"cannot mend", file=sys.stderr, flush=True)
+            refusal_said()
+        else:
+            await_refusal_said()
         code = USER_ERROR
     record_rank_exit(code)
     return code

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -147,6 +148,37 @@ def earlier_attempt_lasting_error() -> int | None:
         except (OSError, ValueError):
             continue
     return None
+
+
+REFUSAL_SAID = "refused-"
+"""A file ``refused-A`` in the directory of exit statuses: this node's local rank 0 has
+written its line saying why attempt A is not started again."""
+REFUSAL_WAIT_S = 10.0
+"""How long the node's other ranks wait for that line before they exit anyway."""
+
+
+def refusal_said() -> None:
+    """In local rank 0 of a refused attempt, once its line is out: leave word for the
+    node's other ranks (:func:`await_refusal_said`)."""
+    directory = os.environ.get(RANK_EXITS)
+    if directory:
+        try:
+            (Path(directory) / f"{REFUSAL_SAID}{restart_count()}").touch()
+        except OSError:
+            pass
+
+
+def await_refusal_said(timeout_s: float = REFUSAL_WAIT_S) -> None:
+    """In the other ranks of a refused attempt: wait until local rank 0 has said why
+    (:func:`refusal_said`), at most ``timeout_s``. A rank that exited first would have
+    torchrun stop the group, local rank 0 with it, maybe before its line was out."""
+    directory = os.environ.get(RANK_EXITS)
+    if not directory:
+        return
+    word = Path(directory) / f"{REFUSAL_SAID}{restart_count()}"
+    deadline = time.monotonic() + timeout_s
+    while not word.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _rank_exits(directory: Path) -> dict[int, int]:

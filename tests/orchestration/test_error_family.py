@@ -211,3 +211,45 @@ def test_elastic_restarts_start_the_ranks_again_unless_an_attempt_met_a_lasting_
     assert processes.earlier_attempt_lasting_error() is None  # in the attempt that met it: its ranks run
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert processes.earlier_attempt_lasting_error() == (None if restart_mends else 1)
+
+
+def test_a_refused_attempt_s_other_ranks_exit_after_local_rank_0_has_said_why(tmp_path, monkeypatch, capsys):
+    """A rank of a refused attempt that exited before local rank 0 wrote its line would have
+    torchrun stop the group, local rank 0 with it, its line unsaid: the node's other ranks
+    wait for its word (at most a while: a local rank 0 that died leaves none)."""
+    import threading
+    import time
+
+    from neorec.orchestration import cli, processes
+
+    monkeypatch.setenv(processes.RANK_EXITS, str(tmp_path))
+    (tmp_path / f"{processes.LASTING}0").write_text("0")  # rank 0's config error ended attempt 0
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    started = time.monotonic()
+    processes.await_refusal_said(0.2)  # nobody said it: waits out the timeout
+    assert time.monotonic() - started >= 0.2
+
+    said_at: list[float] = []
+
+    def local_rank_0_says_it() -> None:
+        time.sleep(0.3)
+        said_at.append(time.monotonic())
+        processes.refusal_said()
+
+    speaker = threading.Thread(target=local_rank_0_says_it)
+    speaker.start()
+    assert cli.main([]) == 2  # local rank 1: no line of its own, exits once rank 0's is out
+    exited_at = time.monotonic()
+    speaker.join()
+    assert said_at and exited_at >= said_at[0]
+    assert capsys.readouterr().err == ""
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "0")
+    assert cli.main([]) == 2
+    assert capsys.readouterr().err == ("neorec: error: not started again: rank 0 stopped with an error above that a "
+                                       "restart cannot mend\n")
+    assert (tmp_path / f"{processes.REFUSAL_SAID}2").exists()
