@@ -160,10 +160,10 @@ REFUSAL_WAIT_S = 10.0
 def refusal_said() -> None:
     """In local rank 0 of a refused attempt, once its line is out: leave word for the
     node's other ranks (:func:`await_refusal_said`)."""
-    directory = os.environ.get(RANK_EXITS)
-    if directory:
+    word = _refusal_word()
+    if word is not None:
         try:
-            (Path(directory) / f"{REFUSAL_SAID}{restart_count()}").touch()
+            word.touch()
         except OSError:
             pass
 
@@ -172,13 +172,16 @@ def await_refusal_said(timeout_s: float = REFUSAL_WAIT_S) -> None:
     """In the other ranks of a refused attempt: wait until local rank 0 has said why
     (:func:`refusal_said`), at most ``timeout_s``. A rank that exited first would have
     torchrun stop the group, local rank 0 with it, maybe before its line was out."""
-    directory = os.environ.get(RANK_EXITS)
-    if not directory:
-        return
-    word = Path(directory) / f"{REFUSAL_SAID}{restart_count()}"
+    word = _refusal_word()
     deadline = time.monotonic() + timeout_s
-    while not word.exists() and time.monotonic() < deadline:
+    while word is not None and not word.exists() and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+def _refusal_word() -> Path | None:
+    """This attempt's ``refused-A`` file (None outside a rank :func:`run_torchrun` started)."""
+    directory = os.environ.get(RANK_EXITS)
+    return Path(directory) / f"{REFUSAL_SAID}{restart_count()}" if directory else None
 
 
 def _rank_exits(directory: Path) -> dict[int, int]:
