@@ -4,7 +4,8 @@ table with ``torch.optim.Adagrad``, same model, same initial weights, same batch
 And the anchor model (26 tables x 100k rows x 64, bottom MLP 512-256-64, top 512-512-256-1,
 batch 2048, row-wise Adagrad + Adagrad) against its dense-only ceiling: the same DLRM with
 the embeddings replaced by a fixed tensor (no lookup, no update; the MLPs, the interaction
-and its gradient remain): the fraction of that ceiling the whole step reaches."""
+and its gradient remain): the fraction of that ceiling the whole step reaches; beside it,
+the embeddings' step alone and what they add inside the whole step (:func:`embedding_cost`)."""
 
 from __future__ import annotations
 
@@ -118,12 +119,42 @@ def _dense_ceiling(quick: bool) -> dict[str, Any]:
             "dlrm": lambda i: _step(model, [optimizer], batches[i % len(batches)]),
             "dense_only": lambda i: _step(ceiling, [ceiling_opt], batches[i % len(batches)]),
         }, steps=steps, rounds=rounds)
+        # after the two models' rounds, not between them: a third candidate there moves their ratio
+        upstream = torch.randn(batch_size, model.embeddings.output_dim, generator=torch.Generator().manual_seed(0))
+        alone = medians(interleaved_round_rates({
+            "embeddings": lambda i: _embeddings_step(model, batches[i % len(batches)], upstream),
+        }, steps=steps, rounds=rounds))["embeddings"]
     rates = medians(by_round)
     return {"model": "26 x 100k x 64, bottom 512-256-64, top 512-512-256-1, rowwise Adagrad + Adagrad",
             "distinct_batches": len(batches),
             "batch_size": batch_size, "dlrm_qps": rates["dlrm"], "dense_only_qps": rates["dense_only"],
             "fraction_of_ceiling": rates["dlrm"] / rates["dense_only"],
-            "fraction_of_ceiling_by_round": [a / b for a, b in zip(by_round["dlrm"], by_round["dense_only"])]}
+            "fraction_of_ceiling_by_round": [a / b for a, b in zip(by_round["dlrm"], by_round["dense_only"])],
+            **embedding_cost(rates["dlrm"], rates["dense_only"], alone, batch_size)}
+
+
+def embedding_cost(dlrm_qps: float, dense_only_qps: float, embeddings_qps: float, batch_size: int) -> dict[str, float]:
+    """What the embeddings cost the anchor step, from the rates (samples/s) of the whole
+    step, of the dense-only step and of the embeddings' forward and backward alone:
+
+    - ``embeddings_alone_ms``: their step alone, beside nothing;
+    - ``embeddings_in_step_ms``: the whole step's time less the dense-only step's: what they
+      add to it (more than alone where they and the MLPs slow each other down, less where
+      they overlap);
+    - ``fraction_at_standalone_cost``: the fraction of the ceiling a step reaches whose
+      embeddings add what they cost alone, ``dense / (dense + alone)``: above it only by
+      overlap, below it by interference.
+    """
+    dense_ms, dlrm_ms, alone_ms = (1e3 * batch_size / qps for qps in (dense_only_qps, dlrm_qps, embeddings_qps))
+    return {"embeddings_alone_ms": alone_ms, "embeddings_in_step_ms": dlrm_ms - dense_ms,
+            "fraction_at_standalone_cost": dense_ms / (dense_ms + alone_ms)}
+
+
+def _embeddings_step(model: DLRM, batch: Batch, upstream: torch.Tensor) -> int:
+    """The model's embeddings alone on ``batch``: the lookup, and its backward from a fixed
+    upstream gradient (float32 ``[B, output_dim]``), which updates the tables."""
+    model.embeddings(batch.sparse).backward(upstream)
+    return batch.num_valid
 
 
 def _load_batches(dataset: Dataset, config: TrainConfig) -> list[Batch]:

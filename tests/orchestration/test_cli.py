@@ -71,6 +71,7 @@ def test_bench_quick_times_both_sides_training_the_same_model(tmp_path):
     ceiling = report["dense_ceiling"]
     assert len(ceiling["fraction_of_ceiling_by_round"]) == 2  # the quick run's rounds
     assert min(ceiling["fraction_of_ceiling_by_round"]) > 0
+    assert ceiling["embeddings_alone_ms"] > 0 and 0 < ceiling["fraction_at_standalone_cost"] < 1
 
 
 @pytest.mark.slow  # two torchrun jobs of two ranks, ~9 s: CI runs it with -m slow
