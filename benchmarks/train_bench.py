@@ -121,9 +121,9 @@ def _dense_ceiling(quick: bool) -> dict[str, Any]:
         }, steps=steps, rounds=rounds)
         # after the two models' rounds, not between them: a third candidate there moves their ratio
         upstream = torch.randn(batch_size, model.embeddings.output_dim, generator=torch.Generator().manual_seed(0))
-        alone = medians(interleaved_round_rates({
+        alone = interleaved_rates({
             "embeddings": lambda i: _embeddings_step(model, batches[i % len(batches)], upstream),
-        }, steps=steps, rounds=rounds))["embeddings"]
+        }, steps=steps, rounds=rounds)["embeddings"]
     rates = medians(by_round)
     return {"model": "26 x 100k x 64, bottom 512-256-64, top 512-512-256-1, rowwise Adagrad + Adagrad",
             "distinct_batches": len(batches),
