@@ -21,6 +21,18 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
+def demo_kernels() -> None:
+    """Numba's on-disk cache holds the kernels of ``configs/demo.toml``'s runs, as a launcher
+    leaves it before it starts processes. The ``neorec train`` processes a test starts then
+    load them instead of compiling them (about 100 s on 2 cores with a cold cache), so that
+    a test's deadline on their first steps does not also cover compilation."""
+    from neorec.orchestration.config import load_config
+    from neorec.trainer.run.warmup import compile_kernels
+
+    compile_kernels(load_config(Path(__file__).parents[1] / "configs" / "demo.toml"))
+
+
+@pytest.fixture(scope="session")
 def criteo_dataset(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
     """6,000 criteo-profile rows in row groups of 700 (several groups, ragged ends)."""
     return generate(SynthSpec(rows=6_000, row_group_rows=700, file_rows=2_100, seed=3),

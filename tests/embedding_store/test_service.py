@@ -274,7 +274,7 @@ def test_a_corrupt_segment_is_named(tmp_path, service):
         client.open_tier("t@0", ROWS, WIDTH)
 
 
-def test_a_trainer_whose_store_service_is_killed_stops_with_its_name(criteo_dataset, tmp_path):
+def test_a_trainer_whose_store_service_is_killed_stops_with_its_name(criteo_dataset, demo_kernels, tmp_path):
     service = subprocess.Popen([*NEOREC, "store", "serve", "--dir",
                                 str(tmp_path / "tiers"), "--data-root", str(tmp_path)],  # the run's checkpoints
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

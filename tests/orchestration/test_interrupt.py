@@ -21,6 +21,8 @@ from tests.ingest.workers import start_worker
 from tests.orchestration.processes import alive
 from tests.cli import NEOREC
 
+pytestmark = pytest.mark.usefixtures("demo_kernels")  # deadlines on first steps time training
+
 EXIT_WITHIN_S = 10.0
 """Seconds a stopped command may take to exit: its ranks' teardown on a loaded 2-core host took
 6 s; one that ignored the signal would run for minutes."""

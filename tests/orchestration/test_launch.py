@@ -27,6 +27,8 @@ from tests.ingest.workers import DATA_ROOTS, start_worker, stop_all
 from tests.trainer.run_records import records
 from tests.trainer.test_train import final_state, untimed
 
+pytestmark = pytest.mark.usefixtures("demo_kernels")  # deadlines on first steps time training
+
 
 # ----------------------------------------------------------------------- neorec status
 @pytest.mark.slow  # end to end, over 10 s: CI runs it with -m slow

@@ -27,6 +27,8 @@ from tests.trainer.run_records import records
 from tests.trainer.test_train import final_state, untimed
 from tests.cli import NEOREC, neorec
 
+pytestmark = pytest.mark.usefixtures("demo_kernels")  # deadlines on first steps time training
+
 SHARDED = "{t_C1='row_wise', t_C2='column_wise', t_C3='table_wise', t_C4='data_parallel'}"
 
 

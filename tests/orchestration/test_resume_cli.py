@@ -16,6 +16,8 @@ from tests.trainer.test_train import final_state, untimed
 from neorec.trainer.checkpoint.layout import complete, read_manifest
 from tests.cli import NEOREC
 
+pytestmark = pytest.mark.usefixtures("demo_kernels")  # deadlines on first steps time training
+
 
 def _command(dataset, run, *more):
     return [*NEOREC, "train", "configs/demo.toml",

@@ -15,6 +15,8 @@ import pytest
 from tests.trainer.test_train import final_state
 from tests.cli import NEOREC, neorec, neorec_in_process
 
+pytestmark = pytest.mark.usefixtures("demo_kernels")  # deadlines on first steps time training
+
 
 @pytest.mark.slow  # two ranks end to end, ~14 s: CI runs it with -m slow
 def test_train_with_two_processes_writes_a_checkpoint_one_process_restores(criteo_dataset, tmp_path):

@@ -192,7 +192,7 @@ def test_a_full_disk_ends_training_with_the_file_named(criteo_dataset, tmp_path,
     assert partial == []  # the failed checkpoint's part-written file holds no space
 
 
-def test_ctrl_c_stops_training_with_one_line_and_status_130(tmp_path):
+def test_ctrl_c_stops_training_with_one_line_and_status_130(demo_kernels, tmp_path):
     data = tmp_path / "data"
     assert neorec("data", "synth", "--rows", "60000", "--out", str(data)).returncode == 0
     process = subprocess.Popen(
